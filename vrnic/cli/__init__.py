@@ -1,0 +1,1 @@
+"""The operator CLI (typer + rich)."""

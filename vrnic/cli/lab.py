@@ -1,0 +1,40 @@
+"""`vrnic lab`: run commands inside the bench (a throw-away QEMU guest with Soft-RoCE)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from vrnic.errors import VrnicError
+from vrnic.lab.guest import Topology
+
+app = typer.Typer(help="The bench: Debian's kernel under QEMU TCG with Soft-RoCE (rxe) ready.",
+                  no_args_is_help=True)
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def run(
+    command: Annotated[list[str], typer.Argument(help="The command to run in the guest (after --).")],
+    topology: Annotated[Topology, typer.Option(help="pair: rxe0+rxe1 over veth; single: rxe0; "
+                                                    "two-hosts: two guests, rxe0 each.")] = Topology.PAIR,
+    netdevsim: Annotated[bool, typer.Option(help="Add a netdevsim PF with SR-IOV VFs.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds before the guest is killed (exit 124).")] = 600.0,
+    env: Annotated[list[str] | None, typer.Option("--env", "-e", help="NAME=VALUE for the command.")] = None,
+) -> None:
+    """Boot the bench, run COMMAND in it and exit with its exit code.
+
+    Exit 124 on timeout, 125 if the guest failed to boot, 126 if it died while running the command.
+    """
+    from vrnic.lab.runner import LabRequest, LabRunner
+
+    pairs = dict(item.split("=", 1) for item in env or [] if "=" in item)
+    if len(pairs) != len(env or []):
+        raise typer.BadParameter("--env takes NAME=VALUE", param_hint="--env")
+    try:
+        rc = LabRunner().run(LabRequest(command=command, topology=topology, netdevsim=netdevsim,
+                                        timeout=timeout, env=pairs))
+    except VrnicError as exc:
+        typer.secho(f"vrnic lab: {exc}", err=True, fg="red")
+        raise typer.Exit(125) from exc
+    raise typer.Exit(rc)

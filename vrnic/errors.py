@@ -1,0 +1,80 @@
+"""The one error hierarchy of vrnic.
+
+Edges (verbs, netlink, sysfs, libvirt, subprocess) translate what they catch
+into these; everything above them only ever sees a VrnicError.
+"""
+
+from __future__ import annotations
+
+
+class VrnicError(Exception):
+    """Base of every error vrnic raises on purpose."""
+
+    code = "internal"
+
+    def to_dict(self) -> dict[str, object]:
+        return {"code": self.code, "message": str(self)}
+
+
+class InvalidArgument(VrnicError):
+    code = "invalid_argument"
+
+
+class NotFound(VrnicError):
+    """An unknown name or handle (also what a foreign handle looks like)."""
+
+    code = "not_found"
+
+
+class Conflict(VrnicError):
+    """The request is valid but not in the object's current state."""
+
+    code = "conflict"
+
+    def __init__(self, message: str, current_state: str | None = None) -> None:
+        super().__init__(message)
+        self.current_state = current_state
+
+    def to_dict(self) -> dict[str, object]:
+        return {**super().to_dict(), "current_state": self.current_state}
+
+
+class QuotaExceeded(VrnicError):
+    code = "quota_exceeded"
+
+    def __init__(self, limit: str, maximum: int, requested: int) -> None:
+        super().__init__(f"quota exceeded: {limit} (limit {maximum}, would reach {requested})")
+        self.limit = limit
+        self.maximum = maximum
+        self.requested = requested
+
+    def to_dict(self) -> dict[str, object]:
+        return {**super().to_dict(), "limit": self.limit, "maximum": self.maximum,
+                "requested": self.requested}
+
+
+class NotSupported(VrnicError):
+    code = "not_supported"
+
+
+class DeviceError(VrnicError):
+    """The kernel or device refused an operation; carries the errno."""
+
+    code = "device_error"
+
+    def __init__(self, message: str, errno: int = 0) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+    def to_dict(self) -> dict[str, object]:
+        return {**super().to_dict(), "errno": self.errno}
+
+
+class LabError(VrnicError):
+    """The bench (QEMU guest) could not be prepared or started."""
+
+    code = "lab_error"
+
+
+class BootFailure(LabError):
+    code = "boot_failure"

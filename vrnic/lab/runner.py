@@ -1,0 +1,235 @@
+"""Boot bench guests, run a command in them, stream their consoles, return the exit code.
+
+This is the side-effect edge of the bench: files, QEMU processes, timeouts.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from rich.console import Console
+
+from vrnic.config import PROJECT_DIR, LabSettings
+from vrnic.errors import LabError
+from vrnic.lab.guest import (
+    EXIT_BOOT_FAILURE,
+    EXIT_GUEST_LOST,
+    EXIT_TIMEOUT,
+    MARKER,
+    ROLES,
+    TWO_HOSTS_MACS,
+    GuestPlan,
+    Topology,
+    guest_script,
+)
+from vrnic.lab.initramfs import ensure_initramfs
+from vrnic.lab.kernel import choose_kernel, installed_kernels, kernel_image
+from vrnic.lab.qemu import DgramLink, GuestSpec, qemu_argv
+
+NETDEVSIM_BUILD = PROJECT_DIR / "kernel" / "netdevsim" / "build.sh"
+HIDDEN_IN_GUEST = (Path("/tmp"), Path("/run"), Path("/var/tmp"))  # tmpfs inside the guest
+KEEP_RUNS = 20
+
+
+@dataclass(frozen=True)
+class LabRequest:
+    command: Sequence[str]
+    topology: Topology = Topology.PAIR
+    netdevsim: bool = False
+    timeout: float = 600.0
+    cwd: Path = field(default_factory=Path.cwd)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Guest:
+    role: str
+    process: subprocess.Popen[bytes]
+    rc_file: Path
+    log: IO[str]
+    ready: bool = False  # the guest reached the command
+    finished: bool = False  # the command ended; later lines are shutdown noise
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
+
+
+def _free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LabRunner:
+    def __init__(self, settings: LabSettings | None = None, console: Console | None = None,
+                 out: IO[str] | None = None) -> None:
+        self.settings = settings or LabSettings()
+        self.console = console or Console(stderr=True, highlight=False, markup=False)
+        self.out = out or sys.stdout
+
+    # --- preparation -------------------------------------------------------------------------
+    def _netdevsim_module(self, kernel_version: str) -> Path:
+        module = self.settings.cache_dir / kernel_version / "netdevsim.ko"
+        if not module.exists():
+            self.console.print(f"[lab] building netdevsim for {kernel_version} (once, cached)")
+            build = subprocess.run([str(NETDEVSIM_BUILD), kernel_version, str(module.parent)], check=False)
+            if build.returncode != 0 or not module.exists():
+                raise LabError("netdevsim build failed; `make setup` installs linux-source and headers")
+        return module
+
+    def _guest_cwd(self, cwd: Path) -> Path:
+        cwd = cwd.resolve()
+        if cwd.is_relative_to(self.settings.work_dir) or not any(cwd.is_relative_to(p) for p in HIDDEN_IN_GUEST):
+            return cwd
+        self.console.print(f"[lab] {cwd} is not visible in the guest; running in {self.settings.work_dir}")
+        return self.settings.work_dir
+
+    def _new_run_dir(self) -> Path:
+        runs = self.settings.work_dir / ".lab" / "runs"
+        runs.mkdir(parents=True, exist_ok=True)
+        for old in sorted(runs.iterdir())[:-KEEP_RUNS]:
+            shutil.rmtree(old, ignore_errors=True)
+        run_dir = runs / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        run_dir.mkdir()
+        return run_dir
+
+    def prepare(self, request: LabRequest) -> tuple[Path, list[tuple[str, list[str], Path]]]:
+        """Write the guest scripts; return the run dir and (role, QEMU argv, rc file) per guest."""
+        s = self.settings
+        if s.venv.resolve().is_relative_to(s.work_dir.resolve()):
+            raise LabError(f"the venv {s.venv} must live outside {s.work_dir}: imports over 9p are slow")
+        version = choose_kernel(installed_kernels(), s.kernel_version)
+        initrd = ensure_initramfs(version, s.cache_dir)
+        netdevsim_ko = self._netdevsim_module(version) if request.netdevsim else None
+        run_dir = self._new_run_dir()
+        cwd = self._guest_cwd(request.cwd)
+        two_hosts = request.topology is Topology.TWO_HOSTS
+        roles = ROLES if two_hosts else ROLES[:1]
+        ports = [_free_udp_port() for _ in roles]
+        guests = []
+        for index, role in enumerate(roles):
+            rc_file = run_dir / f"rc-{role}"
+            plan = GuestPlan(topology=request.topology, command=request.command, cwd=cwd, rc_file=rc_file,
+                             venv=s.venv, role=role, netdevsim_ko=netdevsim_ko,
+                             netdevsim_vfs=s.netdevsim_vfs, env=request.env)
+            (run_dir / f"guest-{role}.sh").write_text(guest_script(plan))
+            link = (DgramLink(local_port=ports[index], remote_port=ports[1 - index], mac=TWO_HOSTS_MACS[index])
+                    if two_hosts else None)
+            spec = GuestSpec(kernel=kernel_image(version), initrd=initrd, work_dir=s.work_dir,
+                             run_dir=run_dir, role=role, link=link, qemu=s.qemu,
+                             cpus=1 if two_hosts else s.cpus,
+                             memory_mb=min(s.memory_mb, 1536) if two_hosts else s.memory_mb)
+            guests.append((role, qemu_argv(spec), rc_file))
+        return run_dir, guests
+
+    # --- running -------------------------------------------------------------------------------
+    def run(self, request: LabRequest) -> int:
+        started = time.monotonic()
+        run_dir, specs = self.prepare(request)
+        if shutil.which(self.settings.qemu) is None:
+            raise LabError(f"{self.settings.qemu} not found; run `make setup` (apt install qemu-system-x86)")
+        two_hosts = len(specs) > 1
+        events: queue.Queue[tuple[str, str | None]] = queue.Queue()
+        guests: list[_Guest] = []
+        self.console.print(f"[lab] booting {len(specs)} guest(s), topology {request.topology}"
+                           f"{' + netdevsim' if request.netdevsim else ''}, under QEMU TCG (about 10 s);"
+                           f" console log in {run_dir}")
+        try:
+            for role, argv, rc_file in specs:
+                log = (run_dir / f"console-{role}.log").open("w")
+                log.write(" ".join(argv) + "\n\n")
+                process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+                guest = _Guest(role=role, process=process, rc_file=rc_file, log=log)
+                guests.append(guest)
+                threading.Thread(target=self._pump, args=(guest, events), daemon=True).start()
+            timed_out = self._stream(guests, events, started, request.timeout, prefix=two_hosts)
+        finally:
+            for guest in guests:
+                if guest.process.poll() is None:
+                    os.killpg(guest.process.pid, signal.SIGKILL)
+                guest.process.wait()
+                guest.log.close()
+        return self._verdict(guests, timed_out, started, request.timeout)
+
+    @staticmethod
+    def _pump(guest: _Guest, events: queue.Queue[tuple[str, str | None]]) -> None:
+        assert guest.process.stdout is not None
+        for raw in guest.process.stdout:
+            line = raw.decode(errors="replace").rstrip("\r\n").replace("\r", "")
+            guest.log.write(line + "\n")
+            guest.log.flush()
+            events.put((guest.role, line))
+        events.put((guest.role, None))
+
+    def _stream(self, guests: list[_Guest], events: queue.Queue[tuple[str, str | None]], started: float,
+                timeout: float, prefix: bool) -> bool:
+        by_role = {g.role: g for g in guests}
+        open_streams = len(guests)
+        with self.console.status("[lab] booting kernel", spinner="dots") as status:
+            while open_streams:
+                if time.monotonic() - started > timeout:
+                    return True
+                try:
+                    role, line = events.get(timeout=0.2)
+                except queue.Empty:
+                    if not all(g.ready for g in guests):
+                        status.update(f"[lab] booting ({time.monotonic() - started:.0f} s)")
+                    continue
+                if line is None:
+                    open_streams -= 1
+                    continue
+                guest = by_role[role]
+                guest.tail.append(line)
+                tag = f"[{role}] " if prefix else ""
+                if line.startswith(MARKER):
+                    kind, _, detail = line.removeprefix(MARKER).partition(" ")
+                    elapsed = time.monotonic() - started
+                    if kind == "ready":
+                        guest.ready = True
+                        self.console.print(f"[lab] {tag}guest ready after {elapsed:.1f} s; running the command")
+                        if all(g.ready for g in guests):
+                            status.stop()
+                    elif kind == "exit":
+                        guest.finished = True
+                    elif kind in ("step", "setup-failed", "boot-failed"):
+                        self.console.print(f"[lab] {tag}{detail}" if kind == "step"
+                                           else f"[lab] {tag}{kind}: {detail}")
+                elif guest.ready and not guest.finished:
+                    self.out.write(f"{tag}{line}\n")
+                    self.out.flush()
+        return False
+
+    def _verdict(self, guests: list[_Guest], timed_out: bool, started: float, timeout: float) -> int:
+        elapsed = time.monotonic() - started
+        if timed_out:
+            self.console.print(f"[lab] timed out after {timeout:.0f} s", style="red")
+            return EXIT_TIMEOUT
+        codes = []
+        for guest in guests:
+            tag = f"[{guest.role}] " if len(guests) > 1 else ""
+            if guest.rc_file.exists():
+                codes.append(int(guest.rc_file.read_text().strip() or EXIT_GUEST_LOST))
+                continue
+            code = EXIT_GUEST_LOST if guest.ready else EXIT_BOOT_FAILURE
+            what = "died while running the command" if guest.ready else "failed to boot"
+            self.console.print(f"[lab] {tag}guest {what}; last console lines:", style="red")
+            for line in guest.tail:
+                self.console.print(f"    {line}", style="dim")
+            codes.append(code)
+        rc = next((c for c in codes if c != 0), 0)
+        if any(c == EXIT_BOOT_FAILURE for c in codes):
+            rc = EXIT_BOOT_FAILURE
+        self.console.print(f"[lab] exit {rc} after {elapsed:.1f} s", style="green" if rc == 0 else "red")
+        return rc
