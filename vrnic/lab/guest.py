@@ -95,7 +95,7 @@ def _pair_setup(devices: int) -> list[str]:
     """
     a, b = PAIR_ADDRS
     lines = [
-        "ip link add veth0 address {0} type veth peer name veth1 address {1} || fail 'veth'".format(*PAIR_MACS),
+        f"ip link add veth0 address {PAIR_MACS[0]} type veth peer name veth1 address {PAIR_MACS[1]} || fail 'veth'",
         f"ip addr add {a}/24 dev veth0 && ip addr add {b}/24 dev veth1 || fail 'addresses'",
         "for c in all default veth0 veth1; do sysctl -qw net.ipv4.conf.$c.accept_local=1"
         " net.ipv4.conf.$c.rp_filter=0; done",

@@ -54,7 +54,8 @@ def _check_path(name: str, path: Path) -> str:
 def kernel_cmdline(spec: GuestSpec) -> str:
     work = _check_path("work_dir", spec.work_dir)
     run = _check_path("run_dir", spec.run_dir)
-    return " ".join((*KERNEL_ARGS, f"vrnic.work={work}", f"vrnic.run={run}", f"vrnic.role={spec.role}", *spec.extra_kernel_args))
+    ours = (f"vrnic.work={work}", f"vrnic.run={run}", f"vrnic.role={spec.role}")
+    return " ".join((*KERNEL_ARGS, *ours, *spec.extra_kernel_args))
 
 
 def qemu_argv(spec: GuestSpec) -> list[str]:

@@ -1,0 +1,29 @@
+# The two commands a newcomer needs: `make demo` and `make test` (see README.md).
+VENV ?= /opt/vrnic/venv
+BIN := $(VENV)/bin
+KERNEL_TIMEOUT ?= 2400
+
+.PHONY: setup test test-host test-kernel lint demo bench
+
+setup:
+	@./scripts/setup.sh
+
+test: setup lint test-host test-kernel
+
+lint:
+	$(BIN)/ruff check vrnic tests bench
+	$(BIN)/mypy
+
+# unit, api and libvirt tiers run on the host.
+test-host:
+	$(BIN)/pytest -m "unit or api or libvirt" tests
+
+# The kernel tier runs inside the bench: a QEMU guest with Soft-RoCE and netdevsim.
+test-kernel:
+	$(BIN)/vrnic lab run --netdevsim --timeout $(KERNEL_TIMEOUT) -- pytest -m kernel tests
+
+demo: setup
+	$(BIN)/vrnic lab run -- python -m vrnic.demo
+
+bench: setup
+	$(BIN)/python -m bench.run

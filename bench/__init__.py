@@ -1,0 +1,1 @@
+"""Benchmarks: `make bench` writes bench/results/latest.json."""

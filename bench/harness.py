@@ -1,0 +1,61 @@
+"""Benchmark records and timing helpers.
+
+Every record compares a value with a baseline measured in the same run on the
+same device; records that *are* a baseline carry baseline=None.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclass(frozen=True)
+class Record:
+    name: str
+    unit: str
+    value: float
+    baseline: float | None = None
+    target: float | None = None  # the ratio we aim for
+    better: Literal["lower", "higher"] = "lower"
+
+    @property
+    def ratio(self) -> float | None:
+        return None if not self.baseline else self.value / self.baseline
+
+    @property
+    def met(self) -> bool | None:
+        if self.ratio is None or self.target is None:
+            return None
+        return self.ratio <= self.target if self.better == "lower" else self.ratio >= self.target
+
+    def to_dict(self) -> dict[str, object]:
+        return {**asdict(self), "ratio": self.ratio}
+
+
+def median_ms(operation: Callable[[], Callable[[], None] | None], repeat: int = 50) -> float:
+    """Median wall time of operation() in ms; a returned callable (cleanup) runs untimed."""
+    samples = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        cleanup = operation()
+        samples.append((time.perf_counter() - started) * 1e3)
+        if cleanup is not None:
+            cleanup()
+    return statistics.median(samples)
+
+
+def write(records: list[Record], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([r.to_dict() for r in records], indent=2) + "\n")
+
+
+def load(path: Path) -> list[Record]:
+    return [Record(**{k: v for k, v in d.items() if k != "ratio"}) for d in json.loads(path.read_text())]

@@ -1,0 +1,82 @@
+"""Native pyverbs on rxe in the bench: the baseline later benchmarks compare against."""
+
+from __future__ import annotations
+
+import time
+
+import pyverbs.enums as e
+from pyverbs.cq import CQ
+from pyverbs.device import Context
+from pyverbs.mr import MR
+from pyverbs.pd import PD
+from pyverbs.qp import QP, QPCap, QPInitAttr
+
+from bench.harness import Record, median_ms
+from vrnic.lab.native import ACCESS, RcEndpoint
+
+
+def control_verbs(device: str = "rxe0", repeat: int = 50) -> list[Record]:
+    records = []
+
+    def timed(name: str, op):  # type: ignore[no-untyped-def]
+        records.append(Record(f"native.{name}", "ms", median_ms(op, repeat)))
+
+    timed("open_device", lambda: Context(name=device).close)
+    with Context(name=device) as ctx, PD(ctx) as pd, CQ(ctx, 64) as cq:
+        timed("alloc_pd", lambda: PD(ctx).close)
+        timed("create_cq", lambda: CQ(ctx, 64).close)
+        init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=cq, rcq=cq,
+                          cap=QPCap(max_send_wr=64, max_recv_wr=64, max_send_sge=1, max_recv_sge=1))
+        timed("create_qp", lambda: QP(pd, init).close)
+        timed("reg_mr_4k", lambda: MR(pd, 4096, ACCESS).close)
+        timed("reg_mr_1m", lambda: MR(pd, 1 << 20, ACCESS).close)
+    return records
+
+
+def connect_and_data(pair: tuple[str, str] = ("rxe0", "rxe1"), repeat: int = 20) -> list[Record]:
+    def connect():  # type: ignore[no-untyped-def]
+        a, b = RcEndpoint(pair[0]), RcEndpoint(pair[1])
+        started = time.perf_counter()
+        a.connect(b.info())
+        b.connect(a.info())
+        elapsed = time.perf_counter() - started
+        a.close()
+        b.close()
+        return elapsed * 1e3
+
+    connects = sorted(connect() for _ in range(repeat))
+    records = [Record("native.connect_qp_pair", "ms", connects[len(connects) // 2])]
+
+    size = 64 * 1024
+    with RcEndpoint(pair[0], size) as a, RcEndpoint(pair[1], size) as b:
+        a.connect(b.info())
+        b.connect(a.info())
+        # Small SEND/RECV ping-pong: half a round trip is the one-way latency.
+        iterations = 200
+        started = time.perf_counter()
+        for _ in range(iterations):
+            b.post_recv(64)
+            a.post_send(64)
+            a.poll()
+            b.poll()
+            a.post_recv(64)
+            b.post_send(64)
+            b.poll()
+            a.poll()
+        records.append(Record("native.send_lat_64b", "us",
+                              (time.perf_counter() - started) / iterations / 2 * 1e6))
+        # RDMA WRITE 64 KiB throughput with a window of outstanding writes.
+        total, window, posted, done = 400, 16, 0, 0
+        started = time.perf_counter()
+        while done < total:
+            while posted < total and posted - done < window:
+                a.post_rdma(e.IBV_WR_RDMA_WRITE, b.info(), size)
+                posted += 1
+            done += len(a.poll(1, timeout=30))
+        seconds = time.perf_counter() - started
+        records.append(Record("native.rdma_write_64k", "MB/s", total * size / seconds / 1e6, better="higher"))
+    return records
+
+
+def run() -> list[Record]:
+    return control_verbs() + connect_and_data()

@@ -1,0 +1,66 @@
+"""`make bench`: run every benchmark, write bench/results/latest.json, print a table.
+
+Host benchmarks run here; kernel benchmarks run inside the bench guest
+(`--in-guest`) and their records are merged in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from bench.harness import RESULTS, Record, load, write
+
+GUEST_PART = RESULTS / "guest.json"
+
+
+def guest_suites() -> list[Record]:
+    from bench import native_verbs
+
+    return native_verbs.run()
+
+
+def host_suites() -> list[Record]:
+    return []
+
+
+def show(records: list[Record]) -> None:
+    table = Table("benchmark", "value", "baseline", "ratio", "target", "met")
+    for r in records:
+        table.add_row(r.name, f"{r.value:.3f} {r.unit}",
+                      "" if r.baseline is None else f"{r.baseline:.3f}",
+                      "" if r.ratio is None else f"{r.ratio:.2f}x",
+                      "" if r.target is None else f"{'<=' if r.better == 'lower' else '>='}{r.target}x",
+                      {None: "", True: "yes", False: "NO"}[r.met])
+    Console().print(table)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--in-guest", action="store_true", help="run the kernel suites (inside the bench)")
+    args = parser.parse_args()
+    if args.in_guest:
+        write(guest_suites(), GUEST_PART)
+        return 0
+    records = host_suites()
+    GUEST_PART.unlink(missing_ok=True)
+    rc = subprocess.run(["vrnic", "lab", "run", "--timeout", "1800", "--", sys.executable, "-m", "bench.run",
+                         "--in-guest"], cwd=Path(__file__).parents[1], check=False).returncode
+    if rc != 0 or not GUEST_PART.exists():
+        print(f"bench: kernel suites failed in the bench (exit {rc})", file=sys.stderr)
+        return 1
+    records += load(GUEST_PART)
+    GUEST_PART.unlink()
+    write(records, RESULTS / "latest.json")
+    show(records)
+    print(f"wrote {RESULTS / 'latest.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

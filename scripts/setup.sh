@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# make setup: idempotent. Debian packages, the venv, the vrnic command on PATH, netdevsim.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VRNIC_LAB_VENV:-/opt/vrnic/venv}
+CACHE=${VRNIC_LAB_CACHE_DIR:-/var/cache/vrnic}
+
+packages=(
+  # the bench: QEMU, Debian's kernel and a busybox initramfs
+  qemu-system-x86 linux-image-amd64 busybox-static cpio kmod xz-utils
+  # the RDMA stack (used inside the bench, off the read-only host root)
+  rdma-core ibverbs-utils ibverbs-providers python3-pyverbs perftest rdmacm-utils iproute2
+  # libvirt (the libvirt tier and the VM hook) and what libvirt-python builds with
+  libvirt-daemon-system libvirt-clients libvirt-dev pkg-config
+  # Python from Debian (pyverbs is built for it), and the netdevsim build
+  python3 python3-venv python3-dev gcc make linux-source-6.1 procps
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# The venv sees Debian's pyverbs and lives outside the work dir (9p imports are slow under TCG).
+if [[ ! -x $VENV/bin/python ]]; then
+  echo "setup: creating $VENV"
+  /usr/bin/python3 -m venv --system-site-packages "$VENV"
+fi
+stamp=$VENV/.vrnic-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)-$(pwd)
+if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
+  echo "setup: installing vrnic (editable) and its dependencies into $VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+  "$VENV/bin/pip" install -q -e '.[dev]'
+  echo "$want" > "$stamp"
+fi
+ln -sf "$VENV/bin/vrnic" /usr/local/bin/vrnic
+
+# netdevsim is not in Debian's kernel: build it once against the bench kernel's headers.
+kver=$("$VENV/bin/python" -c 'from vrnic.lab.kernel import choose_kernel, installed_kernels as k; print(choose_kernel(k()))')
+dpkg-query -W -f='${Status}' "linux-headers-$kver" 2>/dev/null | grep -q "ok installed" || {
+  echo "setup: installing linux-headers-$kver"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "linux-headers-$kver" >/dev/null
+}
+kernel/netdevsim/build.sh "$kver" "$CACHE/$kver"
+echo "setup: ready (bench kernel $kver, venv $VENV)"

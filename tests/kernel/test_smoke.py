@@ -1,0 +1,40 @@
+"""The bench works: real Soft-RoCE, real RC connection, real bytes moved, nothing leaked."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from vrnic.backend.rdma_tool import resource_counts
+from vrnic.backend.sysfs import rdma_devices, roce_v2_ipv4_gid_index
+from vrnic.lab import smoke
+
+
+@pytest.fixture
+def pair() -> tuple[str, str]:
+    devices = rdma_devices()
+    if "rxe0" not in devices or "rxe1" not in devices:
+        pytest.skip(f"needs rxe0 and rxe1 (topology pair), have {devices}")
+    return "rxe0", "rxe1"
+
+
+def test_bench_devices_have_routable_gids(pair: tuple[str, str]) -> None:
+    for device in pair:
+        assert roce_v2_ipv4_gid_index(device) >= 0
+    assert os.environ.get("VRNIC_LAB_RXE_DEVICES", "").split() == list(pair)
+
+
+def test_rdma_write_crosses_the_veth_and_lands(pair: tuple[str, str]) -> None:
+    before = resource_counts()
+    tx_packets = Path("/sys/class/net/veth0/statistics/tx_packets")
+    tx_before = int(tx_packets.read_text())
+    result = smoke.local_write(*pair, length=8192)
+    tx_after = int(tx_packets.read_text())
+    assert result.length == 8192
+    assert result.digest == hashlib.sha256(smoke.pattern(8192)).hexdigest()
+    # 8 KiB at MTU 1024 is at least 8 RoCE packets out of veth0: traffic really crossed the wire.
+    assert tx_after - tx_before >= 8
+    assert resource_counts() == before, "kernel objects leaked"

@@ -1,0 +1,161 @@
+"""The pure parts of the bench: QEMU argv, kernel choice, guest scripts."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from vrnic.errors import InvalidArgument, LabError
+from vrnic.lab.guest import (
+    EXIT_BOOT_FAILURE,
+    MARKER,
+    GuestPlan,
+    Topology,
+    guest_script,
+    initramfs_init,
+    ipv4_gid_suffix,
+    lab_env,
+)
+from vrnic.lab.kernel import choose_kernel, parse_show_depends
+from vrnic.lab.qemu import DgramLink, GuestSpec, kernel_cmdline, qemu_argv
+
+SPEC = GuestSpec(kernel=Path("/boot/vmlinuz-6.1.0-56-amd64"), initrd=Path("/var/cache/vrnic/i.cpio.gz"),
+                 work_dir=Path("/work/main"), run_dir=Path("/work/main/.lab/runs/1"))
+
+
+def _option(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
+
+
+def test_qemu_argv_is_tcg_with_two_9p_shares_and_no_nic() -> None:
+    argv = qemu_argv(SPEC)
+    assert argv[0] == "qemu-system-x86_64"
+    assert _option(argv, "-accel") == ["tcg"]
+    assert "-no-reboot" in argv and "-nodefaults" in argv
+    assert _option(argv, "-virtfs") == [
+        "local,path=/,mount_tag=hostroot,readonly=on,security_model=none,multidevs=remap",
+        "local,path=/work/main,mount_tag=work,security_model=none,multidevs=remap",
+    ]
+    assert _option(argv, "-nic") == ["none"]
+    assert _option(argv, "-kernel") == ["/boot/vmlinuz-6.1.0-56-amd64"]
+    assert _option(argv, "-smp") == ["2"] and _option(argv, "-m") == ["2048M"]
+
+
+def test_kernel_cmdline_carries_work_run_and_role() -> None:
+    assert kernel_cmdline(SPEC) == ("console=ttyS0 quiet loglevel=4 panic=-1 oops=panic mitigations=off "
+                                    "vrnic.work=/work/main vrnic.run=/work/main/.lab/runs/1 vrnic.role=a")
+
+
+def test_two_hosts_link_is_a_dgram_netdev_never_a_stream() -> None:
+    spec = GuestSpec(**{**SPEC.__dict__, "link": DgramLink(40001, 40002, "52:54:00:77:00:01")})
+    argv = qemu_argv(spec)
+    assert _option(argv, "-netdev") == [
+        "dgram,id=n0,local.type=inet,local.host=127.0.0.1,local.port=40001,"
+        "remote.type=inet,remote.host=127.0.0.1,remote.port=40002"]
+    assert _option(argv, "-device") == ["virtio-net-pci,netdev=n0,mac=52:54:00:77:00:01,romfile="]
+    assert "-nic" not in argv
+
+
+@pytest.mark.parametrize("bad", [Path("relative"), Path("/a b"), Path("/a,b")])
+def test_paths_qemu_or_the_cmdline_would_split_are_refused(bad: Path) -> None:
+    with pytest.raises(InvalidArgument):
+        qemu_argv(GuestSpec(**{**SPEC.__dict__, "work_dir": bad}))
+
+
+def test_tiny_guests_are_refused() -> None:
+    with pytest.raises(InvalidArgument):
+        qemu_argv(GuestSpec(**{**SPEC.__dict__, "memory_mb": 64}))
+
+
+def test_choose_kernel_prefers_newest_6_1_over_newer_series() -> None:
+    installed = ["6.12.48+deb12-amd64", "6.1.0-9-amd64", "6.1.0-56-amd64", "6.1.0-10-amd64"]
+    assert choose_kernel(installed) == "6.1.0-56-amd64"
+    assert choose_kernel(installed, "6.12.48+deb12-amd64") == "6.12.48+deb12-amd64"
+    assert choose_kernel(["6.12.48+deb12-amd64"]) == "6.12.48+deb12-amd64"
+
+
+def test_choose_kernel_errors_name_the_fix() -> None:
+    with pytest.raises(LabError, match="make setup"):
+        choose_kernel([])
+    with pytest.raises(LabError, match="not installed"):
+        choose_kernel(["6.1.0-56-amd64"], "5.10.0-1-amd64")
+
+
+def test_parse_show_depends_keeps_order_and_skips_builtins() -> None:
+    text = ("insmod /lib/modules/k/kernel/net/9p/9pnet.ko \n"
+            "builtin virtio\n"
+            "insmod /lib/modules/k/kernel/fs/9p/9p.ko.xz \n")
+    assert parse_show_depends(text) == [Path("/lib/modules/k/kernel/net/9p/9pnet.ko"),
+                                        Path("/lib/modules/k/kernel/fs/9p/9p.ko.xz")]
+
+
+def test_ipv4_gid_suffix_matches_sysfs_format() -> None:
+    assert ipv4_gid_suffix("10.77.1.1") == "ffff:0a4d:0101"
+    assert ipv4_gid_suffix("192.168.0.255") == "ffff:c0a8:00ff"
+
+
+def _plan(**kw: object) -> GuestPlan:
+    base: dict[str, object] = dict(topology=Topology.PAIR, command=["rdma", "link", "show"], cwd=Path("/work/main"),
+                                   rc_file=Path("/work/main/.lab/runs/1/rc-a"), venv=Path("/opt/vrnic/venv"))
+    return GuestPlan(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_pair_script_builds_rxe_on_both_veth_ends_with_the_routing_fix() -> None:
+    script = guest_script(_plan())
+    assert "rdma link add rxe0 type rxe netdev veth0" in script
+    assert "rdma link add rxe1 type rxe netdev veth1" in script
+    assert "ip rule add pref 100 from 10.77.1.1 to 10.77.1.2 iif lo lookup 101" in script
+    assert "ip rule add pref 1000 lookup local && ip rule del pref 0 lookup local" in script
+    assert "accept_local=1" in script and "rp_filter=0" in script
+    assert "ffff:0a4d:0102" in script  # waits for rxe1's GID
+    assert "\nrdma link show </dev/null\nfinish $?\n" in script
+    assert f"finish {EXIT_BOOT_FAILURE}" in script
+
+
+def test_single_script_has_only_rxe0() -> None:
+    script = guest_script(_plan(topology=Topology.SINGLE))
+    assert "rxe0 type rxe netdev veth0" in script and "rxe1" not in script
+
+
+def test_two_hosts_scripts_differ_by_role() -> None:
+    a = guest_script(_plan(topology=Topology.TWO_HOSTS, role="a"))
+    b = guest_script(_plan(topology=Topology.TWO_HOSTS, role="b"))
+    assert "ip addr add 10.77.0.1/24 dev eth0" in a and "ip addr add 10.77.0.2/24 dev eth0" in b
+    assert "export VRNIC_LAB_PEER_ADDR=10.77.0.2" in a and "export VRNIC_LAB_PEER_ADDR=10.77.0.1" in b
+    assert "veth" not in a
+
+
+def test_lab_env_tells_the_command_its_bench() -> None:
+    env = lab_env(_plan(topology=Topology.TWO_HOSTS, role="b", env={"X": "1"}))
+    assert env["VRNIC_LAB_ROLE"] == "b" and env["VRNIC_LAB_LOCAL_ADDR"] == "10.77.0.2"
+    assert env["X"] == "1" and env["VRNIC_LAB"] == "1"
+    assert lab_env(_plan())["VRNIC_LAB_RXE_DEVICES"] == "rxe0 rxe1"
+
+
+def test_netdevsim_setup_and_arguments_are_quoted() -> None:
+    script = guest_script(_plan(netdevsim_ko=Path("/var/cache/vrnic/k/netdevsim.ko"), netdevsim_vfs=8,
+                                command=["sh", "-c", "echo 'hi there'"]))
+    assert "insmod /var/cache/vrnic/k/netdevsim.ko" in script
+    assert "echo 8 > /sys/bus/netdevsim/devices/netdevsim10/sriov_numvfs" in script
+    assert "sh -c 'echo '\"'\"'hi there'\"'\"''" in script
+
+
+@pytest.mark.parametrize("kw", [dict(command=[]), dict(role="c"),
+                                dict(netdevsim_ko=Path("/x.ko"), netdevsim_vfs=0)])
+def test_bad_plans_are_refused(kw: dict[str, object]) -> None:
+    with pytest.raises(InvalidArgument):
+        guest_script(_plan(**kw))
+
+
+def test_scripts_are_valid_shell() -> None:
+    subprocess.run(["bash", "-n"], input=guest_script(_plan(netdevsim_ko=Path("/n.ko"))), text=True, check=True)
+    subprocess.run(["busybox", "sh", "-n"], input=initramfs_init(["virtio.ko", "9p.ko"]), text=True, check=True)
+
+
+def test_initramfs_init_loads_modules_in_order_and_reports_failures() -> None:
+    init = initramfs_init(["virtio.ko", "9pnet.ko", "9p.ko"])
+    assert init.index("insmod /modules/virtio.ko") < init.index("insmod /modules/9p.ko")
+    assert f"{MARKER}boot-failed" in init
+    assert 'switch_root /newroot /bin/bash "$run/guest-$role.sh"' in init
