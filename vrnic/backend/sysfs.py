@@ -28,7 +28,9 @@ def gid_table(device: str, port: int = 1, root: Path = IB_SYSFS) -> list[tuple[i
             kind = (base / "gid_attrs" / "types" / path.name).read_text().strip()
         except OSError:  # the kernel answers EINVAL for entries without attributes
             continue
-        entries.append((int(path.name), str(ipaddress.IPv6Address(raw)), kind))
+        address = ipaddress.IPv6Address(raw)
+        shown = f"::ffff:{address.ipv4_mapped}" if address.ipv4_mapped else str(address)
+        entries.append((int(path.name), shown, kind))
     return entries
 
 

@@ -72,6 +72,7 @@ mkdir -p /newroot
 mount -t 9p -o ro,trans=virtio,version=9p2000.L,msize=262144,cache=loose hostroot /newroot \\
   || fail "mount hostroot"
 for d in tmp var/tmp run; do mount -t tmpfs -o mode=1777 tmpfs /newroot/$d || fail "tmpfs $d"; done
+mkdir -p "/newroot$work" 2>/dev/null  # only possible, and only needed, under the guest's tmpfs
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 work "/newroot$work" || fail "mount work"
 for d in dev proc sys; do mount --move /$d /newroot/$d; done
 echo "{MARKER}step root filesystem mounted"
@@ -190,6 +191,7 @@ finish() {{
   echo "$1" > {rc}.tmp && mv {rc}.tmp {rc}
   sync
   echo "{MARKER}exit $1"
+  sleep 0.3  # printk overtakes tty output: let the marker drain before the reset message
   echo b > /proc/sysrq-trigger
   sleep 10
 }}

@@ -75,7 +75,7 @@ class LabRunner:
     def __init__(self, settings: LabSettings | None = None, console: Console | None = None,
                  out: IO[str] | None = None) -> None:
         self.settings = settings or LabSettings()
-        self.console = console or Console(stderr=True, highlight=False, markup=False)
+        self.console = console or Console(stderr=True, highlight=False, markup=False, soft_wrap=True)
         self.out = out or sys.stdout
 
     # --- preparation -------------------------------------------------------------------------
