@@ -1,1 +1,1 @@
-"""vrnic.core."""
+"""Pure logic: models, quotas, virtual addressing, state machines. No I/O in here."""

@@ -1,0 +1,59 @@
+"""The one backend abstraction for RNICs (os-vif style): an abstract driver, found by entry point.
+
+Drivers: `verbs` (rxe and any generic verbs device, paravirtual mode), `sriov` (VF pool),
+and `fake` (in-tree, no hardware: control-plane tests and benchmarks).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from importlib.metadata import entry_points
+from typing import Any, ClassVar
+
+from vrnic.core.model import AttachInfo, DeviceInfo, VrnicMode, VrnicSpec
+from vrnic.errors import NotFound
+
+ENTRY_POINT_GROUP = "vrnic.drivers"
+
+
+class RnicDriver(ABC):
+    name: ClassVar[str]
+    modes: ClassVar[frozenset[VrnicMode]]
+
+    @abstractmethod
+    def devices(self) -> list[DeviceInfo]:
+        """Physical devices this driver can place vRNICs on."""
+
+    @abstractmethod
+    def create_vrnic(self, spec: VrnicSpec, device: str) -> AttachInfo:
+        """Create real backend state for spec on device; raise a VrnicError if it cannot."""
+
+    @abstractmethod
+    def release_vrnic(self, vrnic_id: str) -> None:
+        """Tear down everything of the vRNIC; NotFound if unknown. Must not leak kernel objects."""
+
+    @abstractmethod
+    def vrnic_ids(self) -> set[str]:
+        """The vRNICs that exist in the backend now (observed state, for reconciliation)."""
+
+    def load(self, device: str) -> int:
+        """How many vRNICs sit on device (for placement)."""
+        return 0
+
+    def close(self) -> None:
+        """Release everything (daemon shutdown)."""
+        for vrnic_id in sorted(self.vrnic_ids()):
+            self.release_vrnic(vrnic_id)
+
+
+def available_drivers() -> list[str]:
+    return sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
+
+
+def load_driver(name: str, **options: Any) -> RnicDriver:
+    matches = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    if not matches:
+        raise NotFound(f"no RNIC driver {name!r} (installed: {', '.join(available_drivers()) or 'none'})")
+    driver_class = matches[0].load()
+    driver: RnicDriver = driver_class(**options)
+    return driver

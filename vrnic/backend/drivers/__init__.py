@@ -1,0 +1,1 @@
+"""RNIC drivers, registered under the `vrnic.drivers` entry point group."""

@@ -1,0 +1,57 @@
+"""The in-tree fake driver: pretend devices and vRNICs held in memory, no hardware.
+
+For unit and API tests of the control plane and for measuring its own overhead.
+It never stands in for the real test of a feature that touches RDMA.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from typing import ClassVar
+
+from vrnic.backend.driver import RnicDriver
+from vrnic.core.model import AttachInfo, DeviceInfo, PortInfo, VrnicMode, VrnicSpec
+from vrnic.errors import Conflict, NotFound
+
+
+class FakeDriver(RnicDriver):
+    name: ClassVar[str] = "fake"
+    modes: ClassVar[frozenset[VrnicMode]] = frozenset({VrnicMode.PARAVIRTUAL})
+
+    def __init__(self, device_count: int = 2, socket_path: str = "/run/vrnic/fake.sock") -> None:
+        self._devices = [
+            DeviceInfo(name=f"fake{i}", driver=self.name, node_guid=f"0200:00ff:fe00:{i:04x}",
+                       ports=[PortInfo(port=1, state="ACTIVE", mtu=1024)],
+                       caps={"max_qp": 1024, "max_cq": 1024, "max_mr": 4096, "max_pd": 256})
+            for i in range(device_count)
+        ]
+        self._socket_path = socket_path
+        self._vrnics: dict[str, str] = {}  # vrnic id -> device
+        self._lock = threading.Lock()
+
+    def devices(self) -> list[DeviceInfo]:
+        return list(self._devices)
+
+    def create_vrnic(self, spec: VrnicSpec, device: str) -> AttachInfo:
+        if device not in {d.name for d in self._devices}:
+            raise NotFound(f"no device {device}")
+        with self._lock:
+            if spec.id in self._vrnics:
+                raise Conflict(f"vRNIC {spec.id} already exists in the backend")
+            self._vrnics[spec.id] = device
+        return AttachInfo(vrnic_id=spec.id, mode=spec.mode, device=device, virtual_gid=spec.virtual_gid,
+                          socket_path=self._socket_path, token=secrets.token_urlsafe(24))
+
+    def release_vrnic(self, vrnic_id: str) -> None:
+        with self._lock:
+            if self._vrnics.pop(vrnic_id, None) is None:
+                raise NotFound(f"no vRNIC {vrnic_id} in the backend")
+
+    def vrnic_ids(self) -> set[str]:
+        with self._lock:
+            return set(self._vrnics)
+
+    def load(self, device: str) -> int:
+        with self._lock:
+            return sum(1 for d in self._vrnics.values() if d == device)

@@ -1,0 +1,66 @@
+"""The backend service boundary: what the control plane (API, CLI through the API) asks of vrnicd.
+
+The API only talks to this class, so it could later talk to a remote host agent
+with the same methods.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+
+from vrnic.backend.driver import RnicDriver
+from vrnic.core.model import AttachInfo, DeviceInfo, VrnicMode, VrnicSpec
+from vrnic.errors import InvalidArgument, NotFound, NotSupported
+
+
+class BackendService:
+    def __init__(self, drivers: Mapping[VrnicMode, RnicDriver]) -> None:
+        self._drivers = dict(drivers)
+        self._placement: dict[str, VrnicMode] = {}
+        self._lock = threading.Lock()
+
+    def driver(self, mode: VrnicMode) -> RnicDriver:
+        try:
+            return self._drivers[mode]
+        except KeyError:
+            raise NotSupported(f"mode {mode} is not enabled on this host") from None
+
+    def devices(self) -> list[DeviceInfo]:
+        seen: dict[str, DeviceInfo] = {}
+        for driver in self._drivers.values():
+            for device in driver.devices():
+                seen.setdefault(f"{device.driver}/{device.name}", device)
+        return list(seen.values())
+
+    def create_vrnic(self, spec: VrnicSpec) -> AttachInfo:
+        driver = self.driver(spec.mode)
+        names = [d.name for d in driver.devices()]
+        if spec.device is not None and spec.device not in names:
+            raise InvalidArgument(f"device {spec.device!r} is not available for mode {spec.mode} "
+                                  f"(available: {', '.join(names) or 'none'})")
+        if not names:
+            raise NotSupported(f"no device available for mode {spec.mode}")
+        device = spec.device or min(names, key=lambda n: (driver.load(n), n))
+        info = driver.create_vrnic(spec, device)
+        with self._lock:
+            self._placement[spec.id] = spec.mode
+        return info
+
+    def release_vrnic(self, vrnic_id: str) -> None:
+        with self._lock:
+            mode = self._placement.get(vrnic_id)
+        if mode is None:
+            raise NotFound(f"no vRNIC {vrnic_id} in the backend")
+        self._drivers[mode].release_vrnic(vrnic_id)
+        with self._lock:
+            self._placement.pop(vrnic_id, None)
+
+    def vrnic_ids(self) -> set[str]:
+        return {i for d in self._drivers.values() for i in d.vrnic_ids()}
+
+    def close(self) -> None:
+        for driver in self._drivers.values():
+            driver.close()
+        with self._lock:
+            self._placement.clear()

@@ -1,0 +1,94 @@
+"""Plain data that crosses the service boundary between the control plane and vrnicd."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MiB = 1 << 20
+
+
+class VrnicMode(StrEnum):
+    PARAVIRTUAL = "paravirtual"  # control verbs mediated by vrnicd, data zero-copy
+    SRIOV = "sriov"  # a whole VF, hardware-isolated
+
+
+class Quota(BaseModel):
+    """Per-vRNIC limits vrnicd enforces on the control path."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_pds: int = Field(16, ge=0, le=1 << 16)
+    max_cqs: int = Field(64, ge=0, le=1 << 16)
+    max_qps: int = Field(64, ge=0, le=1 << 16)
+    max_mrs: int = Field(256, ge=0, le=1 << 20)
+    max_cqe: int = Field(4096, ge=1, le=1 << 22)  # per CQ
+    max_wr: int = Field(1024, ge=1, le=1 << 16)  # per queue
+    max_pinned_bytes: int = Field(256 * MiB, ge=0, le=1 << 44)
+
+
+class QosPolicy(BaseModel):
+    """Rate cap and guarantee in Mbit/s; None means no cap / no guarantee."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rate_cap_mbps: int | None = Field(None, ge=1, le=10_000_000)
+    guarantee_mbps: int | None = Field(None, ge=1, le=10_000_000)
+
+    @model_validator(mode="after")
+    def _guarantee_below_cap(self) -> QosPolicy:
+        if self.rate_cap_mbps is not None and self.guarantee_mbps is not None \
+                and self.guarantee_mbps > self.rate_cap_mbps:
+            raise ValueError(f"guarantee {self.guarantee_mbps} Mbit/s exceeds the cap {self.rate_cap_mbps} Mbit/s")
+        return self
+
+
+class GidEntry(BaseModel):
+    index: int
+    gid: str
+    type: str  # "RoCE v2", "RoCE v1", "IB"
+
+
+class PortInfo(BaseModel):
+    port: int
+    state: str  # "ACTIVE", "DOWN", ...
+    mtu: int
+    gids: list[GidEntry] = []
+
+
+class DeviceInfo(BaseModel):
+    """A physical RNIC (or, for the fake driver, a pretend one) as its driver discovered it."""
+
+    name: str
+    driver: str  # the RnicDriver that owns it: "verbs", "sriov", "fake"
+    node_guid: str
+    ports: list[PortInfo] = []
+    caps: dict[str, int] = {}  # max_qp, max_cq, max_mr, max_cqe, max_qp_wr, max_pd, ...
+
+
+class VrnicSpec(BaseModel):
+    """What the control plane asks vrnicd to create."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    tenant: str
+    mode: VrnicMode = VrnicMode.PARAVIRTUAL
+    device: str | None = None  # None: the backend picks
+    quota: Quota = Quota()
+    qos: QosPolicy = QosPolicy()
+    vpc_id: int = 0
+    virtual_gid: str  # the identity peers name; physical GIDs never reach guests
+
+
+class AttachInfo(BaseModel):
+    """What a guest frontend needs to attach to its vRNIC."""
+
+    vrnic_id: str
+    mode: VrnicMode
+    device: str  # physical device (operator information; guests do not use it)
+    virtual_gid: str
+    socket_path: str | None = None  # paravirtual: vrnicd's frontend socket
+    token: str | None = None  # paravirtual: one-time attach secret
+    extra: dict[str, str] = {}  # mode-specific (sriov: vf index, pci address, mac...)
