@@ -57,6 +57,18 @@ class NotSupported(VrnicError):
     code = "not_supported"
 
 
+class Unauthenticated(VrnicError):
+    """No credentials, or credentials nobody issued (API: 401)."""
+
+    code = "unauthenticated"
+
+
+class PermissionDenied(VrnicError):
+    """Known caller, but the operation is not theirs to do (API: 403)."""
+
+    code = "permission_denied"
+
+
 class DeviceError(VrnicError):
     """The kernel or device refused an operation; carries the errno."""
 
