@@ -90,3 +90,28 @@ class LabError(VrnicError):
 
 class BootFailure(LabError):
     code = "boot_failure"
+
+
+def error_from_dict(data: dict[str, object]) -> VrnicError:
+    """Rebuild a typed error from its wire form (the frontend's side of to_dict)."""
+    code = str(data.get("code", "internal"))
+    message = str(data.get("message", "unknown error"))
+
+    def _int(key: str) -> int:
+        value = data.get(key, 0)
+        return value if isinstance(value, int) else 0
+
+    if code == QuotaExceeded.code:
+        return QuotaExceeded(str(data.get("limit", "?")), _int("maximum"), _int("requested"))
+    if code == DeviceError.code:
+        return DeviceError(message, _int("errno"))
+    if code == Conflict.code:
+        state = data.get("current_state")
+        return Conflict(message, state if isinstance(state, str) else None)
+    by_code: dict[str, type[VrnicError]] = {
+        cls.code: cls for cls in (InvalidArgument, NotFound, NotSupported, LabError, BootFailure)}
+    if code in by_code:
+        return by_code[code](message)
+    if code in ("protocol_error", "wr_rejected", "ring_corrupt"):
+        return InvalidArgument(message)
+    return VrnicError(message)

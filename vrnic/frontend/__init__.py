@@ -1,1 +1,28 @@
-"""vrnic.frontend."""
+"""The guest library: pyverbs-shaped objects whose control verbs go to vrnicd.
+
+    with Context.attach(info) as ctx, PD(ctx) as pd, CQ(ctx, 64) as cq:
+        mr = MR(pd, 4096, Access.LOCAL_WRITE | Access.REMOTE_WRITE)
+        qp = QP(pd, cq, cq)
+        qp.connect(peer_gid, peer_qpn)
+        qp.post_send(SendRequest(1, WrOpcode.SEND, (mr.sge(0, 64),)))
+        cq.wait(1)
+
+Addresses are offsets in the context's shared arena (buffers come from
+ctx.alloc or MR); posting and polling touch only shared memory and a doorbell.
+"""
+
+from vrnic.core.rings import Access, Completion, RecvRequest, SendRequest, Sge, WcOpcode, WcStatus, WrOpcode
+from vrnic.errors import (
+    Conflict,
+    DeviceError,
+    InvalidArgument,
+    NotFound,
+    NotSupported,
+    QuotaExceeded,
+    VrnicError,
+)
+from vrnic.frontend.verbs import CQ, MR, PD, QP, Buffer, Context
+
+__all__ = ["CQ", "MR", "PD", "QP", "Access", "Buffer", "Completion", "Conflict", "Context", "DeviceError",
+           "InvalidArgument", "NotFound", "NotSupported", "QuotaExceeded", "RecvRequest", "SendRequest", "Sge",
+           "VrnicError", "WcOpcode", "WcStatus", "WrOpcode"]

@@ -1,0 +1,154 @@
+"""The frontend channel: a Unix-domain socket guests attach through.
+
+One thread per connection. The first message must be `attach` with the attach
+token and two file descriptors (SCM_RIGHTS): the guest's sealed memfd arena and
+its doorbell eventfd. A framing error ends the connection (the stream cannot be
+trusted after it); a bad request only fails that request. When the connection
+ends for any reason (detach, crash, kill -9) the session is destroyed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import struct
+import threading
+from pathlib import Path
+from typing import Any
+
+from vrnic.backend.registry import Registry
+from vrnic.backend.session import GuestSession, PeerCred
+from vrnic.core import ops
+from vrnic.core.proto import FrameDecoder, ProtocolError, encode, parse_request, reply_error, reply_ok
+from vrnic.errors import Conflict, InvalidArgument, VrnicError
+
+log = logging.getLogger(__name__)
+
+RECV_BYTES = 65536
+MAX_FDS = 2
+_UCRED = struct.Struct("3i")
+
+
+class ChannelServer:
+    def __init__(self, path: Path, registry: Registry, mode: int = 0o666) -> None:
+        self.path = path
+        self.registry = registry
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        os.chmod(path, mode)  # guests authenticate with their token, not with file permissions
+        self.sock.listen(64)
+        self._stopping = False
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._accept_loop, name="vrnic-channel", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        with self._lock:
+            for conn in list(self._connections):
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=5)
+        self.path.unlink(missing_ok=True)
+
+    def _accept_loop(self) -> None:
+        while not self._stopping:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with self._lock:
+                self._connections.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="vrnic-guest", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        cred = PeerCred(pid, uid, gid)
+        decoder = FrameDecoder()
+        session: GuestSession | None = None
+        try:
+            while True:
+                try:
+                    data, fds, _flags, _addr = socket.recv_fds(conn, RECV_BYTES, MAX_FDS)
+                except OSError:
+                    return
+                if not data:
+                    return
+                try:
+                    messages = decoder.feed(data)
+                except ProtocolError as exc:
+                    self._send(conn, reply_error(0, exc))
+                    return
+                for message in messages:
+                    request_id = message.get("id", 0) if isinstance(message.get("id"), int) else 0
+                    try:
+                        request = parse_request(message)
+                        if session is None:
+                            session = self._attach(request.op, request.args, fds, cred)
+                            fds = []
+                            self._send(conn, reply_ok(request.id, self._attach_result(session)))
+                            continue
+                        if request.op == "attach":
+                            raise Conflict("already attached", current_state="attached")
+                        result = session.handle(request.op, request.args)
+                        self._send(conn, reply_ok(request.id, result))
+                        if request.op == "detach":
+                            return
+                    except VrnicError as exc:
+                        self._send(conn, reply_error(request_id, exc))
+                    except Exception as exc:  # a daemon bug must fail one request, not the daemon
+                        log.exception("request %s failed", message.get("op"))
+                        self._send(conn, reply_error(request_id, VrnicError(f"internal error: {exc}")))
+                for fd in fds:  # descriptors nobody asked for
+                    os.close(fd)
+        finally:
+            if session is not None:
+                session.close()
+                session.vrnic.session = None
+            with self._lock:
+                self._connections.discard(conn)
+            conn.close()
+
+    def _attach(self, op: str, raw: dict[str, Any], fds: list[int], cred: PeerCred) -> GuestSession:
+        try:
+            if op != "attach":
+                raise InvalidArgument("the first request must be attach")
+            args = ops.Attach.model_validate(raw)
+            if len(fds) != 2:
+                raise InvalidArgument("attach needs two file descriptors: the arena memfd and the doorbell eventfd")
+            vrnic = self.registry.by_token(args.token)
+            if vrnic.session is not None:
+                raise Conflict(f"vRNIC {vrnic.spec.id} already has a guest attached", current_state="attached")
+            session = GuestSession(vrnic, self.registry, fds[0], fds[1], cred, busy_poll=args.busy_poll)
+        except VrnicError:
+            for fd in fds:
+                os.close(fd)
+            raise
+        except Exception as exc:
+            for fd in fds:
+                os.close(fd)
+            raise InvalidArgument(f"attach failed: {exc}") from exc
+        vrnic.session = session
+        log.info("vRNIC %s attached by pid %d uid %d", vrnic.spec.id, cred.pid, cred.uid)
+        return session
+
+    @staticmethod
+    def _attach_result(session: GuestSession) -> dict[str, Any]:
+        spec = session.vrnic.spec
+        return {"vrnic_id": spec.id, "virtual_gid": spec.virtual_gid, "arena_bytes": session.arena_size,
+                "quota": spec.quota.model_dump()}
+
+    @staticmethod
+    def _send(conn: socket.socket, message: dict[str, Any]) -> None:
+        with contextlib.suppress(OSError):
+            conn.sendall(encode(message))

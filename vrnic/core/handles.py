@@ -1,0 +1,56 @@
+"""Opaque per-vRNIC handles: a guest can only name objects in its own table.
+
+Handles are random 63-bit numbers, so a forged or foreign handle is simply not
+found (it names nothing here) and reveals nothing about other vRNICs.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Iterator
+from typing import Generic, TypeVar
+
+from vrnic.errors import InvalidArgument, NotFound
+
+T = TypeVar("T")
+
+
+class HandleTable(Generic[T]):
+    def __init__(self, kind: str, bits: int = 63) -> None:
+        self.kind = kind
+        self._bits = bits
+        self._objects: dict[int, T] = {}
+        self._lock = threading.Lock()
+
+    def add(self, obj: T) -> int:
+        with self._lock:
+            while True:
+                handle = secrets.randbits(self._bits) or 1
+                if handle not in self._objects:
+                    self._objects[handle] = obj
+                    return handle
+
+    def get(self, handle: object) -> T:
+        if not isinstance(handle, int) or isinstance(handle, bool):
+            raise InvalidArgument(f"{self.kind} handle must be an integer, not {type(handle).__name__}")
+        try:
+            return self._objects[handle]
+        except KeyError:
+            raise NotFound(f"unknown {self.kind} handle {handle}") from None
+
+    def pop(self, handle: object) -> T:
+        obj = self.get(handle)
+        with self._lock:
+            del self._objects[handle]  # type: ignore[arg-type]
+        return obj
+
+    def __contains__(self, handle: object) -> bool:
+        return handle in self._objects
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    def items(self) -> Iterator[tuple[int, T]]:
+        with self._lock:
+            return iter(list(self._objects.items()))

@@ -1,0 +1,116 @@
+"""Argument schemas of the frontend protocol's operations (validated before any verb runs)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from vrnic.core.rings import MAX_SGE
+
+U32 = 1 << 32
+Handle = int
+
+
+class Args(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Attach(Args):
+    token: str = Field(max_length=256)
+    busy_poll: bool = False
+
+
+class NoArgs(Args):
+    pass
+
+
+class QueryPort(Args):
+    port: int = Field(1, ge=1, le=255)
+
+
+class QueryGid(Args):
+    port: int = Field(1, ge=1, le=255)
+    index: int = Field(0, ge=0, le=255)
+
+
+class PdRef(Args):
+    pd: Handle
+
+
+class RegMr(Args):
+    pd: Handle
+    addr: int = Field(ge=0)  # offset in the guest arena
+    length: int = Field(gt=0)
+    access: int = Field(ge=0, le=15)  # LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ | REMOTE_ATOMIC
+
+
+class MrRef(Args):
+    mr: Handle
+
+
+class CreateCq(Args):
+    cqe: int = Field(ge=1)
+    ring: int = Field(ge=0)  # arena offset of the completion ring (cqe slots)
+
+
+class CqRef(Args):
+    cq: Handle
+
+
+class CreateQp(Args):
+    pd: Handle
+    send_cq: Handle
+    recv_cq: Handle
+    qp_type: Literal["rc", "ud"] = "rc"
+    max_send_wr: int = Field(ge=1)
+    max_recv_wr: int = Field(ge=1)
+    max_sge: int = Field(1, ge=1, le=MAX_SGE)
+    sq_ring: int = Field(ge=0)
+    rq_ring: int = Field(ge=0)
+
+
+class QpRef(Args):
+    qp: Handle
+
+
+class ModifyQp(Args):
+    """A state transition. The guest never gives physical addressing: for RTR it names the peer
+    by virtual GID and virtual QPN, and vrnicd programs the physical path itself."""
+
+    qp: Handle
+    state: Literal["init", "rtr", "rts", "err", "reset"]
+    access: int = Field(7, ge=0, le=15)
+    qkey: int = Field(0x11111111, ge=0, lt=U32)
+    remote_gid: str | None = Field(None, max_length=64)
+    remote_qpn: int | None = Field(None, ge=0, lt=1 << 24)
+    path_mtu: Literal[256, 512, 1024, 2048, 4096] = 1024
+    rq_psn: int = Field(0, ge=0, lt=1 << 24)
+    sq_psn: int = Field(0, ge=0, lt=1 << 24)
+    max_dest_rd_atomic: int = Field(4, ge=0, le=16)
+    max_rd_atomic: int = Field(4, ge=0, le=16)
+    min_rnr_timer: int = Field(12, ge=0, le=31)
+    timeout: int = Field(14, ge=0, le=31)
+    retry_cnt: int = Field(7, ge=0, le=7)
+    rnr_retry: int = Field(7, ge=0, le=7)
+
+
+class Connect(Args):
+    qp: Handle
+    remote_gid: str = Field(max_length=64)
+    remote_qpn: int = Field(ge=0, lt=1 << 24)
+    access: int = Field(15, ge=0, le=15)
+
+
+class BusyPoll(Args):
+    enabled: bool
+
+
+OPS: dict[str, type[Args]] = {
+    "query_device": NoArgs, "query_port": QueryPort, "query_gid": QueryGid,
+    "alloc_pd": NoArgs, "dealloc_pd": PdRef,
+    "reg_mr": RegMr, "dereg_mr": MrRef,
+    "create_cq": CreateCq, "destroy_cq": CqRef,
+    "create_qp": CreateQp, "destroy_qp": QpRef, "modify_qp": ModifyQp, "query_qp": QpRef,
+    "connect": Connect, "busy_poll": BusyPoll, "detach": NoArgs,
+}

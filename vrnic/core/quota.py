@@ -1,0 +1,61 @@
+"""Per-vRNIC quota accounting: counts of kernel objects and pinned bytes."""
+
+from __future__ import annotations
+
+import threading
+from enum import StrEnum
+
+from vrnic.core.model import Quota
+from vrnic.errors import InvalidArgument, QuotaExceeded
+
+
+class Resource(StrEnum):
+    PD = "pd"
+    CQ = "cq"
+    QP = "qp"
+    MR = "mr"
+    PINNED_BYTES = "pinned_bytes"
+
+
+_LIMIT = {Resource.PD: "max_pds", Resource.CQ: "max_cqs", Resource.QP: "max_qps", Resource.MR: "max_mrs",
+          Resource.PINNED_BYTES: "max_pinned_bytes"}
+
+
+class QuotaLedger:
+    """Charge before creating, refund after destroying; a refused charge changes nothing."""
+
+    def __init__(self, quota: Quota) -> None:
+        self.quota = quota
+        self._used = dict.fromkeys(Resource, 0)
+        self._lock = threading.Lock()
+
+    def charge(self, resource: Resource, amount: int = 1) -> None:
+        if amount < 0:
+            raise InvalidArgument(f"cannot charge a negative amount of {resource}")
+        limit_name = _LIMIT[resource]
+        maximum = getattr(self.quota, limit_name)
+        with self._lock:
+            wanted = self._used[resource] + amount
+            if wanted > maximum:
+                raise QuotaExceeded(limit_name, maximum, wanted)
+            self._used[resource] = wanted
+
+    def refund(self, resource: Resource, amount: int = 1) -> None:
+        with self._lock:
+            self._used[resource] = max(0, self._used[resource] - amount)
+
+    def check_cqe(self, cqe: int) -> None:
+        if cqe < 1:
+            raise InvalidArgument(f"a CQ needs at least 1 entry, not {cqe}")
+        if cqe > self.quota.max_cqe:
+            raise QuotaExceeded("max_cqe", self.quota.max_cqe, cqe)
+
+    def check_wr(self, depth: int) -> None:
+        if depth < 1:
+            raise InvalidArgument(f"a queue needs at least 1 work request, not {depth}")
+        if depth > self.quota.max_wr:
+            raise QuotaExceeded("max_wr", self.quota.max_wr, depth)
+
+    def used(self) -> dict[str, int]:
+        with self._lock:
+            return {str(k): v for k, v in self._used.items()}

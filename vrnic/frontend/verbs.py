@@ -1,0 +1,295 @@
+"""Context, PD, MR, CQ and QP for guest programs, as context managers like pyverbs."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from vrnic.core.arena import ArenaAllocator
+from vrnic.core.model import AttachInfo
+from vrnic.core.rings import (
+    CQ_SLOT,
+    RQ_SLOT,
+    SQ_SLOT,
+    Access,
+    Completion,
+    RecvRequest,
+    Ring,
+    RingFlags,
+    SendRequest,
+    Sge,
+    pack_recv,
+    pack_send,
+    unpack_completion,
+)
+from vrnic.errors import DeviceError, InvalidArgument, VrnicError
+from vrnic.frontend.channel import Channel
+
+DEFAULT_ARENA = 16 << 20
+
+
+class _Resource:
+    closed = False
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class Buffer:
+    """A piece of the shared arena; addr is what SGEs and remote peers use."""
+
+    ctx: Context
+    addr: int
+    length: int
+
+    def write(self, data: bytes, offset: int = 0) -> None:
+        if offset < 0 or offset + len(data) > self.length:
+            raise InvalidArgument(f"{len(data)} bytes at {offset} do not fit a {self.length}-byte buffer")
+        self.ctx.view[self.addr + offset:self.addr + offset + len(data)] = data
+
+    def read(self, length: int | None = None, offset: int = 0) -> bytes:
+        length = self.length - offset if length is None else length
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise InvalidArgument(f"{length} bytes at {offset} are outside a {self.length}-byte buffer")
+        return bytes(self.ctx.view[self.addr + offset:self.addr + offset + length])
+
+
+class Context(_Resource):
+    """An attached vRNIC: the channel to vrnicd, the shared arena and the doorbell."""
+
+    def __init__(self, socket_path: str, token: str, arena_bytes: int = DEFAULT_ARENA,
+                 busy_poll: bool = False) -> None:
+        if arena_bytes < mmap.PAGESIZE:
+            raise InvalidArgument(f"the arena needs at least one page, not {arena_bytes} bytes")
+        self.arena_fd = os.memfd_create("vrnic-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(self.arena_fd, arena_bytes)
+        # Sealed so vrnicd can map it without fearing SIGBUS from a shrink.
+        fcntl.fcntl(self.arena_fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        self.arena = mmap.mmap(self.arena_fd, arena_bytes)
+        self.view = memoryview(self.arena)
+        self.allocator = ArenaAllocator(arena_bytes)
+        self.doorbell_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self.channel: Channel | None = None
+        try:
+            self.channel = Channel(socket_path)
+            info = self.channel.call("attach", fds=[self.arena_fd, self.doorbell_fd], token=token,
+                                     busy_poll=busy_poll)
+        except BaseException:
+            self._release_local()
+            raise
+        self.vrnic_id: str = info["vrnic_id"]
+        self.gid: str = info["virtual_gid"]
+
+    @classmethod
+    def attach(cls, info: AttachInfo, arena_bytes: int = DEFAULT_ARENA, busy_poll: bool = False) -> Context:
+        if info.socket_path is None or info.token is None:
+            raise InvalidArgument(f"vRNIC {info.vrnic_id} ({info.mode}) has no paravirtual channel")
+        return cls(info.socket_path, info.token, arena_bytes, busy_poll)
+
+    def call(self, op: str, **args: Any) -> dict[str, Any]:
+        if self.closed or self.channel is None:
+            raise VrnicError("the context is closed")
+        return self.channel.call(op, **args)
+
+    def query_device(self) -> dict[str, Any]:
+        return self.call("query_device")
+
+    def query_port(self, port: int = 1) -> dict[str, Any]:
+        return self.call("query_port", port=port)
+
+    def query_gid(self, port: int = 1, index: int = 0) -> str:
+        return str(self.call("query_gid", port=port, index=index)["gid"])
+
+    def set_busy_poll(self, enabled: bool) -> None:
+        self.call("busy_poll", enabled=enabled)
+
+    def alloc(self, length: int, align: int = 64) -> Buffer:
+        return Buffer(self, self.allocator.alloc(length, align), length)
+
+    def free(self, buffer: Buffer) -> None:
+        self.allocator.free(buffer.addr)
+
+    def ring_doorbell(self) -> None:
+        os.eventfd_write(self.doorbell_fd, 1)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self.call("detach")
+        except VrnicError:
+            pass  # vrnicd is gone or already dropped us; it cleans up on disconnect either way
+        self.closed = True
+        self._release_local()
+
+    def _release_local(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        self.view.release()
+        self.arena.close()
+        os.close(self.arena_fd)
+        os.close(self.doorbell_fd)
+
+
+class PD(_Resource):
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.handle = int(ctx.call("alloc_pd")["pd"])
+
+    def close(self) -> None:
+        if not self.closed and not self.ctx.closed:
+            self.ctx.call("dealloc_pd", pd=self.handle)
+        self.closed = True
+
+
+class MR(_Resource):
+    """A registered range of the arena: give a Buffer, or a length to allocate one."""
+
+    def __init__(self, pd: PD, buffer: Buffer | int, access: int = Access.LOCAL_WRITE) -> None:
+        self.pd = pd
+        self.owned = not isinstance(buffer, Buffer)
+        self.buffer = pd.ctx.alloc(buffer) if isinstance(buffer, int) else buffer
+        try:
+            reply = pd.ctx.call("reg_mr", pd=pd.handle, addr=self.buffer.addr, length=self.buffer.length,
+                                access=int(access))
+        except BaseException:
+            if self.owned:
+                pd.ctx.free(self.buffer)
+            raise
+        self.handle = int(reply["mr"])
+        self.lkey = int(reply["lkey"])
+        self.rkey = int(reply["rkey"])
+
+    @property
+    def addr(self) -> int:
+        return self.buffer.addr
+
+    @property
+    def length(self) -> int:
+        return self.buffer.length
+
+    def sge(self, offset: int = 0, length: int | None = None) -> Sge:
+        length = self.length - offset if length is None else length
+        return Sge(self.addr + offset, length, self.lkey)
+
+    def write(self, data: bytes, offset: int = 0) -> None:
+        self.buffer.write(data, offset)
+
+    def read(self, length: int | None = None, offset: int = 0) -> bytes:
+        return self.buffer.read(length, offset)
+
+    def close(self) -> None:
+        if not self.closed and not self.pd.ctx.closed:
+            self.pd.ctx.call("dereg_mr", mr=self.handle)
+            if self.owned:
+                self.pd.ctx.free(self.buffer)
+        self.closed = True
+
+
+class CQ(_Resource):
+    def __init__(self, ctx: Context, cqe: int = 64) -> None:
+        self.ctx = ctx
+        self.ring_buffer = ctx.alloc(Ring.bytes_needed(cqe, CQ_SLOT.size))
+        try:
+            self.handle = int(ctx.call("create_cq", cqe=cqe, ring=self.ring_buffer.addr)["cq"])
+        except BaseException:
+            ctx.free(self.ring_buffer)
+            raise
+        self.ring = Ring(ctx.view, self.ring_buffer.addr, cqe, CQ_SLOT)
+
+    def poll(self, max_entries: int = 16) -> list[Completion]:
+        """Completions waiting in the shared ring; never a round trip to vrnicd."""
+        if self.ring.flags & RingFlags.OVERFLOW:
+            raise DeviceError("CQ overflow: completions were lost", errno.EOVERFLOW)
+        return [unpack_completion(slot) for slot in self.ring.consume(max_entries)]
+
+    def wait(self, count: int = 1, timeout: float = 10.0) -> list[Completion]:
+        """Poll until count completions arrived (busy at first, then yielding the CPU)."""
+        done: list[Completion] = []
+        deadline = time.monotonic() + timeout
+        spins = 0
+        while len(done) < count:
+            got = self.poll(count - len(done))
+            done += got
+            if got:
+                continue
+            if time.monotonic() > deadline:
+                raise DeviceError(f"{len(done)} of {count} completions within {timeout} s", errno.ETIMEDOUT)
+            spins += 1
+            if spins > 200:
+                time.sleep(0.0001)
+        return done
+
+    def close(self) -> None:
+        if not self.closed and not self.ctx.closed:
+            self.ctx.call("destroy_cq", cq=self.handle)
+            self.ctx.free(self.ring_buffer)
+        self.closed = True
+
+
+class QP(_Resource):
+    def __init__(self, pd: PD, send_cq: CQ, recv_cq: CQ, qp_type: str = "rc", max_send_wr: int = 64,
+                 max_recv_wr: int = 64, max_sge: int = 1) -> None:
+        self.pd = pd
+        ctx = pd.ctx
+        self.sq_buffer = ctx.alloc(Ring.bytes_needed(max_send_wr, SQ_SLOT.size))
+        self.rq_buffer = ctx.alloc(Ring.bytes_needed(max_recv_wr, RQ_SLOT.size))
+        try:
+            reply = ctx.call("create_qp", pd=pd.handle, send_cq=send_cq.handle, recv_cq=recv_cq.handle,
+                             qp_type=qp_type, max_send_wr=max_send_wr, max_recv_wr=max_recv_wr, max_sge=max_sge,
+                             sq_ring=self.sq_buffer.addr, rq_ring=self.rq_buffer.addr)
+        except BaseException:
+            ctx.free(self.sq_buffer)
+            ctx.free(self.rq_buffer)
+            raise
+        self.handle = int(reply["qp"])
+        self.qpn = int(reply["qpn"])  # virtual: what a peer names this QP by
+        self.qp_type = qp_type
+        self.sq = Ring(ctx.view, self.sq_buffer.addr, max_send_wr, SQ_SLOT)
+        self.rq = Ring(ctx.view, self.rq_buffer.addr, max_recv_wr, RQ_SLOT)
+
+    def connect(self, remote_gid: str, remote_qpn: int, access: int = 15) -> None:
+        """INIT -> RTR -> RTS towards a peer named by its virtual GID and virtual QPN."""
+        self.pd.ctx.call("connect", qp=self.handle, remote_gid=remote_gid, remote_qpn=remote_qpn, access=access)
+
+    def modify(self, state: str, **attrs: Any) -> None:
+        self.pd.ctx.call("modify_qp", qp=self.handle, state=state, **attrs)
+
+    def query(self) -> dict[str, Any]:
+        return self.pd.ctx.call("query_qp", qp=self.handle)
+
+    def post_send(self, wrs: SendRequest | Iterable[SendRequest], doorbell: bool = True) -> None:
+        """Write the WRs into the shared send ring, then ring the doorbell once (batching)."""
+        for wr in [wrs] if isinstance(wrs, SendRequest) else wrs:
+            if not self.sq.produce(pack_send(wr)):
+                raise DeviceError("send queue full", errno.ENOMEM)
+        if doorbell:
+            self.pd.ctx.ring_doorbell()
+
+    def post_recv(self, wrs: RecvRequest | Iterable[RecvRequest], doorbell: bool = True) -> None:
+        for wr in [wrs] if isinstance(wrs, RecvRequest) else wrs:
+            if not self.rq.produce(pack_recv(wr)):
+                raise DeviceError("receive queue full", errno.ENOMEM)
+        if doorbell:
+            self.pd.ctx.ring_doorbell()
+
+    def close(self) -> None:
+        ctx = self.pd.ctx
+        if not self.closed and not ctx.closed:
+            ctx.call("destroy_qp", qp=self.handle)
+            ctx.free(self.sq_buffer)
+            ctx.free(self.rq_buffer)
+        self.closed = True
