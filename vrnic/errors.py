@@ -109,7 +109,8 @@ def error_from_dict(data: dict[str, object]) -> VrnicError:
         state = data.get("current_state")
         return Conflict(message, state if isinstance(state, str) else None)
     by_code: dict[str, type[VrnicError]] = {
-        cls.code: cls for cls in (InvalidArgument, NotFound, NotSupported, LabError, BootFailure)}
+        cls.code: cls for cls in (InvalidArgument, NotFound, NotSupported, Unauthenticated, PermissionDenied,
+                                    LabError, BootFailure)}
     if code in by_code:
         return by_code[code](message)
     if code in ("protocol_error", "wr_rejected", "ring_corrupt"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import mmap
@@ -128,10 +129,9 @@ class Context(_Resource):
     def close(self) -> None:
         if self.closed:
             return
-        try:
+        # vrnicd may be gone or have dropped us already; it cleans up on disconnect either way.
+        with contextlib.suppress(VrnicError):
             self.call("detach")
-        except VrnicError:
-            pass  # vrnicd is gone or already dropped us; it cleans up on disconnect either way
         self.closed = True
         self._release_local()
 
