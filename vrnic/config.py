@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
+from typing import Any
 
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
@@ -24,3 +27,30 @@ class LabSettings(BaseSettings):
     memory_mb: int = 2048
     cpus: int = 2
     netdevsim_vfs: int = 4
+
+
+class DaemonSettings(BaseSettings):
+    """`vrnic daemon`: the backend (vrnicd) and the REST API in one process per host."""
+
+    model_config = SettingsConfigDict(env_prefix="VRNIC_", env_file=os.environ.get("VRNIC_CONFIG"),
+                                      extra="ignore")
+
+    state_dir: Path = Path("/var/lib/vrnic")
+    database_url: str | None = None  # default: SQLite file state_dir/vrnic.db; or postgresql+psycopg://...
+    listen_host: str = "127.0.0.1"
+    listen_port: int = Field(8470, ge=0, le=65535)
+    operator_token: SecretStr | None = None  # unset: generated once into state_dir/operator-token
+    host_name: str = Field(default_factory=socket.gethostname)  # how this host registers itself
+    paravirtual_driver: str | None = "verbs"  # RnicDriver entry point; skipped with a log line if absent
+    paravirtual_driver_options: dict[str, Any] = {}
+    sriov_driver: str | None = "sriov"
+    sriov_driver_options: dict[str, Any] = {}
+    log_level: str = "info"
+
+    @property
+    def database(self) -> str:
+        return self.database_url or f"sqlite:///{self.state_dir / 'vrnic.db'}"
+
+    @property
+    def operator_token_file(self) -> Path:
+        return self.state_dir / "operator-token"

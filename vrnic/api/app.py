@@ -1,0 +1,55 @@
+"""The FastAPI application factory: settings + a BackendService in, an ASGI app out.
+
+The daemon and the tests build the app the same way; tests can pass their own engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from sqlalchemy import Engine
+
+from vrnic import __version__
+from vrnic.api import problems
+from vrnic.api.controlplane import ControlPlane
+from vrnic.api.routes import router
+from vrnic.backend.service import BackendService
+from vrnic.config import DaemonSettings
+from vrnic.db.engine import make_engine
+from vrnic.db.migrate import check_schema
+from vrnic.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: DaemonSettings, backend: BackendService, *, engine: Engine | None = None,
+               api_url: str | None = None) -> FastAPI:
+    """The API app. Refuses (SchemaOutOfDate) a database whose schema is not at head.
+
+    On startup (lifespan) this host registers itself and records the devices the backend sees.
+    """
+    if settings.operator_token is None:
+        raise InvalidArgument("no operator token: set VRNIC_OPERATOR_TOKEN (the daemon generates one)")
+    engine = engine or make_engine(settings.database)
+    check_schema(engine)
+    cp = ControlPlane(engine, backend, host_name=settings.host_name,
+                      operator_token=settings.operator_token.get_secret_value(), api_url=api_url)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        cp.register_host()
+        orphans = cp.orphaned_vrnics()
+        if orphans:
+            log.warning("%d live vRNIC(s) in the database have no backend state on this host "
+                        "(released on DELETE): %s", len(orphans), ", ".join(orphans[:5]))
+        yield
+
+    app = FastAPI(title="vrnic", version=__version__, lifespan=lifespan,
+                  description="Virtual RDMA NICs for VMs and containers: tenants, vRNICs, devices, hosts, events.")
+    app.state.control_plane = cp
+    problems.install(app)
+    app.include_router(router)
+    return app

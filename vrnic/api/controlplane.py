@@ -1,0 +1,523 @@
+"""The control plane's operations: database state plus the backend, behind the REST routes.
+
+It reaches the backend only through BackendService (the service boundary), so the same code could
+drive a remote host agent. Every operation runs in one database transaction and raises only
+VrnicErrors; an allocation whose database commit fails releases its backend state again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from sqlalchemy import Engine, Select, func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from vrnic import __version__
+from vrnic.api.auth import OPERATOR, Principal, TokenCache, hash_token, is_operator_token, new_tenant_token
+from vrnic.api.schemas import (
+    DeviceOut,
+    EventOut,
+    HostOut,
+    Page,
+    TenantCreate,
+    TenantCreated,
+    TenantOut,
+    TenantUpdate,
+    TokenIssued,
+    TokenOut,
+    VrnicCreate,
+    VrnicOut,
+)
+from vrnic.backend.service import BackendService
+from vrnic.core.lifecycle import VrnicAction, VrnicState, check_vrnic_count, next_state
+from vrnic.core.model import AttachInfo, QosPolicy, Quota, VrnicMode, VrnicSpec
+from vrnic.core.vaddr import make_virtual_gid
+from vrnic.db.engine import session_factory
+from vrnic.db.models import ApiToken, Device, Event, Host, Tenant, Vrnic, utcnow
+from vrnic.errors import Conflict, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+MAX_PAGE = 500
+_LIVE = [s.value for s in VrnicState if s is not VrnicState.RELEASED]
+
+
+class Replayed(Exception):
+    """Internal: an Idempotency-Key matched an earlier allocation."""
+
+    def __init__(self, serial: int) -> None:
+        self.serial = serial
+
+
+class ControlPlane:
+    def __init__(self, engine: Engine, backend: BackendService, *, host_name: str,
+                 operator_token: str, api_url: str | None = None) -> None:
+        self.engine = engine
+        self.backend = backend
+        self.host_name = host_name
+        self.api_url = api_url
+        self._operator_token = operator_token
+        self._sessions: sessionmaker[Session] = session_factory(engine)
+        self._readonly_sessions: sessionmaker[Session] = session_factory(
+            engine.execution_options(vrnic_read_only=True))
+        self._tokens = TokenCache()
+        self._host_id: int | None = None
+        self._device_ids: dict[tuple[str, str], int] = {}
+
+    # -- sessions ---------------------------------------------------------------------------------
+
+    @contextmanager
+    def _write(self) -> Iterator[Session]:
+        with self._sessions() as session, session.begin():
+            yield session
+
+    @contextmanager
+    def _read(self) -> Iterator[Session]:
+        with self._readonly_sessions() as session, session.begin():
+            yield session
+
+    # -- startup ----------------------------------------------------------------------------------
+
+    def register_host(self) -> None:
+        """Register (or refresh) this host and the devices its drivers see now."""
+        with self._write() as s:
+            host = s.scalar(select(Host).where(Host.name == self.host_name))
+            now = utcnow()
+            if host is None:
+                host = Host(name=self.host_name, api_url=self.api_url, version=__version__)
+                s.add(host)
+                s.flush()
+                self._event(s, OPERATOR, "host.register", f"host/{self.host_name}", None,
+                            {"version": __version__}, actor="daemon")
+            host.api_url, host.version, host.last_seen_at = self.api_url, __version__, now
+            self._host_id = host.id
+        self.sync_devices()
+
+    def sync_devices(self) -> None:
+        discovered = self.backend.devices()
+        with self._write() as s:
+            rows = {(d.driver, d.name): d for d in s.scalars(select(Device).where(Device.host_id == self.host_id))}
+            for info in discovered:
+                ports = [p.model_dump() for p in info.ports]
+                row = rows.pop((info.driver, info.name), None)
+                if row is None:
+                    row = Device(host_id=self.host_id, name=info.name, driver=info.driver, node_guid=info.node_guid,
+                                 ports=ports, caps=dict(info.caps))
+                    s.add(row)
+                    self._event(s, OPERATOR, "device.discover", f"device/{info.driver}/{info.name}", None,
+                                {"node_guid": info.node_guid}, actor="daemon")
+                else:
+                    row.node_guid, row.ports, row.caps, row.present = info.node_guid, ports, dict(info.caps), True
+                    row.discovered_at = utcnow()
+            for row in rows.values():
+                row.present = False
+            s.flush()
+            self._device_ids = {(d.driver, d.name): d.id for d in
+                                s.scalars(select(Device).where(Device.host_id == self.host_id))}
+
+    @property
+    def host_id(self) -> int:
+        if self._host_id is None:
+            raise RuntimeError("register_host() first")
+        return self._host_id
+
+    def orphaned_vrnics(self) -> list[str]:
+        """Live vRNICs of this host in the database that the backend does not hold (e.g. after a restart)."""
+        held = self.backend.vrnic_ids()
+        with self._read() as s:
+            ids = s.scalars(select(Vrnic.public_id).where(Vrnic.host_id == self.host_id, Vrnic.state.in_(_LIVE)))
+            return sorted(set(ids) - held)
+
+    # -- auth -------------------------------------------------------------------------------------
+
+    def authenticate(self, token: str | None) -> Principal:
+        if not token:
+            raise Unauthenticated("missing bearer token (Authorization: Bearer <token>)")
+        if is_operator_token(token, self._operator_token):
+            return OPERATOR
+        digest = hash_token(token)
+        cached = self._tokens.get(digest)
+        if cached is not None:
+            return cached
+        with self._read() as s:
+            row = s.execute(select(Tenant.id, Tenant.name).join(ApiToken, ApiToken.tenant_id == Tenant.id)
+                            .where(ApiToken.token_hash == digest, ApiToken.revoked_at.is_(None))).first()
+        if row is None:
+            raise Unauthenticated("invalid or revoked token")
+        principal = Principal(tenant_id=row.id, tenant_name=row.name)
+        self._tokens.put(digest, principal)
+        return principal
+
+    @staticmethod
+    def require_operator(principal: Principal) -> None:
+        if not principal.is_operator:
+            raise PermissionDenied("only the operator may do this")
+
+    # -- tenants ----------------------------------------------------------------------------------
+
+    def create_tenant(self, principal: Principal, body: TenantCreate) -> TenantCreated:
+        self.require_operator(principal)
+        token = new_tenant_token()
+        try:
+            with self._write() as s:
+                if s.scalar(select(Tenant.id).where(Tenant.name == body.name)) is not None:
+                    raise Conflict(f"tenant {body.name} already exists", current_state="exists")
+                vpc_id = body.vpc_id
+                if vpc_id is None:
+                    vpc_id = (s.scalar(select(func.max(Tenant.vpc_id))) or 0) + 1
+                elif s.scalar(select(Tenant.id).where(Tenant.vpc_id == vpc_id)) is not None:
+                    raise Conflict(f"VPC id {vpc_id} belongs to another tenant", current_state="in_use")
+                tenant = Tenant(name=body.name, vpc_id=vpc_id, default_quota=body.default_quota.model_dump(),
+                                max_vrnics=body.max_vrnics)
+                s.add(tenant)
+                s.flush()
+                s.add(ApiToken(tenant_id=tenant.id, token_hash=hash_token(token), prefix=token[:12]))
+                self._event(s, principal, "tenant.create", f"tenant/{tenant.name}", tenant.id,
+                            {"vpc_id": vpc_id, "max_vrnics": body.max_vrnics})
+                s.flush()
+                return TenantCreated(**self._tenant_out(s, tenant).model_dump(), token=token)
+        except IntegrityError as exc:  # a concurrent create of the same name or VPC won
+            raise Conflict(f"tenant {body.name} or VPC id {body.vpc_id} already exists",
+                           current_state="exists") from exc
+
+    def list_tenants(self, principal: Principal, cursor: str | None, limit: int) -> Page[TenantOut]:
+        self.require_operator(principal)
+        with self._read() as s:
+            return self._page(s, select(Tenant), Tenant.id, cursor, limit, lambda t: self._tenant_out(s, t))
+
+    def get_tenant(self, principal: Principal, name: str) -> TenantOut:
+        self.require_operator(principal)
+        with self._read() as s:
+            return self._tenant_out(s, self._tenant(s, name))
+
+    def update_tenant(self, principal: Principal, name: str, body: TenantUpdate) -> TenantOut:
+        self.require_operator(principal)
+        with self._write() as s:
+            tenant = self._tenant(s, name)
+            if body.default_quota is not None:
+                tenant.default_quota = body.default_quota.model_dump()
+            if body.unlimited:
+                tenant.max_vrnics = None
+            elif body.max_vrnics is not None:
+                tenant.max_vrnics = body.max_vrnics
+            self._event(s, principal, "tenant.update", f"tenant/{name}", tenant.id,
+                        body.model_dump(mode="json", exclude_defaults=True))
+            s.flush()
+            return self._tenant_out(s, tenant)
+
+    def delete_tenant(self, principal: Principal, name: str) -> None:
+        self.require_operator(principal)
+        with self._write() as s:
+            tenant = self._tenant(s, name)
+            live = self._live_count(s, tenant.id)
+            if live:
+                raise Conflict(f"tenant {name} still has {live} live vRNIC(s); release them first",
+                               current_state="has_vrnics")
+            for row in s.scalars(select(Vrnic).where(Vrnic.tenant_id == tenant.id)):
+                s.delete(row)
+            s.flush()
+            self._event(s, principal, "tenant.delete", f"tenant/{name}", None, {"vpc_id": tenant.vpc_id})
+            s.delete(tenant)
+        self._tokens.forget_tenant(tenant.id)
+
+    def issue_token(self, principal: Principal, name: str) -> TokenIssued:
+        self.require_operator(principal)
+        token = new_tenant_token()
+        with self._write() as s:
+            tenant = self._tenant(s, name)
+            row = ApiToken(tenant_id=tenant.id, token_hash=hash_token(token), prefix=token[:12])
+            s.add(row)
+            self._event(s, principal, "token.issue", f"tenant/{name}", tenant.id, {"prefix": row.prefix})
+            s.flush()
+            return TokenIssued(id=row.id, prefix=row.prefix, created_at=row.created_at, token=token)
+
+    def list_tokens(self, principal: Principal, name: str) -> list[TokenOut]:
+        self.require_operator(principal)
+        with self._read() as s:
+            tenant = self._tenant(s, name)
+            rows = s.scalars(select(ApiToken).where(ApiToken.tenant_id == tenant.id).order_by(ApiToken.id))
+            return [TokenOut(id=r.id, prefix=r.prefix, created_at=r.created_at, revoked_at=r.revoked_at)
+                    for r in rows]
+
+    def revoke_token(self, principal: Principal, name: str, token_id: int) -> TokenOut:
+        self.require_operator(principal)
+        with self._write() as s:
+            tenant = self._tenant(s, name)
+            row = s.scalar(select(ApiToken).where(ApiToken.id == token_id, ApiToken.tenant_id == tenant.id))
+            if row is None:
+                raise NotFound(f"tenant {name} has no token {token_id}")
+            if row.revoked_at is not None:
+                raise Conflict(f"token {token_id} is already revoked", current_state="revoked")
+            row.revoked_at = utcnow()
+            self._event(s, principal, "token.revoke", f"tenant/{name}", tenant.id, {"prefix": row.prefix})
+            out = TokenOut(id=row.id, prefix=row.prefix, created_at=row.created_at, revoked_at=row.revoked_at)
+        self._tokens.forget_tenant(tenant.id)
+        return out
+
+    # -- vRNICs -----------------------------------------------------------------------------------
+
+    def allocate(self, principal: Principal, body: VrnicCreate,
+                 idempotency_key: str | None = None) -> tuple[VrnicOut, bool]:
+        """(the vRNIC, replayed): replayed is True when idempotency_key matched an earlier allocation."""
+        if idempotency_key is not None and not 1 <= len(idempotency_key) <= 255:
+            raise InvalidArgument("Idempotency-Key must be 1 to 255 characters")
+        request_hash = hashlib.sha256(json.dumps(body.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+        try:
+            return self._allocate(principal, body, idempotency_key, request_hash), False
+        except Replayed as replay:
+            with self._read() as s:
+                row = s.get(Vrnic, replay.serial)
+                assert row is not None
+                return self._vrnic_out(s, row), True
+        except IntegrityError:
+            # Same key, allocated concurrently: the other request committed first.
+            if idempotency_key is None:
+                raise
+            with self._read() as s:
+                row = self._by_idempotency_key(s, principal, body, idempotency_key, request_hash)
+                if row is None:
+                    raise
+                return self._vrnic_out(s, row), True
+
+    def _allocate(self, principal: Principal, body: VrnicCreate, idempotency_key: str | None,
+                  request_hash: str) -> VrnicOut:
+        info: AttachInfo | None = None
+        try:
+            with self._write() as s:
+                if idempotency_key is not None:
+                    earlier = self._by_idempotency_key(s, principal, body, idempotency_key, request_hash)
+                    if earlier is not None:
+                        raise Replayed(earlier.serial)
+                tenant = self._allocating_tenant(s, principal, body)
+                if tenant.max_vrnics is not None:
+                    check_vrnic_count(tenant.max_vrnics, self._live_count(s, tenant.id))
+                quota = body.quota or Quota.model_validate(tenant.default_quota)
+                public_id = f"vr-{uuid.uuid4().hex}"
+                row = Vrnic(public_id=public_id, tenant_id=tenant.id, mode=body.mode.value,
+                            state=VrnicState.ALLOCATED.value, host_id=self.host_id, device_name="",
+                            quota=quota.model_dump(), qos=body.qos.model_dump(), virtual_gid=public_id,
+                            idempotency_key=idempotency_key, request_hash=request_hash)
+                s.add(row)
+                s.flush()  # the serial (and a clash on the idempotency key) comes from the database
+                row.virtual_gid = make_virtual_gid(tenant.vpc_id, row.serial)
+                spec = VrnicSpec(id=public_id, tenant=tenant.name, mode=body.mode, device=body.device, quota=quota,
+                                 qos=body.qos, vpc_id=tenant.vpc_id, virtual_gid=row.virtual_gid)
+                info = self.backend.create_vrnic(spec)
+                row.device_name = info.device
+                row.device_id = self._device_id(body.mode, info.device)
+                row.socket_path = info.socket_path
+                row.attach_extra = dict(info.extra)
+                self._event(s, principal, "vrnic.allocate", f"vrnic/{public_id}", tenant.id,
+                            {"mode": body.mode.value, "device": info.device, "virtual_gid": row.virtual_gid,
+                             **({"idempotency_key": idempotency_key} if idempotency_key else {})})
+                s.flush()
+                out = self._vrnic_out(s, row, tenant_name=tenant.name)
+        except BaseException:
+            if info is not None:  # the backend holds it but the database does not: undo
+                self._release_backend(info.vrnic_id)
+            raise
+        return out.model_copy(update={"attach": out.attach.model_copy(update={"token": info.token})})
+
+    def list_vrnics(self, principal: Principal, cursor: str | None, limit: int, *, state: VrnicState | None = None,
+                    tenant: str | None = None) -> Page[VrnicOut]:
+        with self._read() as s:
+            query = self._visible(select(Vrnic), principal)
+            if state is not None:
+                query = query.where(Vrnic.state == state.value)
+            if tenant is not None:
+                query = query.where(Vrnic.tenant_id == self._tenant(s, tenant).id) if principal.is_operator \
+                    else query.where(Vrnic.tenant_id == (principal.tenant_id if tenant == principal.tenant_name
+                                                         else -1))
+            return self._page(s, query, Vrnic.serial, cursor, limit, lambda r: self._vrnic_out(s, r))
+
+    def get_vrnic(self, principal: Principal, vrnic_id: str) -> VrnicOut:
+        with self._read() as s:
+            return self._vrnic_out(s, self._vrnic(s, principal, vrnic_id))
+
+    def release(self, principal: Principal, vrnic_id: str, *, force: bool = False) -> VrnicOut:
+        if force:
+            self.require_operator(principal)
+        with self._write() as s:
+            row = self._vrnic(s, principal, vrnic_id, for_update=True)
+            new = next_state(VrnicState(row.state), VrnicAction.RELEASE, force=force)
+            self._release_backend(row.public_id)
+            previous, row.state, row.released_at = row.state, new.value, utcnow()
+            self._event(s, principal, "vrnic.release", f"vrnic/{row.public_id}", row.tenant_id,
+                        {"from": previous, "force": force})
+            s.flush()
+            return self._vrnic_out(s, row)
+
+    def transition(self, principal: Principal, vrnic_id: str, action: VrnicAction) -> VrnicOut:
+        """attach / detach: record what the frontend did (release goes through release())."""
+        if action is VrnicAction.RELEASE:
+            raise InvalidArgument("release a vRNIC with DELETE")
+        with self._write() as s:
+            row = self._vrnic(s, principal, vrnic_id, for_update=True)
+            previous = row.state
+            row.state = next_state(VrnicState(row.state), action).value
+            self._event(s, principal, f"vrnic.{action.value}", f"vrnic/{row.public_id}", row.tenant_id,
+                        {"from": previous})
+            s.flush()
+            return self._vrnic_out(s, row)
+
+    # -- devices, hosts, events -------------------------------------------------------------------
+
+    def list_devices(self, principal: Principal, cursor: str | None, limit: int) -> Page[DeviceOut]:
+        self.require_operator(principal)
+        with self._read() as s:
+            return self._page(s, select(Device), Device.id, cursor, limit, lambda d: self._device_out(s, d))
+
+    def get_device(self, principal: Principal, device_id: int) -> DeviceOut:
+        self.require_operator(principal)
+        with self._read() as s:
+            row = s.get(Device, device_id)
+            if row is None:
+                raise NotFound(f"no device {device_id}")
+            return self._device_out(s, row)
+
+    def list_hosts(self, principal: Principal, cursor: str | None, limit: int) -> Page[HostOut]:
+        self.require_operator(principal)
+        with self._read() as s:
+            return self._page(s, select(Host), Host.id, cursor, limit, _host_out)
+
+    def get_host(self, principal: Principal, name: str) -> HostOut:
+        self.require_operator(principal)
+        with self._read() as s:
+            row = s.scalar(select(Host).where(Host.name == name))
+            if row is None:
+                raise NotFound(f"no host {name}")
+            return _host_out(row)
+
+    def list_events(self, principal: Principal, cursor: str | None, limit: int, *, subject: str | None = None,
+                    action: str | None = None) -> Page[EventOut]:
+        with self._read() as s:
+            query = select(Event)
+            if not principal.is_operator:
+                query = query.where(Event.tenant_id == principal.tenant_id)
+            if subject is not None:
+                query = query.where(Event.subject == subject)
+            if action is not None:
+                query = query.where(Event.action == action)
+            names = dict(s.execute(select(Tenant.id, Tenant.name)).tuples().all())
+            return self._page(s, query, Event.id, cursor, limit, lambda e: EventOut(
+                id=e.id, at=e.at, actor=e.actor, action=e.action, subject=e.subject,
+                tenant=names.get(e.tenant_id) if e.tenant_id is not None else None, detail=e.detail))
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _release_backend(self, vrnic_id: str) -> None:
+        try:
+            self.backend.release_vrnic(vrnic_id)
+        except NotFound:
+            # Already gone (the daemon restarted, or an earlier release got this far): nothing to tear down.
+            log.warning("vRNIC %s had no backend state left to release", vrnic_id)
+
+    def _device_id(self, mode: VrnicMode, name: str) -> int | None:
+        driver = self.backend.driver(mode).name
+        if (driver, name) not in self._device_ids:
+            self.sync_devices()  # a device that appeared after startup
+        return self._device_ids.get((driver, name))
+
+    def _allocating_tenant(self, s: Session, principal: Principal, body: VrnicCreate) -> Tenant:
+        if principal.is_operator:
+            if body.tenant is None:
+                raise InvalidArgument("the operator allocates on behalf of a tenant: give `tenant`")
+            return self._tenant(s, body.tenant)
+        if body.tenant is not None and body.tenant != principal.tenant_name:
+            raise PermissionDenied("a tenant allocates only for itself")
+        tenant = s.get(Tenant, principal.tenant_id)
+        if tenant is None:
+            raise Unauthenticated("this token's tenant no longer exists")
+        return tenant
+
+    def _by_idempotency_key(self, s: Session, principal: Principal, body: VrnicCreate, key: str,
+                            request_hash: str) -> Vrnic | None:
+        tenant_id = principal.tenant_id
+        if tenant_id is None:
+            tenant_id = s.scalar(select(Tenant.id).where(Tenant.name == body.tenant)) if body.tenant else None
+        if tenant_id is None:
+            return None
+        row = s.scalar(select(Vrnic).where(Vrnic.tenant_id == tenant_id, Vrnic.idempotency_key == key))
+        if row is not None and row.request_hash != request_hash:
+            raise Conflict(f"Idempotency-Key {key!r} was used for a different request (vRNIC {row.public_id})",
+                           current_state=row.state)
+        return row
+
+    def _visible(self, query: Select[tuple[Vrnic]], principal: Principal) -> Select[tuple[Vrnic]]:
+        return query if principal.is_operator else query.where(Vrnic.tenant_id == principal.tenant_id)
+
+    def _vrnic(self, s: Session, principal: Principal, vrnic_id: str, *, for_update: bool = False) -> Vrnic:
+        query = self._visible(select(Vrnic).where(Vrnic.public_id == vrnic_id), principal)
+        row = s.scalar(query.with_for_update() if for_update else query)
+        if row is None:  # another tenant's vRNIC looks exactly like one that does not exist
+            raise NotFound(f"no vRNIC {vrnic_id}")
+        return row
+
+    @staticmethod
+    def _tenant(s: Session, name: str) -> Tenant:
+        tenant = s.scalar(select(Tenant).where(Tenant.name == name))
+        if tenant is None:
+            raise NotFound(f"no tenant {name}")
+        return tenant
+
+    @staticmethod
+    def _live_count(s: Session, tenant_id: int) -> int:
+        return s.scalar(select(func.count()).select_from(Vrnic)
+                        .where(Vrnic.tenant_id == tenant_id, Vrnic.state.in_(_LIVE))) or 0
+
+    def _tenant_out(self, s: Session, t: Tenant) -> TenantOut:
+        return TenantOut(name=t.name, vpc_id=t.vpc_id, default_quota=Quota.model_validate(t.default_quota),
+                         max_vrnics=t.max_vrnics, live_vrnics=self._live_count(s, t.id), created_at=t.created_at)
+
+    def _vrnic_out(self, s: Session, r: Vrnic, *, tenant_name: str | None = None) -> VrnicOut:
+        host = self.host_name if r.host_id == self._host_id else s.scalar(select(Host.name).where(Host.id == r.host_id))
+        mode = VrnicMode(r.mode)
+        return VrnicOut(
+            id=r.public_id, tenant=tenant_name or r.tenant.name, mode=mode, state=VrnicState(r.state),
+            host=host or "", device=r.device_name, virtual_gid=r.virtual_gid,
+            quota=Quota.model_validate(r.quota), qos=QosPolicy.model_validate(r.qos),
+            attach=AttachInfo(vrnic_id=r.public_id, mode=mode, device=r.device_name, virtual_gid=r.virtual_gid,
+                              socket_path=r.socket_path, extra=r.attach_extra),
+            created_at=r.created_at, updated_at=r.updated_at, released_at=r.released_at)
+
+    def _device_out(self, s: Session, d: Device) -> DeviceOut:
+        live = s.scalar(select(func.count()).select_from(Vrnic)
+                        .where(Vrnic.device_id == d.id, Vrnic.state.in_(_LIVE))) or 0
+        return DeviceOut(id=d.id, host=d.host.name, name=d.name, driver=d.driver, node_guid=d.node_guid,
+                         ports=d.ports, caps=d.caps, present=d.present, live_vrnics=live,
+                         discovered_at=d.discovered_at)
+
+    @staticmethod
+    def _page(s: Session, query: Select[tuple[Any]], key: Any, cursor: str | None, limit: int,
+              convert: Callable[[Any], T]) -> Page[T]:
+        if not 1 <= limit <= MAX_PAGE:
+            raise InvalidArgument(f"limit must be 1..{MAX_PAGE}")
+        if cursor is not None:
+            if not (cursor.isascii() and cursor.isdigit() and int(cursor) < 1 << 63):
+                raise InvalidArgument(f"bad cursor {cursor!r}: pass back a next_cursor")
+            query = query.where(key > int(cursor))
+        rows = list(s.scalars(query.order_by(key).limit(limit + 1)))
+        more = len(rows) > limit
+        rows = rows[:limit]
+        next_cursor = str(getattr(rows[-1], key.key)) if more else None
+        return Page[T](items=[convert(r) for r in rows], next_cursor=next_cursor)
+
+    @staticmethod
+    def _event(s: Session, principal: Principal, action: str, subject: str, tenant_id: int | None,
+               detail: dict[str, Any], *, actor: str | None = None) -> None:
+        s.add(Event(actor=actor or principal.actor, action=action, subject=subject, tenant_id=tenant_id,
+                    detail=detail))
+
+
+def _host_out(h: Host) -> HostOut:
+    return HostOut(name=h.name, api_url=h.api_url, version=h.version, registered_at=h.registered_at,
+                   last_seen_at=h.last_seen_at)
+

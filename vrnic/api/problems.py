@@ -1,0 +1,96 @@
+"""The one place errors become HTTP: every VrnicError (and FastAPI's own) as RFC 9457 problem+json."""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DataError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vrnic.api.schemas import Problem
+from vrnic.errors import (
+    Conflict,
+    DeviceError,
+    InvalidArgument,
+    NotFound,
+    NotSupported,
+    PermissionDenied,
+    QuotaExceeded,
+    Unauthenticated,
+    VrnicError,
+)
+
+log = logging.getLogger(__name__)
+
+MEDIA_TYPE = "application/problem+json"
+
+# Most specific class first; anything else that is a VrnicError is a 500.
+STATUS: dict[type[VrnicError], int] = {
+    InvalidArgument: 400,
+    Unauthenticated: 401,
+    PermissionDenied: 403,
+    QuotaExceeded: 403,
+    NotFound: 404,
+    Conflict: 409,
+    NotSupported: 422,  # understood, but this host cannot do it (mode not enabled, no device)
+    DeviceError: 502,  # the kernel or device below us refused
+}
+
+# Documented on every route, so clients (and schemathesis) know the possible problem answers.
+RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": Problem, "description": HTTPStatus(status).phrase,
+             "content": {MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}}}
+    for status in (400, 401, 403, 404, 409, 422)
+}
+
+
+def status_of(exc: VrnicError) -> int:
+    for cls in type(exc).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return 500
+
+
+def problem(status: int, code: str, detail: str, request: Request, extra: dict[str, Any] | None = None) -> JSONResponse:
+    body = {"type": f"urn:vrnic:problem:{code}", "title": HTTPStatus(status).phrase, "status": status,
+            "detail": detail, "code": code, "instance": request.url.path,
+            **{k: v for k, v in (extra or {}).items() if k not in {"code", "message"}}}
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(jsonable_encoder(body), status_code=status, media_type=MEDIA_TYPE, headers=headers)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(VrnicError)
+    async def vrnic_error(request: Request, exc: VrnicError) -> JSONResponse:
+        status = status_of(exc)
+        if status >= 500:
+            log.error("%s %s failed: %s", request.method, request.url.path, exc)
+        return problem(status, exc.code, str(exc), request, exc.to_dict())
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+                  for e in exc.errors()]
+        where = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors[:3])
+        return problem(422, "invalid_request", f"invalid request: {where}", request, {"errors": errors})
+
+    @app.exception_handler(DataError)
+    async def data_error(request: Request, exc: DataError) -> JSONResponse:
+        # The database refused a value the schema let through (e.g. NUL in text on PostgreSQL).
+        return problem(400, InvalidArgument.code, f"the database refused a value: {exc.orig}", request)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return problem(exc.status_code, code, str(exc.detail), request)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return problem(500, "internal", "internal error (see the daemon's log)", request)

@@ -1,0 +1,187 @@
+"""REST routes under /api/v1: thin adapters from HTTP to ControlPlane."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from vrnic.api.auth import Principal
+from vrnic.api.controlplane import MAX_PAGE, ControlPlane
+from vrnic.api.problems import RESPONSES
+from vrnic.api.schemas import (
+    DeviceOut,
+    EventOut,
+    HostOut,
+    Page,
+    TenantCreate,
+    TenantCreated,
+    TenantOut,
+    TenantUpdate,
+    TokenIssued,
+    TokenOut,
+    VrnicCreate,
+    VrnicOut,
+)
+from vrnic.core.lifecycle import VrnicAction, VrnicState
+
+bearer = HTTPBearer(auto_error=False, description="the operator token, or a tenant's token")
+
+
+def control_plane(request: Request) -> ControlPlane:
+    cp: ControlPlane = request.app.state.control_plane
+    return cp
+
+
+def caller(request: Request,
+           credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Principal:
+    return control_plane(request).authenticate(credentials.credentials if credentials else None)
+
+
+CP = Annotated[ControlPlane, Depends(control_plane)]
+Caller = Annotated[Principal, Depends(caller)]
+Cursor = Annotated[str | None, Query(max_length=20, pattern=r"^[0-9]+$",
+                                     description="next_cursor of the previous page")]
+Limit = Annotated[int, Query(ge=1, le=MAX_PAGE)]
+TenantPath = Annotated[str, Path(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
+VrnicPath = Annotated[str, Path(pattern=r"^vr-[0-9a-f]{32}$", examples=["vr-0123456789abcdef0123456789abcdef"])]
+BigId = Annotated[int, Path(ge=1, lt=1 << 63)]
+Printable = r"^[\x20-\x7e]*$"
+
+router = APIRouter(prefix="/api/v1", responses=RESPONSES)
+
+
+@router.get("/health", tags=["meta"])
+def health(cp: CP) -> dict[str, str]:
+    """Liveness (no token needed)."""
+    return {"status": "ok", "host": cp.host_name}
+
+
+# -- tenants (operator only) ----------------------------------------------------------------------
+
+@router.post("/tenants", status_code=status.HTTP_201_CREATED, tags=["tenants"])
+def create_tenant(body: TenantCreate, cp: CP, who: Caller, response: Response) -> TenantCreated:
+    """Create a tenant; the response carries its first token, shown only here."""
+    created = cp.create_tenant(who, body)
+    response.headers["Location"] = f"/api/v1/tenants/{created.name}"
+    return created
+
+
+@router.get("/tenants", tags=["tenants"])
+def list_tenants(cp: CP, who: Caller, cursor: Cursor = None, limit: Limit = 50) -> Page[TenantOut]:
+    return cp.list_tenants(who, cursor, limit)
+
+
+@router.get("/tenants/{name}", tags=["tenants"])
+def get_tenant(name: TenantPath, cp: CP, who: Caller) -> TenantOut:
+    return cp.get_tenant(who, name)
+
+
+@router.patch("/tenants/{name}", tags=["tenants"])
+def update_tenant(name: TenantPath, body: TenantUpdate, cp: CP, who: Caller) -> TenantOut:
+    return cp.update_tenant(who, name, body)
+
+
+@router.delete("/tenants/{name}", status_code=status.HTTP_204_NO_CONTENT, tags=["tenants"])
+def delete_tenant(name: TenantPath, cp: CP, who: Caller) -> None:
+    """Delete a tenant with no live vRNICs (its released vRNICs and tokens go with it)."""
+    cp.delete_tenant(who, name)
+
+
+@router.post("/tenants/{name}/tokens", status_code=status.HTTP_201_CREATED, tags=["tenants"])
+def issue_token(name: TenantPath, cp: CP, who: Caller) -> TokenIssued:
+    return cp.issue_token(who, name)
+
+
+@router.get("/tenants/{name}/tokens", tags=["tenants"])
+def list_tokens(name: TenantPath, cp: CP, who: Caller) -> list[TokenOut]:
+    return cp.list_tokens(who, name)
+
+
+@router.delete("/tenants/{name}/tokens/{token_id}", tags=["tenants"])
+def revoke_token(name: TenantPath, token_id: BigId, cp: CP, who: Caller) -> TokenOut:
+    return cp.revoke_token(who, name, token_id)
+
+
+# -- vRNICs ---------------------------------------------------------------------------------------
+
+@router.post("/vrnics", status_code=status.HTTP_201_CREATED, tags=["vrnics"],
+             responses={200: {"model": VrnicOut, "description": "a replay: Idempotency-Key matched an earlier "
+                                                                 "allocation (the attach token is not shown again)"}})
+def allocate_vrnic(body: VrnicCreate, cp: CP, who: Caller, response: Response,
+                   idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255,
+                                                                 pattern=Printable)] = None) -> VrnicOut:
+    """Allocate a vRNIC: pick a device, create it in the backend, return what a frontend needs to attach.
+
+    The attach token is in this response only. Retrying with the same Idempotency-Key returns the
+    same vRNIC (status 200, header Idempotent-Replayed: true) instead of allocating another.
+    """
+    out, replayed = cp.allocate(who, body, idempotency_key)
+    response.headers["Location"] = f"/api/v1/vrnics/{out.id}"
+    if replayed:
+        response.status_code = status.HTTP_200_OK
+        response.headers["Idempotent-Replayed"] = "true"
+    return out
+
+
+@router.get("/vrnics", tags=["vrnics"])
+def list_vrnics(cp: CP, who: Caller, cursor: Cursor = None, limit: Limit = 50, state: VrnicState | None = None,
+                tenant: Annotated[str | None, Query(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")] = None
+                ) -> Page[VrnicOut]:
+    return cp.list_vrnics(who, cursor, limit, state=state, tenant=tenant)
+
+
+@router.get("/vrnics/{vrnic_id}", tags=["vrnics"])
+def get_vrnic(vrnic_id: VrnicPath, cp: CP, who: Caller) -> VrnicOut:
+    return cp.get_vrnic(who, vrnic_id)
+
+
+@router.delete("/vrnics/{vrnic_id}", tags=["vrnics"])
+def release_vrnic(vrnic_id: VrnicPath, cp: CP, who: Caller,
+                  force: Annotated[bool, Query(description="operator: release even if attached")] = False
+                  ) -> VrnicOut:
+    """Release: tear down the backend state; the record stays, in state released."""
+    return cp.release(who, vrnic_id, force=force)
+
+
+@router.post("/vrnics/{vrnic_id}/attach", tags=["vrnics"])
+def attach_vrnic(vrnic_id: VrnicPath, cp: CP, who: Caller) -> VrnicOut:
+    """Record that a frontend attached."""
+    return cp.transition(who, vrnic_id, VrnicAction.ATTACH)
+
+
+@router.post("/vrnics/{vrnic_id}/detach", tags=["vrnics"])
+def detach_vrnic(vrnic_id: VrnicPath, cp: CP, who: Caller) -> VrnicOut:
+    """Record that the frontend went away."""
+    return cp.transition(who, vrnic_id, VrnicAction.DETACH)
+
+
+# -- devices, hosts (operator only), events -------------------------------------------------------
+
+@router.get("/devices", tags=["devices"])
+def list_devices(cp: CP, who: Caller, cursor: Cursor = None, limit: Limit = 50) -> Page[DeviceOut]:
+    return cp.list_devices(who, cursor, limit)
+
+
+@router.get("/devices/{device_id}", tags=["devices"])
+def get_device(device_id: BigId, cp: CP, who: Caller) -> DeviceOut:
+    return cp.get_device(who, device_id)
+
+
+@router.get("/hosts", tags=["hosts"])
+def list_hosts(cp: CP, who: Caller, cursor: Cursor = None, limit: Limit = 50) -> Page[HostOut]:
+    return cp.list_hosts(who, cursor, limit)
+
+
+@router.get("/hosts/{name}", tags=["hosts"])
+def get_host(name: Annotated[str, Path(max_length=255, pattern=Printable)], cp: CP, who: Caller) -> HostOut:
+    return cp.get_host(who, name)
+
+
+@router.get("/events", tags=["events"])
+def list_events(cp: CP, who: Caller, cursor: Cursor = None, limit: Limit = 50,
+                subject: Annotated[str | None, Query(max_length=80, pattern=Printable)] = None,
+                action: Annotated[str | None, Query(max_length=40, pattern=Printable)] = None) -> Page[EventOut]:
+    """The audit log, oldest first; a tenant sees only events about itself."""
+    return cp.list_events(who, cursor, limit, subject=subject, action=action)

@@ -1,0 +1,116 @@
+"""`vrnic daemon`: one process per host running the backend (vrnicd) and the REST API.
+
+The API reaches the backend only through BackendService, built here from drivers loaded by name
+(entry points), so the API could later drive remote host agents instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import uvicorn
+from fastapi import FastAPI
+from pydantic import SecretStr
+
+from vrnic.backend.driver import RnicDriver, load_driver
+from vrnic.backend.service import BackendService
+from vrnic.config import DaemonSettings
+from vrnic.core.model import VrnicMode
+from vrnic.errors import VrnicError
+
+log = logging.getLogger("vrnic.daemon")
+
+
+def build_backend(settings: DaemonSettings) -> BackendService:
+    """A BackendService with the configured driver per mode; a mode whose driver is missing is left out."""
+    drivers: dict[VrnicMode, RnicDriver] = {}
+    wanted = ((VrnicMode.PARAVIRTUAL, settings.paravirtual_driver, settings.paravirtual_driver_options),
+              (VrnicMode.SRIOV, settings.sriov_driver, settings.sriov_driver_options))
+    for mode, name, options in wanted:
+        if not name:
+            log.info("mode %s: disabled (no driver configured)", mode)
+            continue
+        try:
+            driver = load_driver(name, **options)
+        except (VrnicError, ImportError, OSError) as exc:
+            log.warning("mode %s: driver %r unavailable, mode disabled: %s", mode, name, exc)
+            continue
+        if mode not in driver.modes:
+            log.warning("mode %s: driver %r does not serve this mode (it serves %s), mode disabled",
+                        mode, name, ", ".join(sorted(driver.modes)))
+            driver.close()
+            continue
+        log.info("mode %s: driver %s, devices: %s", mode, name,
+                 ", ".join(d.name for d in driver.devices()) or "none")
+        drivers[mode] = driver
+    return BackendService(drivers)
+
+
+def with_operator_token(settings: DaemonSettings) -> DaemonSettings:
+    """settings with an operator token: the configured one, else one kept in state_dir/operator-token."""
+    if settings.operator_token is not None:
+        return settings
+    path = settings.operator_token_file
+    if path.exists():
+        token = path.read_text().strip()
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        token = "vro_" + secrets.token_urlsafe(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        log.info("generated the operator token into %s", path)
+    return settings.model_copy(update={"operator_token": SecretStr(token)})
+
+
+def build_app(settings: DaemonSettings, backend: BackendService) -> FastAPI:
+    from vrnic.api.app import create_app  # FastAPI and SQLAlchemy load only when the API is wanted
+
+    return create_app(settings, backend,
+                      api_url=f"http://{settings.listen_host}:{settings.listen_port}")
+
+
+def run(settings: DaemonSettings) -> None:
+    """Serve until SIGINT/SIGTERM; SchemaOutOfDate (naming `vrnic db upgrade`) before anything starts."""
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = with_operator_token(settings)
+    from vrnic.db.engine import make_engine
+    from vrnic.db.migrate import check_schema
+
+    check_schema(make_engine(settings.database))  # before any driver touches a device
+    backend = build_backend(settings)
+    try:
+        app = build_app(settings, backend)
+        log.info("API on http://%s:%d/api/v1 (database %s)", settings.listen_host, settings.listen_port,
+                 settings.database.split("@")[-1])
+        uvicorn.Server(uvicorn.Config(app, host=settings.listen_host, port=settings.listen_port,
+                                      log_level=settings.log_level, access_log=False)).run()
+    finally:
+        backend.close()  # backend state lives in this process: tear it down rather than leak it
+
+
+@contextmanager
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                    timeout: float = 15.0) -> Iterator[str]:
+    """Serve app from a thread of this process (tests); yields the base URL, stops on exit."""
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, name="vrnic-api", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError("the API server did not start")
+        time.sleep(0.01)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://{host}:{bound}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout)

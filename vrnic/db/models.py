@@ -1,0 +1,192 @@
+"""The control plane's state: SQLAlchemy 2 typed models (SQLite by default, PostgreSQL supported).
+
+Schema changes go through Alembic (migrations/); a test fails when these models and the
+migrations drift apart.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    UniqueConstraint,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+# Named constraints, so migrations can drop and alter them on every backend (SQLite batch mode too).
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# SQLite only auto-increments INTEGER PRIMARY KEY, so 64-bit keys are INTEGER there.
+Id = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """Timestamps always come back aware, in UTC (SQLite keeps no zone)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        return value.astimezone(UTC) if value is not None and value.tzinfo is not None else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map = {dict[str, Any]: JSON, datetime: UtcDateTime()}
+
+
+class Host(Base):
+    """A host running `vrnic daemon`; it registers itself at startup."""
+
+    __tablename__ = "hosts"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    api_url: Mapped[str | None] = mapped_column(String(512))
+    version: Mapped[str] = mapped_column(String(64))
+    registered_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_seen_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    devices: Mapped[list[Device]] = relationship(back_populates="host")
+
+
+class Device(Base):
+    """A physical RNIC a driver discovered on a host, with its ports and capabilities."""
+
+    __tablename__ = "devices"
+    __table_args__ = (UniqueConstraint("host_id", "driver", "name"),)
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    host_id: Mapped[int] = mapped_column(ForeignKey("hosts.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(64))
+    driver: Mapped[str] = mapped_column(String(32))
+    node_guid: Mapped[str] = mapped_column(String(64))
+    ports: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    caps: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    present: Mapped[bool] = mapped_column(Boolean, default=True)  # false: gone at the last discovery
+    discovered_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    host: Mapped[Host] = relationship(back_populates="devices")
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    vpc_id: Mapped[int] = mapped_column(BigInteger, unique=True)  # the VPC part of its virtual GIDs
+    default_quota: Mapped[dict[str, Any]] = mapped_column(default=dict)  # a vrnic.core.model.Quota
+    max_vrnics: Mapped[int | None] = mapped_column(Integer)  # None: no limit
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ApiToken(Base):
+    """A tenant's bearer token, stored as its SHA-256 (tokens are 32 random bytes, so no slow hash)."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))  # the first characters, to tell tokens apart
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column()
+
+    tenant: Mapped[Tenant] = relationship()
+
+
+class Vrnic(Base):
+    __tablename__ = "vrnics"
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "idempotency_key"),
+        Index("ix_vrnics_tenant_id_serial", "tenant_id", "serial"),
+        {"sqlite_autoincrement": True},  # serials (and so virtual GIDs) are never reused
+    )
+
+    serial: Mapped[int] = mapped_column(Id, primary_key=True)  # feeds the virtual GID
+    public_id: Mapped[str] = mapped_column(String(40), unique=True)  # "vr-<hex>", what the API shows
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="RESTRICT"))
+    mode: Mapped[str] = mapped_column(String(16))  # vrnic.core.model.VrnicMode
+    state: Mapped[str] = mapped_column(String(16), index=True)  # vrnic.core.lifecycle.VrnicState
+    host_id: Mapped[int] = mapped_column(ForeignKey("hosts.id", ondelete="RESTRICT"), index=True)
+    device_id: Mapped[int | None] = mapped_column(ForeignKey("devices.id", ondelete="SET NULL"))
+    device_name: Mapped[str] = mapped_column(String(64))
+    quota: Mapped[dict[str, Any]] = mapped_column()
+    qos: Mapped[dict[str, Any]] = mapped_column()  # stored now, enforced in a later issue
+    virtual_gid: Mapped[str] = mapped_column(String(45), unique=True)
+    socket_path: Mapped[str | None] = mapped_column(String(255))
+    attach_extra: Mapped[dict[str, Any]] = mapped_column(default=dict)  # AttachInfo.extra; the token is never kept
+    idempotency_key: Mapped[str | None] = mapped_column(String(255))
+    request_hash: Mapped[str | None] = mapped_column(String(64))  # the request the idempotency key first carried
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+    released_at: Mapped[datetime | None] = mapped_column()
+
+    tenant: Mapped[Tenant] = relationship()
+    host: Mapped[Host] = relationship()
+    device: Mapped[Device | None] = relationship()
+
+
+class SriovVf(Base):
+    """An SR-IOV virtual function of a PF on a host (the SR-IOV driver fills and allocates these)."""
+
+    __tablename__ = "sriov_vfs"
+    __table_args__ = (UniqueConstraint("host_id", "pf", "vf_index"),)
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    host_id: Mapped[int] = mapped_column(ForeignKey("hosts.id", ondelete="CASCADE"), index=True)
+    pf: Mapped[str] = mapped_column(String(64))  # PF netdev name
+    vf_index: Mapped[int] = mapped_column(Integer)
+    pci_address: Mapped[str | None] = mapped_column(String(32))
+    mac: Mapped[str | None] = mapped_column(String(17))
+    vlan: Mapped[int | None] = mapped_column(Integer)
+    qos: Mapped[int | None] = mapped_column(Integer)  # 802.1p priority with the VLAN
+    min_tx_rate_mbps: Mapped[int | None] = mapped_column(Integer)
+    max_tx_rate_mbps: Mapped[int | None] = mapped_column(Integer)
+    trust: Mapped[bool | None] = mapped_column(Boolean)
+    spoofchk: Mapped[bool | None] = mapped_column(Boolean)
+    link_state: Mapped[str | None] = mapped_column(String(16))  # auto | enable | disable
+    vrnic_serial: Mapped[int | None] = mapped_column(ForeignKey("vrnics.serial", ondelete="SET NULL"),
+                                                     unique=True)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class Event(Base):
+    """The audit log: who did what to which object, and when."""
+
+    __tablename__ = "events"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    actor: Mapped[str] = mapped_column(String(80))  # "operator", "tenant:<name>", "daemon"
+    action: Mapped[str] = mapped_column(String(40))  # "vrnic.allocate", "tenant.create", ...
+    subject: Mapped[str] = mapped_column(String(80))  # "vrnic/vr-...", "tenant/acme", "host/..."
+    tenant_id: Mapped[int | None] = mapped_column(ForeignKey("tenants.id", ondelete="SET NULL"), index=True)
+    detail: Mapped[dict[str, Any]] = mapped_column(default=dict)
