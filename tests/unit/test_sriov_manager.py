@@ -1,0 +1,136 @@
+"""SriovManager orchestration over in-memory stand-ins for the kernel edges: rollback paths the real kernel
+cannot be made to take on demand. The real behaviour is proven in tests/kernel/test_sriov_netdevsim.py."""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Sequence
+from dataclasses import replace
+
+import pytest
+
+from vrnic.errors import Conflict, DeviceError, InvalidArgument, NotFound, NotSupported
+from vrnic.sriov.manager import SriovManager
+from vrnic.sriov.model import CLEAN_VF, EventKind, PfKind, VfConfig, VfRequest
+from vrnic.sriov.netlink import VfNetlink
+from vrnic.sriov.plan import VfOp
+from vrnic.sriov.store import InMemoryVfStateStore
+from vrnic.sriov.sysfs import PfSysfs, SriovSysfs, VfSysfs
+
+
+class MemorySysfs(SriovSysfs):
+    def __init__(self, num_vfs: int = 4, total: int = 4) -> None:
+        self.num_vfs, self.total, self.writes = num_vfs, total, []  # type: ignore[var-annotated]
+
+    def pfs(self) -> list[PfSysfs]:
+        return [PfSysfs("eth0", PfKind.NETDEVSIM, "netdevsim10", "netdevsim", self.num_vfs, self.total,
+                        vfs={i: VfSysfs(i) for i in range(self.num_vfs)})]
+
+    def set_num_vfs(self, name: str, count: int) -> None:
+        if self.num_vfs and count:
+            raise DeviceError("busy", errno.EBUSY)
+        self.writes.append(count)
+        self.num_vfs = count
+
+
+class MemoryNetlink(VfNetlink):
+    def __init__(self, sysfs: MemorySysfs) -> None:
+        self.sysfs = sysfs
+        self.vfs: dict[int, VfConfig] = {i: CLEAN_VF for i in range(8)}  # netdevsim keeps configs of hidden VFs
+        self.refuse: str | None = None
+        self.applied: list[str] = []
+
+    def read_vfs(self, pf: str) -> dict[int, VfConfig]:
+        return {i: c for i, c in self.vfs.items() if i < self.sysfs.num_vfs}
+
+    def apply(self, pf: str, vf: int, ops: Sequence[VfOp]) -> None:
+        for op in ops:
+            if op.attribute == self.refuse:
+                raise DeviceError(f"refused {op}", errno.EINVAL)
+            self.vfs[vf] = replace(self.vfs[vf], **op.values())  # type: ignore[arg-type]
+            self.applied.append(f"vf{vf} {op}")
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def parts() -> tuple[SriovManager, MemorySysfs, MemoryNetlink]:
+    sysfs = MemorySysfs()
+    netlink = MemoryNetlink(sysfs)
+    manager = SriovManager(sysfs, netlink, InMemoryVfStateStore(), eswitch_mode=lambda kind, bus: "legacy")
+    return manager, sysfs, netlink
+
+
+def test_allocate_confirms_and_release_resets(parts: tuple[SriovManager, MemorySysfs, MemoryNetlink]) -> None:
+    manager, _, netlink = parts
+    a = manager.allocate("v1", "red", "eth0", VfRequest(vlan=100, max_tx_rate=1000, min_tx_rate=100))
+    assert netlink.vfs[0] == a.config and a.config.spoofchk and not a.config.trust
+    assert manager.discover()[0].vfs[0].config == a.config
+    manager.release("v1")
+    assert netlink.vfs[0] == CLEAN_VF and manager.allocations() == []
+    assert [e.kind for e in manager.events] == [EventKind.ALLOCATED, EventKind.RELEASED]
+
+
+def test_refused_op_rolls_back_everything(parts: tuple[SriovManager, MemorySysfs, MemoryNetlink]) -> None:
+    manager, _, netlink = parts
+    netlink.refuse = "rate"  # MAC and VLAN went in before the kernel refused the rates
+    with pytest.raises(DeviceError, match="refused rate"):
+        manager.allocate("v1", "red", "eth0", VfRequest(vlan=100, max_tx_rate=1000))
+    assert netlink.vfs[0] == CLEAN_VF
+    assert manager.allocations() == [] and manager.events == []
+
+
+def test_bad_input_touches_nothing(parts: tuple[SriovManager, MemorySysfs, MemoryNetlink]) -> None:
+    manager, _, netlink = parts
+    for call, error in [
+        (lambda: manager.allocate("v", "t", "eth0", VfRequest(vlan=4095)), InvalidArgument),
+        (lambda: manager.allocate("v", "t", "eth0", VfRequest(max_tx_rate=10, min_tx_rate=100)), InvalidArgument),
+        (lambda: manager.allocate("v", "t", "eth0", VfRequest(), vf_index=4), InvalidArgument),
+        (lambda: manager.allocate("v", "t", "eth9", VfRequest()), NotFound),
+    ]:
+        with pytest.raises(error):
+            call()
+    assert netlink.applied == [] and manager.allocations() == []
+
+
+def test_count_change_policy(parts: tuple[SriovManager, MemorySysfs, MemoryNetlink]) -> None:
+    manager, sysfs, netlink = parts
+    manager.allocate("v0", "red", "eth0", VfRequest(vlan=10), vf_index=0)
+    manager.allocate("v3", "blue", "eth0", VfRequest(vlan=30), vf_index=3)
+    with pytest.raises(Conflict, match="v0 on vf0 .tenant red.*v3 on vf3 .tenant blue"):
+        manager.set_num_vfs("eth0", 2)
+    assert sysfs.writes == []
+    netlink.vfs[0] = CLEAN_VF  # hardware that forgets VF config when VFs go away
+    result = manager.set_num_vfs("eth0", 2, force=True)
+    assert sysfs.writes == [0, 2]
+    assert netlink.vfs[0] == manager.allocation("v0").config
+    assert manager.allocation("v3").vanished
+    kinds = [(e.kind, e.vrnic_id) for e in result.events]
+    assert kinds == [(EventKind.NUM_VFS_CHANGED, None), (EventKind.VANISHED, "v3"), (EventKind.REAPPLIED, "v0")]
+    # growing again: vf3 still carries blue's config in this "hardware": it is cleaned, not handed out dirty
+    result = manager.set_num_vfs("eth0", 4, force=True)
+    assert netlink.vfs[3] == CLEAN_VF and (EventKind.RESET, 3) in [(e.kind, e.vf) for e in result.events]
+    manager.release("v3")  # a vanished vRNIC is released without touching the VF that now has its index
+    assert [a.vrnic_id for a in manager.allocations()] == ["v0"]
+
+
+def test_reconcile_restores_drift(parts: tuple[SriovManager, MemorySysfs, MemoryNetlink]) -> None:
+    manager, _, netlink = parts
+    a = manager.allocate("v1", "red", "eth0", VfRequest(vlan=100))
+    netlink.vfs[0] = replace(a.config, vlan=7, trust=True)
+    netlink.vfs[2] = VfConfig(mac="02:99:00:00:00:01")  # someone else's
+    events = manager.reconcile()
+    assert netlink.vfs[0] == a.config
+    assert [(e.kind, e.vf) for e in events] == [(EventKind.DRIFT_CORRECTED, 0), (EventKind.UNOWNED_DIRTY, 2)]
+    assert events[0].detail == {"vlan": "7 -> 100", "trust": "True -> False"}
+    assert manager.reconcile() == [events[1]]
+
+
+def test_attach_without_vf_netdev_is_refused_clearly(parts: tuple[SriovManager, MemorySysfs, MemoryNetlink]) -> None:
+    manager, _, _ = parts
+    manager.allocate("v1", "red", "eth0", VfRequest(vlan=100))
+    with pytest.raises(NotSupported, match="has no netdev of its own"):
+        manager.attach_container("v1", "ctr")
+    with pytest.raises(NotSupported, match="no PCI address"):
+        manager.vm_interface("v1")
