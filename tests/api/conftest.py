@@ -117,6 +117,11 @@ def migrated(engine: Engine) -> Engine:
 
 
 @pytest.fixture
+def operator_token() -> str:
+    return OPERATOR_TOKEN
+
+
+@pytest.fixture
 def settings(tmp_path: Path) -> DaemonSettings:
     return DaemonSettings(state_dir=tmp_path, operator_token=SecretStr(OPERATOR_TOKEN), host_name="test-host",
                           paravirtual_driver="fake", sriov_driver=None)

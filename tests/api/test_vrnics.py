@@ -1,0 +1,201 @@
+"""vRNIC allocation through the REST API: backend state, idempotency, lifecycle, quotas, lists."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from vrnic.backend.service import BackendService
+from vrnic.core.vaddr import parse_virtual_gid
+
+Tenant = dict[str, str]
+
+
+def _as(tenant: Tenant) -> dict[str, str]:
+    return {"Authorization": tenant["auth"]}
+
+
+def _allocate(client: TestClient, tenant: Tenant, **body: Any) -> dict[str, Any]:
+    response = client.post("/api/v1/vrnics", json=body, headers=_as(tenant))
+    assert response.status_code == 201, response.text
+    return response.json()  # type: ignore[no-any-return]
+
+
+def test_allocate_creates_backend_state_and_returns_attach_info(client: TestClient, backend: BackendService,
+                                                                make_tenant: Callable[..., Tenant]) -> None:
+    acme = make_tenant("acme", vpc_id=7)
+    response = client.post("/api/v1/vrnics", json={"qos": {"rate_cap_mbps": 1000, "guarantee_mbps": 100},
+                                                   "quota": {"max_qps": 8}}, headers=_as(acme))
+    assert response.status_code == 201
+    body = response.json()
+    assert response.headers["location"] == f"/api/v1/vrnics/{body['id']}"
+    assert body["id"] in backend.vrnic_ids()
+    assert body["state"] == "allocated" and body["tenant"] == "acme" and body["mode"] == "paravirtual"
+    vpc, serial = parse_virtual_gid(body["virtual_gid"])
+    assert vpc == 7 and serial >= 1
+    attach = body["attach"]
+    assert attach["vrnic_id"] == body["id"] and attach["virtual_gid"] == body["virtual_gid"]
+    assert attach["socket_path"] and attach["token"]
+    assert attach["device"] in {"fake0", "fake1"}
+    assert body["quota"]["max_qps"] == 8 and body["qos"]["rate_cap_mbps"] == 1000
+    # the token is shown once: reading the vRNIC back does not reveal it
+    again = client.get(f"/api/v1/vrnics/{body['id']}", headers=_as(acme)).json()
+    assert again["attach"]["token"] is None
+    assert {k: v for k, v in again.items() if k != "attach"} == {k: v for k, v in body.items() if k != "attach"}
+
+
+def test_virtual_gids_are_unique_and_placement_spreads(client: TestClient, make_tenant: Callable[..., Tenant]) -> None:
+    acme = make_tenant("acme")
+    made = [_allocate(client, acme) for _ in range(4)]
+    assert len({m["virtual_gid"] for m in made}) == 4
+    assert sorted(m["device"] for m in made) == ["fake0", "fake0", "fake1", "fake1"]
+    pinned = _allocate(client, acme, device="fake1")
+    assert pinned["device"] == "fake1"
+
+
+def test_release_tears_down_backend_state_and_keeps_the_record(client: TestClient, backend: BackendService,
+                                                               make_tenant: Callable[..., Tenant]) -> None:
+    acme = make_tenant("acme")
+    vrnic = _allocate(client, acme)
+    response = client.delete(f"/api/v1/vrnics/{vrnic['id']}", headers=_as(acme))
+    assert response.status_code == 200
+    assert response.json()["state"] == "released" and response.json()["released_at"]
+    assert vrnic["id"] not in backend.vrnic_ids()
+    again = client.delete(f"/api/v1/vrnics/{vrnic['id']}", headers=_as(acme))
+    assert again.status_code == 409
+    assert again.headers["content-type"] == "application/problem+json"
+    problem = again.json()
+    assert problem["current_state"] == "released" and problem["status"] == 409 and problem["code"] == "conflict"
+    assert problem["type"] == "urn:vrnic:problem:conflict" and problem["instance"].endswith(vrnic["id"])
+
+
+def test_lifecycle_over_rest_and_illegal_transitions_are_409_with_the_state(
+        client: TestClient, backend: BackendService, make_tenant: Callable[..., Tenant]) -> None:
+    acme = make_tenant("acme")
+    vid = _allocate(client, acme)["id"]
+    url = f"/api/v1/vrnics/{vid}"
+    detach = client.post(f"{url}/detach", headers=_as(acme))
+    assert detach.status_code == 409 and detach.json()["current_state"] == "allocated"
+    assert client.post(f"{url}/attach", headers=_as(acme)).json()["state"] == "attached"
+    refused = client.delete(url, headers=_as(acme))
+    assert refused.status_code == 409 and refused.json()["current_state"] == "attached"
+    assert "detach it first" in refused.json()["detail"]
+    assert vid in backend.vrnic_ids()  # nothing half-applied
+    forced_by_tenant = client.delete(url, params={"force": True}, headers=_as(acme))
+    assert forced_by_tenant.status_code == 403
+    assert client.post(f"{url}/detach", headers=_as(acme)).json()["state"] == "detached"
+    assert client.post(f"{url}/attach", headers=_as(acme)).json()["state"] == "attached"
+    assert client.delete(url, params={"force": True}).json()["state"] == "released"  # the operator may force
+    assert vid not in backend.vrnic_ids()
+    actions = [e["action"] for e in client.get("/api/v1/events", params={"subject": f"vrnic/{vid}"}).json()["items"]]
+    assert actions == ["vrnic.allocate", "vrnic.attach", "vrnic.detach", "vrnic.attach", "vrnic.release"]
+
+
+def test_idempotency_key_makes_retries_safe(client: TestClient, backend: BackendService,
+                                            make_tenant: Callable[..., Tenant]) -> None:
+    acme = make_tenant("acme")
+    key = {"Idempotency-Key": str(uuid.uuid4()), **_as(acme)}
+    first = client.post("/api/v1/vrnics", json={"quota": {"max_qps": 4}}, headers=key)
+    retry = client.post("/api/v1/vrnics", json={"quota": {"max_qps": 4}}, headers=key)
+    assert first.status_code == 201 and retry.status_code == 200
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert retry.json()["id"] == first.json()["id"]
+    assert retry.json()["virtual_gid"] == first.json()["virtual_gid"]
+    assert retry.json()["attach"]["token"] is None
+    assert backend.vrnic_ids() == {first.json()["id"]}
+    different = client.post("/api/v1/vrnics", json={"quota": {"max_qps": 5}}, headers=key)
+    assert different.status_code == 409 and "different request" in different.json()["detail"]
+    # keys are per tenant: another tenant's same key is its own allocation
+    other = make_tenant("other")
+    theirs = client.post("/api/v1/vrnics", json={"quota": {"max_qps": 4}},
+                         headers={"Idempotency-Key": key["Idempotency-Key"], **_as(other)})
+    assert theirs.status_code == 201 and theirs.json()["id"] != first.json()["id"]
+
+
+def test_quota_and_defaults(client: TestClient, backend: BackendService,
+                            make_tenant: Callable[..., Tenant]) -> None:
+    small = make_tenant("small", max_vrnics=2, default_quota={"max_qps": 3, "max_mrs": 9})
+    first = _allocate(client, small)
+    assert first["quota"]["max_qps"] == 3 and first["quota"]["max_mrs"] == 9
+    _allocate(client, small)
+    over = client.post("/api/v1/vrnics", json={}, headers=_as(small))
+    assert over.status_code == 403
+    assert over.json().items() >= {"code": "quota_exceeded", "limit": "vrnics", "maximum": 2, "requested": 3}.items()
+    assert len(backend.vrnic_ids()) == 2
+    client.delete(f"/api/v1/vrnics/{first['id']}", headers=_as(small))
+    _allocate(client, small)  # released ones do not count
+    assert client.patch("/api/v1/tenants/small", json={"unlimited": True}).json()["max_vrnics"] is None
+    _allocate(client, small)
+    assert client.get("/api/v1/tenants/small").json()["live_vrnics"] == 3
+
+
+def test_bad_requests_are_problems_and_allocate_nothing(client: TestClient, backend: BackendService,
+                                                        make_tenant: Callable[..., Tenant]) -> None:
+    acme = make_tenant("acme")
+    cases = [
+        ({"mode": "sriov"}, 422, "not_supported"),  # no sriov driver on this host
+        ({"device": "nope0"}, 400, "invalid_argument"),
+        ({"qos": {"rate_cap_mbps": 10, "guarantee_mbps": 20}}, 422, "invalid_request"),
+        ({"quota": {"max_qps": -1}}, 422, "invalid_request"),
+        ({"tenant": "other"}, 403, "permission_denied"),
+        ({"bogus": 1}, 422, "invalid_request"),
+    ]
+    for body, status, code in cases:
+        response = client.post("/api/v1/vrnics", json=body, headers=_as(acme))
+        assert (response.status_code, response.json()["code"]) == (status, code), (body, response.text)
+        assert response.headers["content-type"] == "application/problem+json"
+    assert client.post("/api/v1/vrnics", json={}).json()["code"] == "invalid_argument"  # operator: which tenant?
+    assert backend.vrnic_ids() == set()
+    assert client.get("/api/v1/vrnics").json()["items"] == []
+
+
+def test_operator_allocates_for_a_tenant_and_lists_paginate(client: TestClient,
+                                                            make_tenant: Callable[..., Tenant]) -> None:
+    make_tenant("acme")
+    ids = [client.post("/api/v1/vrnics", json={"tenant": "acme"}).json()["id"] for _ in range(5)]
+    seen, cursor = [], None
+    while True:
+        page = client.get("/api/v1/vrnics", params={"limit": 2, **({"cursor": cursor} if cursor else {})}).json()
+        seen += [v["id"] for v in page["items"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == ids
+    client.delete(f"/api/v1/vrnics/{ids[0]}")
+    live = client.get("/api/v1/vrnics", params={"state": "allocated", "tenant": "acme"}).json()["items"]
+    assert [v["id"] for v in live] == ids[1:]
+    assert client.get("/api/v1/vrnics", params={"cursor": "x"}).status_code == 422
+    assert client.get("/api/v1/vrnics", params={"limit": 0}).status_code == 422
+
+
+def test_tenants_tokens_devices_hosts(client: TestClient, make_tenant: Callable[..., Tenant]) -> None:
+    acme = make_tenant("acme")
+    assert client.post("/api/v1/tenants", json={"name": "acme"}).status_code == 409
+    assert client.post("/api/v1/tenants", json={"name": "Bad Name"}).status_code == 422
+    assert client.post("/api/v1/tenants", json={"name": "b", "vpc_id": 1}).status_code == 409  # acme has VPC 1
+    issued = client.post("/api/v1/tenants/acme/tokens").json()
+    assert client.get("/api/v1/vrnics", headers={"Authorization": f"Bearer {issued['token']}"}).status_code == 200
+    tokens = client.get("/api/v1/tenants/acme/tokens").json()
+    assert len(tokens) == 2 and all("token" not in t for t in tokens)
+    revoked = client.delete(f"/api/v1/tenants/acme/tokens/{issued['id']}")
+    assert revoked.status_code == 200 and revoked.json()["revoked_at"]
+    assert client.get("/api/v1/vrnics", headers={"Authorization": f"Bearer {issued['token']}"}).status_code == 401
+    assert client.get("/api/v1/vrnics", headers=_as(acme)).status_code == 200  # the first token still works
+    devices = client.get("/api/v1/devices").json()["items"]
+    assert {(d["name"], d["driver"], d["host"]) for d in devices} == {("fake0", "fake", "test-host"),
+                                                                      ("fake1", "fake", "test-host")}
+    assert client.get(f"/api/v1/devices/{devices[0]['id']}").json()["caps"]["max_qp"] == 1024
+    assert [h["name"] for h in client.get("/api/v1/hosts").json()["items"]] == ["test-host"]
+    assert client.get("/api/v1/hosts/test-host").json()["version"]
+    vid = _allocate(client, acme)["id"]
+    refused = client.delete("/api/v1/tenants/acme")
+    assert refused.status_code == 409 and refused.json()["current_state"] == "has_vrnics"
+    client.delete(f"/api/v1/vrnics/{vid}")
+    assert client.delete("/api/v1/tenants/acme").status_code == 204
+    assert client.get("/api/v1/vrnics", headers=_as(acme)).status_code == 401
+    assert client.get("/api/v1/tenants/acme").status_code == 404
+    assert client.get("/api/v1/events", params={"action": "tenant.delete"}).json()["items"][0]["subject"] == \
+        "tenant/acme"
