@@ -1,0 +1,73 @@
+"""schemathesis against the served OpenAPI schema: no 5xx, responses conform to the schema."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from pydantic import SecretStr
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from vrnic.api.app import create_app
+from vrnic.backend.driver import load_driver
+from vrnic.backend.service import BackendService
+from vrnic.config import DaemonSettings
+from vrnic.core.model import VrnicMode
+from vrnic.daemon import serve_in_thread
+from vrnic.db.engine import make_engine
+from vrnic.db.migrate import upgrade
+
+TOKEN = "vro_schemathesis-operator"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
+          response_headers_conformance]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The API served over HTTP on SQLite, with a tenant and a vRNIC in it."""
+    state: Path = tmp_path_factory.mktemp("schemathesis")
+    engine = make_engine(f"sqlite:///{state / 'vrnic.db'}")
+    upgrade(engine)
+    backend = BackendService({VrnicMode.PARAVIRTUAL: load_driver("fake")})
+    app = create_app(DaemonSettings(state_dir=state, operator_token=SecretStr(TOKEN), host_name="st-host"),
+                     backend, engine=engine)
+    with serve_in_thread(app) as base_url:
+        httpx.post(f"{base_url}/api/v1/tenants", json={"name": "acme"}, headers=AUTH).raise_for_status()
+        httpx.post(f"{base_url}/api/v1/vrnics", json={"tenant": "acme"}, headers=AUTH).raise_for_status()
+        yield base_url
+    backend.close()
+    engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def api_schema(served: str) -> Any:
+    return schemathesis.openapi.from_url(f"{served}/openapi.json")
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+@schema.parametrize()
+@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+def test_api_conforms_to_its_schema(case: Any, served: str) -> None:
+    case.call_and_validate(base_url=served, headers=AUTH, checks=CHECKS)
+
+
+def test_schema_documents_problem_json_and_bearer_auth(served: str) -> None:
+    document = httpx.get(f"{served}/openapi.json").json()
+    assert document["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    allocate = document["paths"]["/api/v1/vrnics"]["post"]
+    assert "application/problem+json" in allocate["responses"]["409"]["content"]
+    assert {p["name"] for p in allocate["parameters"]} == {"idempotency-key"}
