@@ -13,9 +13,9 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import uvicorn
-from fastapi import FastAPI
 from pydantic import SecretStr
 
 from vrnic.backend.driver import RnicDriver, load_driver
@@ -23,6 +23,9 @@ from vrnic.backend.service import BackendService
 from vrnic.config import DaemonSettings
 from vrnic.core.model import VrnicMode
 from vrnic.errors import VrnicError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 log = logging.getLogger("vrnic.daemon")
 
@@ -79,6 +82,7 @@ def build_app(settings: DaemonSettings, backend: BackendService) -> FastAPI:
 def run(settings: DaemonSettings) -> None:
     """Serve until SIGINT/SIGTERM; SchemaOutOfDate (naming `vrnic db upgrade`) before anything starts."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # the schema check is not news
     settings = with_operator_token(settings)
     from vrnic.db.engine import make_engine
     from vrnic.db.migrate import check_schema

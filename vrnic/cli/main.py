@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import typer
 
-from vrnic.cli import lab
+from vrnic.cli import db, devices, events, hosts, lab, tenants, vrnics
+from vrnic.cli.daemon import daemon
 
 app = typer.Typer(help="vrnic: virtual RDMA NICs for VMs and containers.", no_args_is_help=True)
 app.add_typer(lab.app, name="lab")
+app.add_typer(tenants.app, name="tenants")
+app.add_typer(vrnics.app, name="vrnics")
+app.add_typer(devices.app, name="devices")
+app.add_typer(hosts.app, name="hosts")
+app.add_typer(events.app, name="events")
+app.add_typer(db.app, name="db")
+app.command("daemon")(daemon)
 
 if __name__ == "__main__":
     app()

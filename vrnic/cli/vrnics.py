@@ -1,0 +1,77 @@
+"""`vrnic vrnics`: allocate, list, show and release vRNICs."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from vrnic.cli.client import AllOpt, CursorOpt, JsonFlag, LimitOpt, api, parse_pairs, show, show_fields
+from vrnic.core.lifecycle import VrnicState
+from vrnic.core.model import VrnicMode
+
+app = typer.Typer(help="vRNICs: allocate, list, show, release.", no_args_is_help=True)
+
+COLUMNS = ["id", "tenant", "mode", "state", "host", "device", "virtual_gid", "created_at"]
+
+
+def _flat(vrnic: dict[str, Any]) -> dict[str, Any]:
+    attach = vrnic.pop("attach", {}) or {}
+    return {**vrnic, "socket_path": attach.get("socket_path"), "attach_token": attach.get("token"),
+            **{f"attach.{k}": v for k, v in (attach.get("extra") or {}).items()}}
+
+
+@app.command()
+def allocate(
+    tenant: Annotated[str | None, typer.Option(help="Operator: the tenant to allocate for.")] = None,
+    mode: Annotated[VrnicMode, typer.Option(help="paravirtual or sriov.")] = VrnicMode.PARAVIRTUAL,
+    device: Annotated[str | None, typer.Option(help="A physical device (default: the least loaded).")] = None,
+    quota: Annotated[list[str] | None, typer.Option(help="Quota KEY=N (repeat), e.g. max_qps=8.")] = None,
+    rate_cap: Annotated[int | None, typer.Option(help="QoS rate cap, Mbit/s.")] = None,
+    guarantee: Annotated[int | None, typer.Option(help="QoS guaranteed rate, Mbit/s.")] = None,
+    idempotency_key: Annotated[str | None, typer.Option(help="Retry-safe: the same key returns the same vRNIC.")
+                               ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Allocate a vRNIC and print its attach information (the attach token is shown only now)."""
+    body: dict[str, Any] = {"mode": mode.value, "qos": {"rate_cap_mbps": rate_cap, "guarantee_mbps": guarantee}}
+    if tenant:
+        body["tenant"] = tenant
+    if device:
+        body["device"] = device
+    if quota:
+        body["quota"] = parse_pairs(quota, "--quota")
+    headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+    with api() as client:
+        vrnic = client.request("POST", "/vrnics", json_body=body, headers=headers)
+    show_fields(vrnic if as_json else _flat(vrnic), as_json)
+
+
+@app.command("list")
+def list_(state: Annotated[VrnicState | None, typer.Option(help="Only this state.")] = None,
+          tenant: Annotated[str | None, typer.Option(help="Operator: only this tenant.")] = None,
+          as_json: JsonFlag = False, limit: LimitOpt = 50, all_pages: AllOpt = False, cursor: CursorOpt = None) -> None:
+    params = {"state": state.value if state else None, "tenant": tenant, "cursor": cursor}
+    with api() as client:
+        items = list(client.pages("/vrnics", params, limit, all_pages))
+    show(items, as_json, COLUMNS)
+
+
+@app.command("show")
+def show_(vrnic_id: str, as_json: JsonFlag = False) -> None:
+    with api() as client:
+        vrnic = client.request("GET", f"/vrnics/{vrnic_id}")
+    show_fields(vrnic if as_json else _flat(vrnic), as_json)
+
+
+@app.command()
+def release(vrnic_id: str,
+            force: Annotated[bool, typer.Option(help="Operator: release even while attached.")] = False,
+            as_json: JsonFlag = False) -> None:
+    """Release a vRNIC: its backend state is torn down."""
+    with api() as client:
+        vrnic = client.request("DELETE", f"/vrnics/{vrnic_id}", params={"force": force or None})
+    if as_json:
+        show_fields(vrnic, True)
+    else:
+        typer.echo(f"released {vrnic['id']} (was on {vrnic['device']})")
