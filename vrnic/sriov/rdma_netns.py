@@ -8,6 +8,7 @@ exists) and its driver supports it (rxe does not: EOPNOTSUPP).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from typing import Any
@@ -27,19 +28,22 @@ def _rdma(*args: str, json_output: bool = True) -> Any:
         if "no such" in message.lower() or "not found" in message.lower():
             raise NotFound(f"rdma {' '.join(args)}: {message}")
         raise DeviceError(f"rdma {' '.join(args)}: {message}")
-    return json.loads(result.stdout) if json_output and result.stdout.strip() else None
+    if not json_output:
+        return result.stdout
+    return json.loads(result.stdout) if result.stdout.strip() else None
 
 
-def parse_netns_mode(records: Any) -> str:
-    for record in records if isinstance(records, list) else [records]:
-        if isinstance(record, dict) and "netns" in record:
-            return str(record["netns"])
-    raise DeviceError(f"cannot read the RDMA netns mode from {records!r}")
+def parse_netns_mode(text: str) -> str:
+    """`rdma system show` prints 'netns shared copy-on-fork on' (iproute2 6.1 has no JSON for it)."""
+    match = re.search(r"\bnetns\s+(\w+)", text)
+    if not match:
+        raise DeviceError(f"cannot read the RDMA netns mode from {text!r}")
+    return match.group(1)
 
 
 def netns_mode() -> str:
     """'shared' or 'exclusive'."""
-    return parse_netns_mode(_rdma("system", "show"))
+    return parse_netns_mode(_rdma("system", "show", json_output=False))
 
 
 def set_netns_mode(mode: str) -> None:
