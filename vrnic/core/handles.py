@@ -40,13 +40,16 @@ class HandleTable(Generic[T]):
             raise NotFound(f"unknown {self.kind} handle {handle}") from None
 
     def pop(self, handle: object) -> T:
-        obj = self.get(handle)
+        self.get(handle)  # type check and NotFound
         with self._lock:
-            del self._objects[handle]  # type: ignore[arg-type]
-        return obj
+            # Removed under the lock: of two racing destroys, the second gets NotFound, not a KeyError.
+            if handle not in self._objects:
+                raise NotFound(f"unknown {self.kind} handle {handle}")
+            return self._objects.pop(handle)
 
     def __contains__(self, handle: object) -> bool:
-        return handle in self._objects
+        # True == 1: a bool names no handle here, as in get().
+        return isinstance(handle, int) and not isinstance(handle, bool) and handle in self._objects
 
     def __len__(self) -> int:
         return len(self._objects)

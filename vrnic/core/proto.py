@@ -72,7 +72,8 @@ class FrameDecoder:
 
 
 class Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: an id must be a JSON integer (not "5", 5.0 or true), so a reply always echoes what was sent
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     id: int = Field(ge=0, lt=1 << 63)
     op: str = Field(max_length=64)

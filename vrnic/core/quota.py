@@ -41,6 +41,8 @@ class QuotaLedger:
             self._used[resource] = wanted
 
     def refund(self, resource: Resource, amount: int = 1) -> None:
+        if amount < 0:  # a negative refund would be a charge that skips the limit check
+            raise InvalidArgument(f"cannot refund a negative amount of {resource}")
         with self._lock:
             self._used[resource] = max(0, self._used[resource] - amount)
 

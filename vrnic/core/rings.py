@@ -2,7 +2,9 @@
 
 Layout at a ring's offset in the guest arena: a 192-byte header (producer index
 at 0, consumer index at 64, flags at 128, each on its own cache line) followed
-by fixed-size slots. Indices run freely modulo 2^32. Each side writes only its
+by fixed-size slots. Indices run freely modulo the largest multiple of the ring's
+entries that fits in 32 bits (2^32 itself for a power-of-two ring), so that slot
+index % entries carries on across the wrap. Each side writes only its
 own index, after the slot it produced or consumed, so x86's store ordering is
 enough. Everything here works on a plain buffer: no syscalls.
 """
@@ -36,10 +38,15 @@ class Ring:
     def __init__(self, buf: memoryview, offset: int, entries: int, slot: struct.Struct) -> None:
         if entries < 1:
             raise InvalidArgument("a ring needs at least one entry")
+        if entries > 1 << 31:
+            raise InvalidArgument(f"a ring has at most 2^31 entries, not {entries}")
         end = offset + self.bytes_needed(entries, slot.size)
         if offset < 0 or offset % 64 or end > len(buf):
             raise InvalidArgument(f"ring [{offset}, {end}) is not 64-byte aligned inside the {len(buf)}-byte arena")
         self.buf, self.offset, self.entries, self.slot = buf, offset, entries, slot
+        # Wrapping at 2^32 would jump index % entries backwards unless entries divides 2^32,
+        # putting two live entries in one slot; wrap at a multiple of entries instead.
+        self.modulus = ((1 << 32) // entries) * entries
 
     @staticmethod
     def bytes_needed(entries: int, slot_size: int) -> int:
@@ -49,10 +56,13 @@ class Ring:
         return int(_U32.unpack_from(self.buf, self.offset + at)[0])
 
     def _set_index(self, at: int, value: int) -> None:
-        _U32.pack_into(self.buf, self.offset + at, value & 0xFFFF_FFFF)
+        _U32.pack_into(self.buf, self.offset + at, value % self.modulus)
 
     def count(self) -> int:
-        used = (self._index(_PRODUCER) - self._index(_CONSUMER)) & 0xFFFF_FFFF
+        producer, consumer = self._index(_PRODUCER), self._index(_CONSUMER)
+        if producer >= self.modulus or consumer >= self.modulus:
+            raise RingCorrupt(f"ring index {max(producer, consumer)} is outside the ring's 0..{self.modulus - 1}")
+        used = (producer - consumer) % self.modulus
         if used > self.entries:
             raise RingCorrupt(f"ring indices claim {used} entries in a ring of {self.entries}")
         return used
@@ -68,6 +78,8 @@ class Ring:
 
     def consume(self, limit: int) -> list[tuple[Any, ...]]:
         """Take up to limit slots, oldest first."""
+        if limit < 0:  # would move the consumer index backwards
+            raise InvalidArgument(f"cannot take a negative number ({limit}) of entries")
         available = min(self.count(), limit)
         consumer = self._index(_CONSUMER)
         taken = [self.slot.unpack_from(self.buf, self._slot_at(consumer + i)) for i in range(available)]
