@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from vrnic.errors import Conflict, DeviceError, InvalidArgument, NotFound, NotSupported
+from vrnic.sriov.libvirt_xml import HostdevInterface, PciAddress
 from vrnic.sriov.manager import SriovManager
 from vrnic.sriov.model import CLEAN_VF, EventKind, PfKind, VfConfig, VfRequest
 from vrnic.sriov.netlink import VfNetlink
@@ -134,3 +135,84 @@ def test_attach_without_vf_netdev_is_refused_clearly(parts: tuple[SriovManager, 
         manager.attach_container("v1", "ctr")
     with pytest.raises(NotSupported, match="no PCI address"):
         manager.vm_interface("v1")
+
+
+def test_periodic_reconciler_repairs_on_its_own(parts: tuple[SriovManager, MemorySysfs, MemoryNetlink]) -> None:
+    import time
+
+    from vrnic.sriov.manager import PeriodicReconciler
+
+    manager, _, netlink = parts
+    a = manager.allocate("v1", "red", "eth0", VfRequest(vlan=100))
+    netlink.vfs[0] = replace(a.config, vlan=1)
+    reconciler = PeriodicReconciler(manager, interval=0.01)
+    reconciler.start()
+    deadline = time.monotonic() + 5
+    while netlink.vfs[0] != a.config and time.monotonic() < deadline:
+        time.sleep(0.01)
+    reconciler.stop()
+    assert netlink.vfs[0] == a.config and reconciler.passes >= 1
+
+
+class PciSysfs(MemorySysfs):
+    def pfs(self) -> list[PfSysfs]:
+        return [PfSysfs("ens1f0", PfKind.PCI, "0000:3b:00.0", "mlx5_core", self.num_vfs, 8, "mlx5_0",
+                        vfs={i: VfSysfs(i, f"0000:3b:00.{i + 2}", f"ens1f0v{i}", f"mlx5_{i + 2}" if i else None)
+                             for i in range(self.num_vfs)})]
+
+
+class MovingNetlink(MemoryNetlink):
+    def __init__(self, sysfs: MemorySysfs) -> None:
+        super().__init__(sysfs)
+        self.where: dict[str, str | None] = {}
+
+    def move_to_netns(self, ifname: str, netns: str) -> None:
+        self.where[ifname] = netns
+
+    def return_from_netns(self, ifname: str, netns: str) -> None:
+        assert self.where[ifname] == netns
+        self.where[ifname] = None
+
+
+class FakeRdma:
+    def __init__(self, mode: str) -> None:
+        self.mode, self.where = mode, {}  # type: ignore[var-annotated]
+
+    def netns_mode(self) -> str:
+        return self.mode
+
+    def move_device(self, device: str, netns: str) -> None:
+        self.where[device] = netns
+
+    def return_device(self, device: str, netns: str) -> None:
+        self.where[device] = None
+
+
+def test_pci_vf_container_attach_and_vm_xml() -> None:
+    sysfs = PciSysfs()
+    netlink = MovingNetlink(sysfs)
+    rdma = FakeRdma("shared")
+    manager = SriovManager(sysfs, netlink, eswitch_mode=lambda kind, bus: "switchdev", rdma=rdma)
+    manager.allocate("v0", "red", "ens1f0", VfRequest(vlan=42), vf_index=0)  # VF 0 has no RDMA device
+    manager.allocate("v1", "red", "ens1f0", VfRequest(vlan=42), vf_index=1)
+    interface = manager.vm_interface("v1", alias="ua-v1")
+    assert interface == HostdevInterface(pci=PciAddress(0, 0x3B, 0, 3), mac=manager.allocation("v1").config.mac,
+                                         vlan=42, alias="ua-v1")
+
+    with pytest.raises(NotSupported, match="ens1f0/vf0 has no RDMA device"):
+        manager.attach_container("v0", "ctr")
+    with pytest.raises(NotSupported, match="shared netns mode"):
+        manager.attach_container("v1", "ctr")
+    assert netlink.where == {} and manager.allocation("v1").netns is None  # refused before moving anything
+
+    ethernet_only = manager.attach_container("v0", "ctr", require_rdma=False)
+    assert ethernet_only.rdma_device is None and "Ethernet only" in ethernet_only.notes[0]
+    rdma.mode = "exclusive"
+    attached = manager.attach_container("v1", "ctr")
+    assert (attached.netdev, attached.rdma_device) == ("ens1f0v1", "mlx5_3")
+    assert netlink.where["ens1f0v1"] == "ctr" and rdma.where["mlx5_3"] == "ctr"
+    with pytest.raises(Conflict, match="already in netns ctr"):
+        manager.attach_container("v1", "other")
+    manager.release("v1")  # release brings both back before resetting the VF
+    assert netlink.where["ens1f0v1"] is None and rdma.where["mlx5_3"] is None
+    assert netlink.vfs[1] == CLEAN_VF

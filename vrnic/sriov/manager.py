@@ -360,3 +360,37 @@ class SriovManager:
         if self._on_event is not None:
             self._on_event(event)
         return event
+
+
+class PeriodicReconciler:
+    """Runs manager.reconcile() once at start and then every interval seconds on a daemon thread
+    (what the daemon starts next to the API). A failing pass is logged and retried on the next tick."""
+
+    def __init__(self, manager: SriovManager, interval: float = 30.0) -> None:
+        self.manager = manager
+        self.interval = interval
+        self.passes = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="vrnic-sriov-reconcile", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.manager.reconcile()
+            except VrnicError as e:
+                log.error("SR-IOV reconcile pass failed: %s", e)
+            self.passes += 1
+            if self._stop.wait(self.interval):
+                return
