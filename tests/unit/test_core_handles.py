@@ -1,0 +1,130 @@
+"""Opaque per-vRNIC handle tables (vrnic.core.handles)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from vrnic.core.handles import HandleTable
+from vrnic.errors import InvalidArgument, NotFound
+
+
+def test_add_get_contains_len() -> None:
+    table: HandleTable[str] = HandleTable("pd")
+    a, b = table.add("a"), table.add("b")
+    assert a != b
+    assert table.get(a) == "a" and table.get(b) == "b"
+    assert a in table and b in table
+    assert len(table) == 2
+    assert sorted(table.items()) == sorted([(a, "a"), (b, "b")])
+
+
+def test_handles_are_positive_and_fit_63_bits() -> None:
+    table: HandleTable[int] = HandleTable("mr")
+    handles = [table.add(i) for i in range(200)]
+    assert all(0 < h < 1 << 63 for h in handles)
+    assert len(set(handles)) == 200
+    assert len(table) == 200
+    assert [table.get(h) for h in handles] == list(range(200))
+
+
+def test_a_tiny_handle_space_still_gives_unique_nonzero_handles() -> None:
+    table: HandleTable[str] = HandleTable("cq", bits=2)  # only 1, 2, 3 exist
+    handles = {table.add("x") for _ in range(3)}
+    assert handles == {1, 2, 3}
+
+
+def test_forged_handle_is_not_found() -> None:
+    table: HandleTable[str] = HandleTable("qp")
+    table.add("mine")
+    with pytest.raises(NotFound, match="unknown qp handle 12345"):
+        table.get(12345)
+
+
+def test_a_handle_of_another_table_is_not_found_there() -> None:
+    mine: HandleTable[str] = HandleTable("pd")
+    theirs: HandleTable[str] = HandleTable("pd")
+    foreign = theirs.add("secret")
+    mine.add("mine")
+    if foreign not in mine:  # 2^-63 chance of a collision
+        with pytest.raises(NotFound):
+            mine.get(foreign)
+        with pytest.raises(NotFound):
+            mine.pop(foreign)
+    assert theirs.get(foreign) == "secret"
+
+
+@pytest.mark.parametrize("bad", [True, False, "1", 1.0, None, [1], b"\x01"])
+def test_a_handle_that_is_not_an_int_is_invalid(bad: object) -> None:
+    table: HandleTable[str] = HandleTable("mr")
+    with pytest.raises(InvalidArgument, match="mr handle must be an integer"):
+        table.get(bad)
+    with pytest.raises(InvalidArgument):
+        table.pop(bad)
+
+
+def test_bool_is_refused_even_when_handle_1_exists() -> None:
+    table: HandleTable[str] = HandleTable("pd", bits=1)  # the only handle is 1
+    assert table.add("x") == 1
+    with pytest.raises(InvalidArgument):
+        table.get(True)
+    assert True not in table
+    assert 1 in table
+
+
+def test_pop_removes_exactly_one() -> None:
+    table: HandleTable[str] = HandleTable("cq")
+    a, b = table.add("a"), table.add("b")
+    assert table.pop(a) == "a"
+    assert a not in table
+    assert len(table) == 1
+    assert table.get(b) == "b"
+    with pytest.raises(NotFound):
+        table.get(a)
+    with pytest.raises(NotFound):  # a second destroy of the same handle
+        table.pop(a)
+
+
+def test_negative_and_huge_ints_are_just_unknown() -> None:
+    table: HandleTable[str] = HandleTable("qp")
+    for handle in (0, -1, 1 << 64):
+        with pytest.raises(NotFound):
+            table.get(handle)
+
+
+def test_items_is_a_snapshot() -> None:
+    table: HandleTable[str] = HandleTable("pd")
+    a = table.add("a")
+    snapshot = table.items()
+    table.pop(a)
+    assert list(snapshot) == [(a, "a")]
+    assert list(table.items()) == []
+
+
+def test_racing_destroys_of_one_handle_give_one_object_and_not_found() -> None:
+    table: HandleTable[int] = HandleTable("mr")
+    handles = [table.add(i) for i in range(2000)]
+    results: list[str] = []
+    lock = threading.Lock()
+
+    def destroy_all() -> None:
+        for handle in handles:
+            try:
+                table.pop(handle)
+                outcome = "ok"
+            except NotFound:
+                outcome = "not_found"
+            except Exception as exc:  # noqa: BLE001 - what we are checking for
+                outcome = type(exc).__name__
+            with lock:
+                results.append(outcome)
+
+    threads = [threading.Thread(target=destroy_all) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results.count("ok") == 2000
+    assert results.count("not_found") == 6000
+    assert len(table) == 0
