@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -72,6 +73,23 @@ def with_operator_token(settings: DaemonSettings) -> DaemonSettings:
     return settings.model_copy(update={"operator_token": SecretStr(token)})
 
 
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGTERM/SIGINT after its shutdown, killing the process before the backend is torn
+    down; here a signal only asks the server to stop, and run() returns normally."""
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
 def build_app(settings: DaemonSettings, backend: BackendService) -> FastAPI:
     from vrnic.api.app import create_app  # FastAPI and SQLAlchemy load only when the API is wanted
 
@@ -93,10 +111,12 @@ def run(settings: DaemonSettings) -> None:
         app = build_app(settings, backend)
         log.info("API on http://%s:%d/api/v1 (database %s)", settings.listen_host, settings.listen_port,
                  settings.database.split("@")[-1])
-        uvicorn.Server(uvicorn.Config(app, host=settings.listen_host, port=settings.listen_port,
-                                      log_level=settings.log_level, access_log=False)).run()
+        _Server(uvicorn.Config(app, host=settings.listen_host, port=settings.listen_port,
+                               log_level=settings.log_level, access_log=False)).run()
     finally:
+        held = len(backend.vrnic_ids())
         backend.close()  # backend state lives in this process: tear it down rather than leak it
+        log.info("stopped; released the backend state of %d vRNIC(s)", held)
 
 
 @contextmanager

@@ -1,0 +1,85 @@
+"""The operator CLI against a served API: tables, --json, one-line errors with a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from fastapi import FastAPI
+from sqlalchemy import Engine
+from typer.testing import CliRunner
+
+from vrnic.api.app import create_app
+from vrnic.backend.service import BackendService
+from vrnic.cli.main import app as cli
+from vrnic.config import DaemonSettings
+from vrnic.daemon import serve_in_thread
+
+
+@pytest.fixture
+def api_url(migrated: Engine, settings: DaemonSettings, backend: BackendService) -> Iterator[str]:
+    app: FastAPI = create_app(settings, backend, engine=migrated)
+    with serve_in_thread(app) as url:
+        yield url
+
+
+@pytest.fixture
+def run(api_url: str, operator_token: str, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("VRNIC_API_URL", api_url)
+    runner = CliRunner()
+
+    def invoke(*args: str, token: str = operator_token) -> tuple[int, str, str]:
+        monkeypatch.setenv("VRNIC_API_TOKEN", token)
+        result = runner.invoke(cli, list(args), env={"COLUMNS": "200"})
+        return result.exit_code, result.stdout, result.stderr
+
+    return invoke
+
+
+def test_operator_and_tenant_workflow(run, backend: BackendService) -> None:  # type: ignore[no-untyped-def]
+    code, out, _ = run("tenants", "create", "acme", "--max-vrnics", "3", "--quota", "max_qps=8", "--json")
+    assert code == 0
+    tenant = json.loads(out)
+    assert tenant["max_vrnics"] == 3 and tenant["default_quota"]["max_qps"] == 8
+    code, out, _ = run("vrnics", "allocate", "--rate-cap", "500", "--json", token=tenant["token"])
+    assert code == 0
+    vrnic = json.loads(out)
+    assert vrnic["attach"]["token"] and vrnic["qos"]["rate_cap_mbps"] == 500
+    assert vrnic["id"] in backend.vrnic_ids()
+    code, out, _ = run("vrnics", "list")
+    assert code == 0 and vrnic["id"][:8] in out and "acme" in out and "allocated" in out
+    code, out, _ = run("vrnics", "show", vrnic["id"], token=tenant["token"])
+    assert code == 0 and vrnic["virtual_gid"] in out
+    code, out, _ = run("devices", "list", "--json")
+    assert code == 0 and {d["name"] for d in json.loads(out)} == {"fake0", "fake1"}
+    code, out, _ = run("hosts", "list")
+    assert code == 0 and "test-host" in out
+    code, out, _ = run("vrnics", "release", vrnic["id"], token=tenant["token"])
+    assert code == 0 and f"released {vrnic['id']}" in out
+    assert vrnic["id"] not in backend.vrnic_ids()
+    code, out, _ = run("events", "list", "--subject", f"vrnic/{vrnic['id']}", "--json")
+    assert [e["action"] for e in json.loads(out)] == ["vrnic.allocate", "vrnic.release"]
+
+
+def test_errors_are_one_line_with_a_non_zero_exit(run, api_url: str) -> None:  # type: ignore[no-untyped-def]
+    run("tenants", "create", "acme")
+    code, vrnic_out, _ = run("vrnics", "allocate", "--tenant", "acme", "--json")
+    vid = json.loads(vrnic_out)["id"]
+    run("vrnics", "release", vid)
+    code, out, err = run("vrnics", "release", vid)
+    assert code == 1 and out == ""
+    assert err.strip() == "vrnic: 409 conflict: cannot release a vRNIC in state released: it is released " \
+                          "(current state: released)"
+    code, _, err = run("tenants", "list", token="vrt_wrong")
+    assert code == 1 and err.strip() == "vrnic: 401 unauthenticated: invalid or revoked token"
+    code, _, err = run("vrnics", "allocate", "--mode", "sriov", "--tenant", "acme")
+    assert code == 1 and "not_supported" in err and len(err.strip().splitlines()) == 1
+
+
+def test_unreachable_api_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VRNIC_API_URL", "http://127.0.0.1:9")  # discard port: nothing listens
+    result = CliRunner().invoke(cli, ["hosts", "list"])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("vrnic: cannot reach the vrnic API at http://127.0.0.1:9")
+    assert len(result.stderr.strip().splitlines()) == 1
