@@ -230,3 +230,22 @@ def test_rdma_device_move_reports_why_it_cannot(manager: SriovManager) -> None:
         sh("ip", "netns", "del", "vrnic-ctr2")
         rdma_netns.set_netns_mode("shared")
     assert rdma_netns.netns_mode() == "shared"
+
+
+def test_backend_service_places_sriov_vrnics_through_the_driver_entry_point() -> None:
+    from vrnic.backend.driver import load_driver
+    from vrnic.backend.service import BackendService
+
+    driver = load_driver("sriov")
+    service = BackendService({VrnicMode.SRIOV: driver})
+    try:
+        assert [(d.name, d.driver) for d in service.devices()] == [(PF, "sriov")]
+        info = service.create_vrnic(spec("svc-1", "red", 77, 400, 40))  # no device given: the backend picks
+        assert info.device == PF and ip_vfs()[int(info.extra["vf_index"])]["vlan"] == 77
+        assert service.vrnic_ids() == {"svc-1"}
+        service.release_vrnic("svc-1")
+        assert ip_vfs()[int(info.extra["vf_index"])] == CLEAN and service.vrnic_ids() == set()
+    finally:
+        for vrnic_id in driver.vrnic_ids():
+            driver.release_vrnic(vrnic_id)
+        driver.close()
