@@ -216,3 +216,29 @@ def test_pci_vf_container_attach_and_vm_xml() -> None:
     manager.release("v1")  # release brings both back before resetting the VF
     assert netlink.where["ens1f0v1"] is None and rdma.where["mlx5_3"] is None
     assert netlink.vfs[1] == CLEAN_VF
+
+
+def test_inventory_and_driver_close_resets_with_in_memory_store(
+        parts: tuple[SriovManager, MemorySysfs, MemoryNetlink]) -> None:
+    from vrnic.backend.drivers.sriov import SriovDriver
+
+    manager, _, netlink = parts
+    driver = SriovDriver(manager)
+    manager.allocate("v1", "red", "eth0", VfRequest(vlan=100), vf_index=2)
+    [inventory] = manager.inventory()
+    assert inventory.pf.eswitch_mode == "legacy" and set(inventory.allocations) == {2}
+    assert inventory.pf.vfs[2].config == inventory.allocations[2].config
+    assert [(d.name, d.caps) for d in driver.devices()] == [("eth0", {"num_vfs": 4, "free_vfs": 3, "total_vfs": 4})]
+    driver.close()  # nothing persisted the allocation, so nothing may stay configured
+    assert netlink.vfs[2] == CLEAN_VF and manager.allocations() == []
+
+
+def test_driver_keeps_vfs_on_close_with_a_persistent_store(
+        parts: tuple[SriovManager, MemorySysfs, MemoryNetlink]) -> None:
+    from vrnic.backend.drivers.sriov import SriovDriver
+
+    manager, _, netlink = parts
+    driver = SriovDriver(manager, reconcile_interval=60, release_on_close=False)
+    a = manager.allocate("v1", "red", "eth0", VfRequest(vlan=100))
+    driver.close()
+    assert netlink.vfs[0] == a.config

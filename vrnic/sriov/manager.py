@@ -62,6 +62,15 @@ class CountChangeResult:
 
 
 @dataclass(frozen=True)
+class PfInventory:
+    """A PF with its VFs and who holds each (what `GET /sriov/pfs` and `vrnic sriov list` show)."""
+
+    pf: PfInfo
+    allocations: dict[int, Allocation]  # VF index -> allocation (vanished ones are listed separately)
+    vanished: tuple[Allocation, ...] = ()
+
+
+@dataclass(frozen=True)
 class ContainerAttachment:
     vrnic_id: str
     netns: str
@@ -109,6 +118,15 @@ class SriovManager:
         return PfInfo(name=pf.name, kind=pf.kind, bus_id=pf.bus_id, driver=pf.driver, num_vfs=pf.num_vfs,
                       total_vfs=pf.total_vfs, eswitch_mode=self._eswitch_mode(pf.kind, pf.bus_id),
                       rdma_device=pf.rdma_device, vfs=tuple(vfs))
+
+    def inventory(self) -> list[PfInventory]:
+        held = self.store.list()
+        result = []
+        for pf in self.discover():
+            mine = [a for a in held if a.address.pf == pf.name]
+            result.append(PfInventory(pf, {a.address.index: a for a in mine if not a.vanished},
+                                      tuple(a for a in mine if a.vanished)))
+        return result
 
     def _pool(self) -> VfPool:
         return VfPool({pf.name: pf.num_vfs for pf in self.sysfs.pfs()}, self.store.list())
