@@ -21,9 +21,13 @@ def make_virtual_gid(vpc_id: int, serial: int) -> str:
 def parse_virtual_gid(gid: str) -> tuple[int, int]:
     """(vpc_id, serial) of a virtual GID; InvalidArgument if it is not one."""
     try:
-        value = int(ipaddress.IPv6Address(gid))
+        address = ipaddress.IPv6Address(gid)
     except ValueError as exc:
         raise InvalidArgument(f"not a GID: {gid!r}") from exc
-    if value >> 96 != _PREFIX:
+    if address.scope_id is not None:
+        raise InvalidArgument(f"not a GID: {gid!r} (a GID has no scope)")
+    value = int(address)
+    # Serial 0 is never issued (make_virtual_gid refuses it), so it names no vRNIC.
+    if value >> 96 != _PREFIX or not value & 0xFFFF_FFFF_FFFF_FFFF:
         raise InvalidArgument(f"not a virtual GID: {gid}")
     return (value >> 64) & 0xFFFF_FFFF, value & 0xFFFF_FFFF_FFFF_FFFF
