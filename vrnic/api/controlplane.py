@@ -10,9 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, TypeVar
 
 from sqlalchemy import Engine, Select, func, select
@@ -69,6 +70,8 @@ class ControlPlane:
         self._readonly_sessions: sessionmaker[Session] = session_factory(
             engine.execution_options(vrnic_read_only=True))
         self._tokens = TokenCache()
+        self._write_lock: AbstractContextManager[object] = \
+            threading.Lock() if engine.dialect.name == "sqlite" else nullcontext()
         self._host_id: int | None = None
         self._device_ids: dict[tuple[str, str], int] = {}
 
@@ -76,7 +79,9 @@ class ControlPlane:
 
     @contextmanager
     def _write(self) -> Iterator[Session]:
-        with self._sessions() as session, session.begin():
+        # SQLite has one writer at a time; waiting on a lock in this process wakes up at once, where
+        # SQLite's own busy handler sleeps and polls (tens of ms of tail latency under concurrency).
+        with self._write_lock, self._sessions() as session, session.begin():
             yield session
 
     @contextmanager
@@ -137,6 +142,14 @@ class ControlPlane:
             return sorted(set(ids) - held)
 
     # -- auth -------------------------------------------------------------------------------------
+
+    def cached_principal(self, token: str | None) -> Principal | None:
+        """The caller if it is known without a database read (operator, recently seen tenant token)."""
+        if not token:
+            return None
+        if is_operator_token(token, self._operator_token):
+            return OPERATOR
+        return self._tokens.get(hash_token(token))
 
     def authenticate(self, token: str | None) -> Principal:
         if not token:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response, status
+from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from vrnic.api.auth import Principal
@@ -29,14 +30,19 @@ from vrnic.core.lifecycle import VrnicAction, VrnicState
 bearer = HTTPBearer(auto_error=False, description="the operator token, or a tenant's token")
 
 
-def control_plane(request: Request) -> ControlPlane:
+# Dependencies are async so FastAPI does not hop to a worker thread for each of them; only a cache
+# miss reads the token table, and that goes to a worker thread.
+async def control_plane(request: Request) -> ControlPlane:
     cp: ControlPlane = request.app.state.control_plane
     return cp
 
 
-def caller(request: Request,
-           credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Principal:
-    return control_plane(request).authenticate(credentials.credentials if credentials else None)
+async def caller(request: Request,
+                 credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Principal:
+    cp = await control_plane(request)
+    token = credentials.credentials if credentials else None
+    known = cp.cached_principal(token)
+    return known if known is not None else await run_in_threadpool(cp.authenticate, token)
 
 
 CP = Annotated[ControlPlane, Depends(control_plane)]

@@ -1,0 +1,196 @@
+"""Control-plane overhead: REST allocate and release against a real `vrnic daemon` over HTTP.
+
+The daemon runs as its own process (uvicorn, SQLite file, the in-tree fake driver), the clients are
+asyncio tasks with httpx in this process, at 1, 8 and 32 concurrent clients. The baseline of every
+record is the bare BackendService create (or release) with the fake driver, measured in the same run:
+the ratio is what the REST API, auth and the database add. The issue's absolute target (fake driver,
+host) is >= 1000 allocations/s with p99 <= 10 ms; the records carry the numbers, not a verdict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from bench.harness import Record
+from vrnic.backend.driver import load_driver
+from vrnic.backend.service import BackendService
+from vrnic.core.model import VrnicMode, VrnicSpec
+from vrnic.core.vaddr import make_virtual_gid
+
+CONCURRENCY = (1, 8, 32)
+OPERATIONS = int(os.environ.get("VRNIC_BENCH_CP_OPS", "1500"))  # allocations per concurrency level
+OPERATOR_TOKEN = "vro_bench-operator"
+
+
+def _percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Stats:
+    def __init__(self, latencies_ms: list[float], seconds: float) -> None:
+        self.latencies_ms = latencies_ms
+        self.seconds = seconds
+
+    @property
+    def throughput(self) -> float:
+        return len(self.latencies_ms) / self.seconds
+
+    @property
+    def p50(self) -> float:
+        return statistics.median(self.latencies_ms)
+
+    @property
+    def p99(self) -> float:
+        return _percentile(self.latencies_ms, 0.99)
+
+
+def _timed(operation: Callable[[int], None], count: int) -> Stats:
+    samples = []
+    started = time.perf_counter()
+    for i in range(count):
+        t0 = time.perf_counter()
+        operation(i)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return Stats(samples, time.perf_counter() - started)
+
+
+def bare_backend(count: int) -> tuple[Stats, Stats]:
+    """BackendService create and release with the fake driver, no API, no database."""
+    service = BackendService({VrnicMode.PARAVIRTUAL: load_driver("fake")})
+    specs = [VrnicSpec(id=f"vr-bench{i:08d}", tenant="bench", vpc_id=1, virtual_gid=make_virtual_gid(1, i + 1))
+             for i in range(count)]
+    created = _timed(lambda i: service.create_vrnic(specs[i]) and None, count)
+    released = _timed(lambda i: service.release_vrnic(specs[i].id), count)
+    service.close()
+    return created, released
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Daemon:
+    """`vrnic daemon` in its own process on a fresh SQLite file."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}/api/v1"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("VRNIC_")}
+        self.env.update(VRNIC_STATE_DIR=str(state_dir), VRNIC_LISTEN_PORT=str(self.port),
+                        VRNIC_OPERATOR_TOKEN=OPERATOR_TOKEN, VRNIC_PARAVIRTUAL_DRIVER="fake",
+                        VRNIC_SRIOV_DRIVER="", VRNIC_LOG_LEVEL="warning")
+        self.log = state_dir / "daemon.log"
+        vrnic = [sys.executable, "-m", "vrnic.cli.main"]
+        subprocess.run([*vrnic, "db", "upgrade"], env=self.env, check=True, capture_output=True)
+        self.process = subprocess.Popen([*vrnic, "daemon"], env=self.env, stdout=self.log.open("wb"),
+                                        stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"vrnic daemon did not start:\n{self.log.read_text()}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+async def _phase(clients: int, jobs: list[Callable[[httpx.AsyncClient], object]],
+                 http: httpx.AsyncClient) -> tuple[Stats, list[object]]:
+    """Run jobs on `clients` concurrent workers; per-request latencies and the wall time of all."""
+    queue = list(reversed(jobs))
+    latencies: list[float] = []
+    results: list[object] = []
+
+    async def worker() -> None:
+        while queue:
+            job = queue.pop()
+            t0 = time.perf_counter()
+            results.append(await job(http))  # type: ignore[misc]
+            latencies.append((time.perf_counter() - t0) * 1e3)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    return Stats(latencies, time.perf_counter() - started), results
+
+
+async def rest_level(url: str, token: str, clients: int, count: int) -> tuple[Stats, Stats]:
+    headers = {"Authorization": f"Bearer {token}"}
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=60) as http:
+
+        async def allocate(client: httpx.AsyncClient) -> str:
+            response = await client.post("/vrnics", json={})
+            if response.status_code != 201:
+                raise RuntimeError(f"allocate: {response.status_code} {response.text}")
+            return str(response.json()["id"])
+
+        def release(vrnic_id: str) -> Callable[[httpx.AsyncClient], object]:
+            async def job(client: httpx.AsyncClient) -> None:
+                response = await client.delete(f"/vrnics/{vrnic_id}")
+                if response.status_code != 200:
+                    raise RuntimeError(f"release: {response.status_code} {response.text}")
+            return job
+
+        warm, ids = await _phase(clients, [allocate] * min(count, 50), http)  # connections, caches
+        await _phase(clients, [release(str(i)) for i in ids], http)
+        allocated, ids = await _phase(clients, [allocate] * count, http)
+        released, _ = await _phase(clients, [release(str(i)) for i in ids], http)
+        return allocated, released
+
+
+def run() -> list[Record]:
+    bare_create, bare_release = bare_backend(max(OPERATIONS, 1000))
+    records = [
+        Record("cp.backend.create.throughput", "ops/s", bare_create.throughput, better="higher"),
+        Record("cp.backend.create.p99", "ms", bare_create.p99),
+        Record("cp.backend.release.throughput", "ops/s", bare_release.throughput, better="higher"),
+    ]
+    with tempfile.TemporaryDirectory(prefix="vrnic-bench-cp-") as tmp:
+        daemon = Daemon(Path(tmp))
+        try:
+            auth = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
+            tenant = httpx.post(f"{daemon.url}/tenants", json={"name": "bench"}, headers=auth)
+            tenant.raise_for_status()
+            token = tenant.json()["token"]
+            for clients in CONCURRENCY:
+                allocated, released = asyncio.run(rest_level(daemon.url, token, clients, OPERATIONS))
+                for op, stats, bare in (("allocate", allocated, bare_create), ("release", released, bare_release)):
+                    records += [
+                        Record(f"cp.rest.{op}.c{clients}.throughput", "ops/s", stats.throughput,
+                               baseline=bare.throughput, better="higher"),
+                        Record(f"cp.rest.{op}.c{clients}.p50", "ms", stats.p50, baseline=bare.p50),
+                        Record(f"cp.rest.{op}.c{clients}.p99", "ms", stats.p99, baseline=bare.p99),
+                    ]
+        finally:
+            daemon.stop()
+    return records
+
+
+if __name__ == "__main__":
+    from bench.run import show
+
+    show(run())
