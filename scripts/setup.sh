@@ -14,6 +14,8 @@ packages=(
   libvirt-daemon-system libvirt-clients libvirt-dev pkg-config
   # Python from Debian (pyverbs is built for it), and the netdevsim build
   python3 python3-venv python3-dev gcc make linux-source-6.1 procps
+  # the API tier runs its suite against a throw-away PostgreSQL cluster too (started by the tests)
+  postgresql
 )
 missing=()
 for p in "${packages[@]}"; do
