@@ -14,6 +14,7 @@ from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vrnic.api.schemas import Problem
+from vrnic.db.migrate import SchemaOutOfDate
 from vrnic.errors import (
     Conflict,
     DeviceError,
@@ -40,6 +41,7 @@ STATUS: dict[type[VrnicError], int] = {
     Conflict: 409,
     NotSupported: 422,  # understood, but this host cannot do it (mode not enabled, no device)
     DeviceError: 502,  # the kernel or device below us refused
+    SchemaOutOfDate: 503,  # someone migrated the database under a running daemon
 }
 
 # Documented on every route, so clients (and schemathesis) know the possible problem answers.

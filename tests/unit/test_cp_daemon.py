@@ -1,0 +1,77 @@
+"""Daemon wiring: drivers by name with fallback, the operator token, CLI helpers."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import typer
+from pydantic import SecretStr
+
+from vrnic.cli.client import ApiError, parse_pairs
+from vrnic.config import DaemonSettings
+from vrnic.core.model import VrnicMode
+from vrnic.daemon import build_backend, with_operator_token
+from vrnic.errors import NotSupported
+
+
+def test_backend_with_the_fake_driver_and_a_missing_one(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    settings = DaemonSettings(state_dir=tmp_path, paravirtual_driver="fake", sriov_driver="no-such-driver")
+    with caplog.at_level(logging.INFO, logger="vrnic.daemon"):
+        backend = build_backend(settings)
+    assert backend.driver(VrnicMode.PARAVIRTUAL).name == "fake"
+    with pytest.raises(NotSupported):
+        backend.driver(VrnicMode.SRIOV)
+    assert "mode sriov: driver 'no-such-driver' unavailable, mode disabled" in caplog.text
+    assert "no RNIC driver 'no-such-driver'" in caplog.text
+
+
+def test_a_driver_that_does_not_serve_the_mode_is_refused(caplog: pytest.LogCaptureFixture,
+                                                          tmp_path: Path) -> None:
+    settings = DaemonSettings(state_dir=tmp_path, paravirtual_driver=None, sriov_driver="fake")
+    with caplog.at_level(logging.INFO, logger="vrnic.daemon"):
+        backend = build_backend(settings)
+    assert backend.devices() == []
+    assert "mode sriov: driver 'fake' does not serve this mode" in caplog.text
+    assert "mode paravirtual: disabled (no driver configured)" in caplog.text
+
+
+def test_driver_options_reach_the_driver(tmp_path: Path) -> None:
+    settings = DaemonSettings(state_dir=tmp_path, paravirtual_driver="fake", sriov_driver=None,
+                              paravirtual_driver_options={"device_count": 3})
+    assert [d.name for d in build_backend(settings).devices()] == ["fake0", "fake1", "fake2"]
+
+
+def test_operator_token_is_generated_once_private_and_reused(tmp_path: Path) -> None:
+    settings = DaemonSettings(state_dir=tmp_path / "state")
+    first = with_operator_token(settings)
+    assert first.operator_token is not None
+    token = first.operator_token.get_secret_value()
+    assert token.startswith("vro_")
+    assert settings.operator_token_file.stat().st_mode & 0o777 == 0o600
+    assert with_operator_token(settings).operator_token == first.operator_token
+    configured = DaemonSettings(state_dir=tmp_path / "other", operator_token=SecretStr("mine"))
+    assert with_operator_token(configured) is configured
+    assert not (tmp_path / "other").exists()
+
+
+def test_daemon_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("VRNIC_PARAVIRTUAL_DRIVER", "fake")
+    monkeypatch.setenv("VRNIC_STATE_DIR", str(tmp_path))
+    monkeypatch.setenv("VRNIC_LISTEN_PORT", "9999")
+    settings = DaemonSettings()
+    assert (settings.paravirtual_driver, settings.listen_port) == ("fake", 9999)
+    assert settings.database == f"sqlite:///{tmp_path / 'vrnic.db'}"
+    assert DaemonSettings(paravirtual_driver="x").sriov_driver == "sriov"
+
+
+def test_cli_pairs_and_api_errors() -> None:
+    assert parse_pairs(["max_qps=8", "max_mrs = 16"], "--quota") == {"max_qps": 8, "max_mrs": 16}
+    with pytest.raises(typer.BadParameter):
+        parse_pairs(["max_qps"], "--quota")
+    with pytest.raises(typer.BadParameter):
+        parse_pairs(["max_qps=lots"], "--quota")
+    error = ApiError(409, {"code": "conflict", "detail": "cannot release", "current_state": "attached"})
+    assert str(error) == "409 conflict: cannot release (current state: attached)"
+    assert str(ApiError(502, {"detail": "Bad Gateway"})) == "502 error: Bad Gateway"

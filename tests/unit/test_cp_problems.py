@@ -1,0 +1,72 @@
+"""Every VrnicError maps to one HTTP status and an RFC 9457 body, in one place."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from starlette.requests import Request
+
+from vrnic import errors
+from vrnic.api.problems import MEDIA_TYPE, problem, status_of
+from vrnic.db.migrate import SchemaOutOfDate
+
+
+def _all_subclasses(cls: type) -> set[type]:
+    return {cls} | {s for sub in cls.__subclasses__() for s in _all_subclasses(sub)}
+
+
+EXPECTED = {
+    errors.VrnicError: 500,
+    errors.InvalidArgument: 400,
+    errors.Unauthenticated: 401,
+    errors.PermissionDenied: 403,
+    errors.QuotaExceeded: 403,
+    errors.NotFound: 404,
+    errors.Conflict: 409,
+    errors.NotSupported: 422,
+    errors.DeviceError: 502,
+    errors.LabError: 500,
+    errors.BootFailure: 500,
+    SchemaOutOfDate: 503,
+}
+
+
+def _make(cls: type[errors.VrnicError]) -> errors.VrnicError:
+    if issubclass(cls, errors.QuotaExceeded):
+        return cls("max_qps", 4, 5)
+    return cls("boom")
+
+
+@pytest.mark.parametrize("cls", sorted(EXPECTED, key=lambda c: c.__name__), ids=lambda c: c.__name__)
+def test_status_of_each_error(cls: type[errors.VrnicError]) -> None:
+    assert status_of(_make(cls)) == EXPECTED[cls]
+
+
+def test_every_error_in_the_hierarchy_has_a_status() -> None:
+    in_module = {c for c in _all_subclasses(errors.VrnicError) if c.__module__ == "vrnic.errors"}
+    assert in_module <= set(EXPECTED), f"map these in vrnic/api/problems.py: {in_module - set(EXPECTED)}"
+    for cls in _all_subclasses(errors.VrnicError):  # others' subclasses inherit their parent's status
+        assert 400 <= status_of(_make(cls)) < 600
+
+
+def _request(path: str = "/api/v1/vrnics/x") -> Request:
+    return Request({"type": "http", "method": "GET", "path": path, "headers": [], "query_string": b""})
+
+
+def test_problem_body_carries_the_error_fields() -> None:
+    exc = errors.Conflict("cannot release", current_state="attached")
+    response = problem(409, exc.code, str(exc), _request(), exc.to_dict())
+    assert response.media_type == MEDIA_TYPE
+    body = json.loads(bytes(response.body))
+    assert body == {"type": "urn:vrnic:problem:conflict", "title": "Conflict", "status": 409,
+                    "detail": "cannot release", "code": "conflict", "instance": "/api/v1/vrnics/x",
+                    "current_state": "attached"}
+    quota = errors.QuotaExceeded("vrnics", 2, 3)
+    body = json.loads(bytes(problem(403, quota.code, str(quota), _request(), quota.to_dict()).body))
+    assert (body["limit"], body["maximum"], body["requested"]) == ("vrnics", 2, 3)
+
+
+def test_unauthenticated_says_bearer() -> None:
+    response = problem(401, "unauthenticated", "missing bearer token", _request())
+    assert response.headers["www-authenticate"] == "Bearer"
