@@ -237,7 +237,12 @@ class SriovManager:
             for allocation in change.survivors:
                 if allocation.netns is not None:  # the VF netdev was re-created in the host namespace
                     self.store.put(replace(allocation, netns=None))
-                self._apply_and_confirm(allocation.address, allocation.config, None)
+                try:
+                    self._apply_and_confirm(allocation.address, allocation.config, None)
+                except VrnicError as e:  # the count did change: report and go on with the other VFs
+                    events.append(self._emit(VfEvent(EventKind.RECONCILE_FAILED, pf, allocation.address.index,
+                                                     allocation.vrnic_id, {"error": str(e)})))
+                    continue
                 events.append(self._emit(VfEvent(EventKind.REAPPLIED, pf, allocation.address.index,
                                                  allocation.vrnic_id, {"mac": allocation.config.mac,
                                                                        "vlan": str(allocation.config.vlan)})))
