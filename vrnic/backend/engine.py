@@ -10,6 +10,7 @@ does nothing per post; it only has to implement the same interface.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import ipaddress
 import logging
@@ -47,6 +48,18 @@ BATCH = 32
 IDLE_WAIT_S = 1.0  # with every CQ armed, a completion or a doorbell wakes us anyway
 UNKNOWN_FD_WAIT_S = 0.001  # a CQ whose channel fd is unknown must be polled
 WRITE_OPS = (WrOpcode.RDMA_READ, *ATOMICS)  # local buffers the NIC writes into
+WC_GRH = 1  # IBV_WC_GRH
+
+
+def source_gid(grh: bytes) -> str:
+    """The sender's GID from a received GRH. RoCE v2 over IPv4 puts an IPv4 header in its last 20 bytes."""
+    if not any(grh[:20]):
+        return f"::ffff:{ipaddress.IPv4Address(grh[32:36])}"
+    return str(ipaddress.IPv6Address(grh[8:24]))
+
+
+# pyverbs 44 cannot build a WR without SGEs; a zero-length SGE on one's own MR does the same job.
+NO_SGE = "work requests need at least one SGE (use a zero-length SGE on one of your MRs)"
 
 
 class DataPathEngine(ABC):
@@ -181,8 +194,10 @@ class SharedRingEngine(DataPathEngine):
         session = self.session
         try:
             sges = local_sges(wr.sges, session.mr_by_vkey, writable=wr.opcode in WRITE_OPS)
+            if not sges:
+                raise WrRejected(WcStatus.LOC_QP_OP_ERR, NO_SGE)
             real = SendWR(wr_id=wr.wr_id, opcode=int(wr.opcode), num_sge=len(sges),
-                          sg=[SGE(*s) for s in sges] or None,
+                          sg=[SGE(*s) for s in sges],
                           send_flags=e.IBV_SEND_SIGNALED if wr.signaled else 0, imm_data=wr.imm)
             if wr.opcode in (WrOpcode.SEND, WrOpcode.SEND_WITH_IMM) and qp.qp_type == "ud":
                 gid = str(ipaddress.IPv6Address(wr.ud_gid))
@@ -211,20 +226,22 @@ class SharedRingEngine(DataPathEngine):
                 qp.pending.append(wr)
             else:
                 self._reject(qp, wr, WcStatus.LOC_QP_OP_ERR, str(exc))
+        except PyverbsError as exc:
+            self._reject(qp, wr, WcStatus.LOC_QP_OP_ERR, str(exc))
 
     def _post_recv(self, qp: QpState, slot: Any) -> None:
         try:
             wr = unpack_recv(slot)
-        except InvalidArgument:
-            self._complete(qp.recv_cq, Completion(slot[0], WcStatus.LOC_QP_OP_ERR, WcOpcode.RECV, qp=qp.vqpn))
-            return
-        try:
             sges = local_sges(wr.sges, self.session.mr_by_vkey, writable=True)
-            qp.real.post_recv(RecvWR(wr_id=wr.wr_id, num_sge=len(sges), sg=[SGE(*s) for s in sges] or None))
+            if not sges:
+                raise WrRejected(WcStatus.LOC_QP_OP_ERR, NO_SGE)
+            qp.real.post_recv(RecvWR(wr_id=wr.wr_id, num_sge=len(sges), sg=[SGE(*s) for s in sges]))
+            if qp.qp_type == "ud":
+                qp.grh_at[wr.wr_id] = sges[0][0]  # where the NIC will write the source's GRH
         except WrRejected as exc:
-            self._complete(qp.recv_cq, Completion(wr.wr_id, exc.status, WcOpcode.RECV, qp=qp.vqpn))
-        except PyverbsRDMAError:
-            self._complete(qp.recv_cq, Completion(wr.wr_id, WcStatus.LOC_QP_OP_ERR, WcOpcode.RECV, qp=qp.vqpn))
+            self._complete(qp.recv_cq, Completion(slot[0], exc.status, WcOpcode.RECV, qp=qp.vqpn))
+        except (InvalidArgument, PyverbsError):
+            self._complete(qp.recv_cq, Completion(slot[0], WcStatus.LOC_QP_OP_ERR, WcOpcode.RECV, qp=qp.vqpn))
 
     def _reject(self, qp: QpState, wr: Any, status: WcStatus, reason: str) -> None:
         log.info("vRNIC %s QP %d: WR %d refused: %s", self.session.vrnic.spec.id, qp.vqpn, wr.wr_id, reason)
@@ -239,10 +256,13 @@ class SharedRingEngine(DataPathEngine):
         session = self.session
         for wc in wcs[:npolled]:
             qp = session.qp_by_phys.get(wc.qp_num)
-            src = session.qp_by_phys.get(wc.src_qp)
+            src = 0
+            if qp is not None and qp.qp_type == "ud" and wc.opcode & WcOpcode.RECV:
+                grh = qp.grh_at.pop(wc.wr_id, None)
+                source = None if grh is None or not wc.wc_flags & WC_GRH else source_gid(ctypes.string_at(grh, 40))
+                src = session.registry.virtual_qpn(session.vrnic, wc.src_qp, source)
             self._complete(cq, Completion(wc.wr_id, wc.status, wc.opcode, wc.byte_len, wc.imm_data,
-                                          qp.vqpn if qp else 0, src.vqpn if src else 0, wc.wc_flags,
-                                          wc.vendor_err))
+                                          qp.vqpn if qp else 0, src, wc.wc_flags, wc.vendor_err))
         self.completed += npolled
         return npolled > 0
 

@@ -64,6 +64,19 @@ class Registry:
             raise NotFound(f"no reachable vRNIC with virtual GID {virtual_gid}")
         return found
 
+    def virtual_qpn(self, asker: VirtualRnic, phys_qpn: int, phys_gid: str | None) -> int:
+        """The virtual QPN of a peer QP seen as a UD source, 0 if unknown or ambiguous.
+
+        Physical QPNs are per device, so the source GID narrows the search to one
+        device, and only the asker's own tenant and VPC are searched.
+        """
+        with self._lock:
+            peers = [v.session for v in self._by_id.values() if v.session is not None
+                     and v.spec.tenant == asker.spec.tenant and v.spec.vpc_id == asker.spec.vpc_id
+                     and (phys_gid is None or v.phys_gid == phys_gid)]
+        matches = [s.qp_by_phys[phys_qpn].vqpn for s in peers if phys_qpn in s.qp_by_phys]
+        return matches[0] if len(matches) == 1 else 0
+
     def ids(self) -> set[str]:
         with self._lock:
             return set(self._by_id)

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 from vrnic.backend.driver import RnicDriver
 from vrnic.core.model import AttachInfo, DeviceInfo, VrnicMode, VrnicSpec
-from vrnic.errors import InvalidArgument, NotFound, NotSupported
+from vrnic.errors import Conflict, InvalidArgument, NotFound, NotSupported
 
 
 class BackendService:
@@ -42,14 +42,26 @@ class BackendService:
         if not names:
             raise NotSupported(f"no device available for mode {spec.mode}")
         device = spec.device or min(names, key=lambda n: (driver.load(n), n))
-        info = driver.create_vrnic(spec, device)
+        # One id lives in one mode: a second create in another mode would overwrite the placement
+        # and leave the first vRNIC unreachable by release_vrnic. Reserve the id before creating.
         with self._lock:
+            if spec.id in self._placement:
+                raise Conflict(f"vRNIC {spec.id} already exists in the backend (mode {self._placement[spec.id]})")
             self._placement[spec.id] = spec.mode
-        return info
+        try:
+            return driver.create_vrnic(spec, device)
+        except BaseException:
+            with self._lock:
+                self._placement.pop(spec.id, None)
+            raise
 
     def release_vrnic(self, vrnic_id: str) -> None:
         with self._lock:
             mode = self._placement.get(vrnic_id)
+        if mode is None:
+            # Not placed by this instance (e.g. SR-IOV allocations that outlived a daemon restart):
+            # the driver that holds it still has to tear it down.
+            mode = next((m for m, d in self._drivers.items() if vrnic_id in d.vrnic_ids()), None)
         if mode is None:
             raise NotFound(f"no vRNIC {vrnic_id} in the backend")
         self._drivers[mode].release_vrnic(vrnic_id)

@@ -96,6 +96,7 @@ class QpState:
     peer: VirtualRnic | None = None
     ahs: dict[tuple[str, int], AH] = field(default_factory=dict)
     pending: list[Any] = field(default_factory=list)  # WRs the NIC refused for lack of room
+    grh_at: dict[int, int] = field(default_factory=dict)  # UD recv wr_id -> address of its GRH
 
 
 class GuestSession:

@@ -27,11 +27,14 @@ class Channel:
         request_id = next(self._ids)
         data = encode({"id": request_id, "op": op, "args": args})
         with self._lock:
-            if fds:
-                socket.send_fds(self.sock, [data], fds)
-            else:
-                self.sock.sendall(data)
-            reply = self._read_reply()
+            try:
+                if fds:
+                    socket.send_fds(self.sock, [data], fds)
+                else:
+                    self.sock.sendall(data)
+                reply = self._read_reply()
+            except OSError as exc:
+                raise VrnicError(f"lost the channel to vrnicd: {exc.strerror or exc}") from exc
         if not reply.get("ok"):
             raise error_from_dict(reply.get("error") or {})
         result: dict[str, Any] = reply.get("result") or {}

@@ -1,0 +1,95 @@
+"""vrnicd on its own: the paravirtual backend with vRNICs given on the command line.
+
+    python -m vrnic.backend.vrnicd --socket /run/vrnic/vrnicd.sock \\
+        --vrnic a:tenant1:rxe0 --vrnic b:tenant1:rxe1 [--quota max_qps=8] [--attach-out FILE]
+
+Prints (or writes) one JSON attach record per vRNIC, then serves guests until
+SIGTERM or SIGINT, when it releases everything and exits 0. `vrnic daemon`
+runs the same backend together with the REST API; this entry point is for
+hosts without the control plane, the examples and the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from vrnic.backend.drivers.verbs import DEFAULT_SOCKET, VerbsDriver
+from vrnic.core.model import Quota, VrnicSpec
+from vrnic.core.vaddr import make_virtual_gid
+from vrnic.errors import InvalidArgument, VrnicError
+
+log = logging.getLogger("vrnicd")
+
+
+def parse_vrnic(text: str, serial: int, quota: Quota) -> tuple[VrnicSpec, str]:
+    """'ID:TENANT:DEVICE[:VPC]' -> (spec, device)."""
+    parts = text.split(":")
+    if len(parts) not in (3, 4) or not all(parts):
+        raise InvalidArgument(f"--vrnic takes ID:TENANT:DEVICE[:VPC], not {text!r}")
+    vpc = int(parts[3]) if len(parts) == 4 else 0
+    spec = VrnicSpec(id=parts[0], tenant=parts[1], vpc_id=vpc, quota=quota,
+                     virtual_gid=make_virtual_gid(vpc, serial))
+    return spec, parts[2]
+
+
+def parse_quota(items: list[str]) -> Quota:
+    values: dict[str, int] = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in Quota.model_fields or not value.isdigit():
+            raise InvalidArgument(f"--quota takes NAME=INT with NAME in {', '.join(Quota.model_fields)}")
+        values[name] = int(value)
+    return Quota(**values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--socket", type=Path, default=DEFAULT_SOCKET)
+    parser.add_argument("--vrnic", action="append", default=[], help="ID:TENANT:DEVICE[:VPC]")
+    parser.add_argument("--quota", action="append", default=[], help="NAME=INT, for every vRNIC")
+    parser.add_argument("--attach-out", type=Path, help="write the attach records here instead of stdout")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="vrnicd: %(levelname)s %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        quota = parse_quota(args.quota)
+        driver = VerbsDriver(socket_path=args.socket)
+    except (VrnicError, ValueError) as exc:
+        print(f"vrnicd: {exc}", file=sys.stderr)
+        return 2
+    try:
+        records = []
+        for serial, text in enumerate(args.vrnic, start=1):
+            spec, device = parse_vrnic(text, serial, quota)
+            records.append(driver.create_vrnic(spec, device).model_dump(mode="json"))
+        out = "".join(json.dumps(r) + "\n" for r in records)
+        if args.attach_out:
+            partial = args.attach_out.with_suffix(".tmp")
+            partial.write_text(out)
+            partial.replace(args.attach_out)
+        else:
+            sys.stdout.write(out)
+            sys.stdout.flush()
+        log.info("serving %d vRNIC(s) on %s", len(records), args.socket)
+        stop.wait()
+        return 0
+    except (VrnicError, ValueError) as exc:
+        print(f"vrnicd: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        driver.close()
+        log.info("released every vRNIC; bye")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
