@@ -61,6 +61,8 @@ class FrameDecoder:
                 message = json.loads(body)
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
                 raise ProtocolError(f"frame body is not JSON: {exc}") from exc
+            except RecursionError:  # e.g. 30000 nested '[': fits the cap, but must not escape as a crash
+                raise ProtocolError("frame body nests too deeply") from None
             if not isinstance(message, dict):
                 raise ProtocolError("frame body must be a JSON object")
             messages.append(message)
