@@ -157,6 +157,20 @@ def test_decoder_refuses_a_body_that_is_not_an_object(body: bytes) -> None:
         FrameDecoder().feed(raw_frame(body))
 
 
+@pytest.mark.parametrize("body", [b"[" * 30000 + b"]" * 30000, b'{"a":' * 10000 + b"1" + b"}" * 10000])
+def test_decoder_refuses_hostile_nesting_as_a_protocol_error(body: bytes) -> None:
+    assert len(body) <= MAX_BODY
+    with pytest.raises(ProtocolError, match="nests too deeply"):
+        FrameDecoder().feed(raw_frame(body))
+
+
+def test_decoder_accepts_reasonable_nesting() -> None:
+    message: dict[str, object] = {"leaf": 1}
+    for _ in range(100):
+        message = {"n": message}
+    assert FrameDecoder().feed(encode(message)) == [message]
+
+
 def test_decoder_error_after_a_good_frame_in_the_same_chunk() -> None:
     with pytest.raises(ProtocolError, match="bad magic"):
         FrameDecoder().feed(encode({"ok": 1}) + b"XXXXXXXXXX")
