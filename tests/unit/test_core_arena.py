@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vrnic.core.arena import ArenaAllocator
@@ -114,6 +114,7 @@ def test_double_free_and_unknown_offsets_are_refused() -> None:
     assert arena.in_use() == 128
 
 
+@settings(deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 600), st.sampled_from([1, 8, 64, 512]), st.booleans()), max_size=40))
 def test_allocations_never_overlap_and_stay_inside(requests: list[tuple[int, int, bool]]) -> None:
     size = 8192

@@ -6,7 +6,7 @@ import json
 import struct
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vrnic.core.proto import (
@@ -65,6 +65,7 @@ def test_protocol_error_is_an_invalid_argument_with_its_own_code() -> None:
 
 # ----- FrameDecoder ----------------------------------------------------------------------------
 
+@settings(deadline=None)
 @given(st.lists(messages, min_size=1, max_size=5))
 def test_decoder_round_trips_several_frames_in_one_feed(batch: list[dict[str, object]]) -> None:
     decoder = FrameDecoder()
@@ -72,6 +73,7 @@ def test_decoder_round_trips_several_frames_in_one_feed(batch: list[dict[str, ob
     assert decoder.pending == 0
 
 
+@settings(deadline=None)
 @given(st.lists(messages, min_size=1, max_size=4), st.data())
 def test_decoder_reassembles_frames_split_at_any_points(batch: list[dict[str, object]], data: st.DataObject) -> None:
     stream = b"".join(encode(m) for m in batch)

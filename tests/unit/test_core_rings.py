@@ -5,7 +5,7 @@ from __future__ import annotations
 import struct
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vrnic.core.rings import (
@@ -179,6 +179,7 @@ def test_power_of_two_ring_wraps_at_2_to_the_32() -> None:
     assert values(ring.consume(4)) == [0, 1, 2, 3]
 
 
+@settings(deadline=None)
 @given(entries=st.integers(1, 9), start=st.integers(0, U32 - 1) | st.integers(U32 - 40, U32 - 1),
        ops=st.lists(st.tuples(st.booleans(), st.integers(0, 10)), max_size=40))
 def test_ring_behaves_like_a_bounded_fifo(entries: int, start: int, ops: list[tuple[bool, int]]) -> None:
@@ -267,6 +268,7 @@ u32 = st.integers(0, U32 - 1)
 sges = st.builds(Sge, addr=u64, length=u32, lkey=u32)
 
 
+@settings(deadline=None)
 @given(wr_id=u64, opcode=st.sampled_from(WrOpcode), sge_list=st.lists(sges, max_size=MAX_SGE),
        signaled=st.booleans(), imm=u32, remote_addr=u64, rkey=u32, compare_add=u64, swap=u64,
        ud_gid=st.binary(min_size=16, max_size=16), ud_qpn=u32, ud_qkey=u32)
@@ -337,12 +339,14 @@ def test_unknown_send_opcode_is_refused(opcode: int) -> None:
         unpack_send(slot)
 
 
+@settings(deadline=None)
 @given(wr_id=u64, sge_list=st.lists(sges, max_size=MAX_SGE))
 def test_recv_request_round_trip(wr_id: int, sge_list: list[Sge]) -> None:
     wr = RecvRequest(wr_id, tuple(sge_list))
     assert unpack_recv(RQ_SLOT.unpack(RQ_SLOT.pack(*pack_recv(wr)))) == wr
 
 
+@settings(deadline=None)
 @given(wr_id=u64, status=st.sampled_from(WcStatus), opcode=st.sampled_from(WcOpcode), byte_len=u32, imm=u32,
        qp=u32, src_qp=u32, wc_flags=u32, vendor_err=u32)
 def test_completion_round_trip(wr_id: int, status: WcStatus, opcode: WcOpcode, byte_len: int, imm: int, qp: int,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vrnic.core.vaddr import make_virtual_gid, parse_virtual_gid
@@ -24,11 +24,13 @@ def test_virtual_gids_are_unique_local() -> None:
     assert address in ipaddress.IPv6Network("fd00::/8")
 
 
+@settings(deadline=None)
 @given(vpc=st.integers(0, (1 << 32) - 1), serial=st.integers(1, (1 << 64) - 1))
 def test_round_trip(vpc: int, serial: int) -> None:
     assert parse_virtual_gid(make_virtual_gid(vpc, serial)) == (vpc, serial)
 
 
+@settings(deadline=None)
 @given(st.tuples(st.integers(0, (1 << 32) - 1), st.integers(1, (1 << 64) - 1)),
        st.tuples(st.integers(0, (1 << 32) - 1), st.integers(1, (1 << 64) - 1)))
 def test_distinct_identities_give_distinct_gids(a: tuple[int, int], b: tuple[int, int]) -> None:
