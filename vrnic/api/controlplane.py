@@ -12,11 +12,11 @@ import json
 import logging
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
-from sqlalchemy import Engine, Select, func, select
+from sqlalchemy import Connection, Engine, Row, Select, Table, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -302,6 +302,7 @@ class ControlPlane:
 
     def _allocate(self, principal: Principal, body: VrnicCreate, idempotency_key: str | None,
                   request_hash: str) -> VrnicOut:
+        # The hot path, in SQLAlchemy Core: one INSERT, the backend call, one UPDATE, the event, one commit.
         info: AttachInfo | None = None
         try:
             with self._write() as s:
@@ -309,30 +310,34 @@ class ControlPlane:
                     earlier = self._by_idempotency_key(s, principal, body, idempotency_key, request_hash)
                     if earlier is not None:
                         raise Replayed(earlier.serial)
-                tenant = self._allocating_tenant(s, principal, body)
+                conn = s.connection()
+                tenant = self._allocating_tenant(conn, principal, body)
                 if tenant.max_vrnics is not None:
                     check_vrnic_count(tenant.max_vrnics, self._live_count(s, tenant.id))
                 quota = body.quota or Quota.model_validate(tenant.default_quota)
-                public_id = f"vr-{uuid.uuid4().hex}"
-                row = Vrnic(public_id=public_id, tenant_id=tenant.id, mode=body.mode.value,
-                            state=VrnicState.ALLOCATED.value, host_id=self.host_id, device_name="",
-                            quota=quota.model_dump(), qos=body.qos.model_dump(), virtual_gid=public_id,
-                            idempotency_key=idempotency_key, request_hash=request_hash)
-                s.add(row)
-                s.flush()  # the serial (and a clash on the idempotency key) comes from the database
-                row.virtual_gid = make_virtual_gid(tenant.vpc_id, row.serial)
+                public_id, now = f"vr-{uuid.uuid4().hex}", utcnow()
+                values: dict[str, Any] = dict(
+                    public_id=public_id, tenant_id=tenant.id, mode=body.mode.value, state=VrnicState.ALLOCATED.value,
+                    host_id=self.host_id, device_id=None, device_name="", quota=quota.model_dump(),
+                    qos=body.qos.model_dump(), virtual_gid=public_id, socket_path=None, attach_extra={},
+                    idempotency_key=idempotency_key, request_hash=request_hash, created_at=now, updated_at=now,
+                    released_at=None)
+                # the serial (and a clash on the idempotency key) comes from the database
+                inserted = conn.execute(insert(VRNICS).values(values)).inserted_primary_key
+                assert inserted is not None
+                serial = int(inserted[0])
+                virtual_gid = make_virtual_gid(tenant.vpc_id, serial)
                 spec = VrnicSpec(id=public_id, tenant=tenant.name, mode=body.mode, device=body.device, quota=quota,
-                                 qos=body.qos, vpc_id=tenant.vpc_id, virtual_gid=row.virtual_gid)
+                                 qos=body.qos, vpc_id=tenant.vpc_id, virtual_gid=virtual_gid)
                 info = self.backend.create_vrnic(spec)
-                row.device_name = info.device
-                row.device_id = self._device_id(body.mode, info.device)
-                row.socket_path = info.socket_path
-                row.attach_extra = dict(info.extra)
+                placed = dict(virtual_gid=virtual_gid, device_name=info.device,
+                              device_id=self._device_id(body.mode, info.device), socket_path=info.socket_path,
+                              attach_extra=dict(info.extra), updated_at=now)
+                conn.execute(update(VRNICS).where(VRNICS.c.serial == serial).values(placed))
                 self._event(s, principal, "vrnic.allocate", f"vrnic/{public_id}", tenant.id,
-                            {"mode": body.mode.value, "device": info.device, "virtual_gid": row.virtual_gid,
+                            {"mode": body.mode.value, "device": info.device, "virtual_gid": virtual_gid,
                              **({"idempotency_key": idempotency_key} if idempotency_key else {})})
-                s.flush()
-                out = self._vrnic_out(s, row, tenant_name=tenant.name)
+                out = self._vrnic_out(s, _Fields({**values, **placed, "serial": serial}), tenant_name=tenant.name)
         except BaseException:
             if info is not None:  # the backend holds it but the database does not: undo
                 self._release_backend(info.vrnic_id)
@@ -359,14 +364,22 @@ class ControlPlane:
         if force:
             self.require_operator(principal)
         with self._write() as s:
-            row = self._vrnic(s, principal, vrnic_id, for_update=True)
-            new = next_state(VrnicState(row.state), VrnicAction.RELEASE, force=force)
-            self._release_backend(row.public_id)
-            previous, row.state, row.released_at = row.state, new.value, utcnow()
-            self._event(s, principal, "vrnic.release", f"vrnic/{row.public_id}", row.tenant_id,
-                        {"from": previous, "force": force})
-            s.flush()
-            return self._vrnic_out(s, row)
+            conn = s.connection()
+            query = select(VRNICS, Tenant.name.label("tenant_name")).join(Tenant, Tenant.id == VRNICS.c.tenant_id) \
+                .where(VRNICS.c.public_id == vrnic_id)
+            if not principal.is_operator:
+                query = query.where(VRNICS.c.tenant_id == principal.tenant_id)
+            row = conn.execute(query.with_for_update(of=VRNICS)).mappings().first()
+            if row is None:  # another tenant's vRNIC looks exactly like one that does not exist
+                raise NotFound(f"no vRNIC {vrnic_id}")
+            new = next_state(VrnicState(row["state"]), VrnicAction.RELEASE, force=force)
+            self._release_backend(vrnic_id)
+            now = utcnow()
+            changes = {"state": new.value, "released_at": now, "updated_at": now}
+            conn.execute(update(VRNICS).where(VRNICS.c.serial == row["serial"]).values(changes))
+            self._event(s, principal, "vrnic.release", f"vrnic/{vrnic_id}", row["tenant_id"],
+                        {"from": row["state"], "force": force})
+            return self._vrnic_out(s, _Fields({**row, **changes}), tenant_name=row["tenant_name"])
 
     def transition(self, principal: Principal, vrnic_id: str, action: VrnicAction) -> VrnicOut:
         """attach / detach: record what the frontend did (release goes through release())."""
@@ -439,14 +452,19 @@ class ControlPlane:
             self.sync_devices()  # a device that appeared after startup
         return self._device_ids.get((driver, name))
 
-    def _allocating_tenant(self, s: Session, principal: Principal, body: VrnicCreate) -> Tenant:
+    @staticmethod
+    def _allocating_tenant(conn: Connection, principal: Principal, body: VrnicCreate) -> Row[Any]:
+        columns = select(Tenant.id, Tenant.name, Tenant.vpc_id, Tenant.max_vrnics, Tenant.default_quota)
         if principal.is_operator:
             if body.tenant is None:
                 raise InvalidArgument("the operator allocates on behalf of a tenant: give `tenant`")
-            return self._tenant(s, body.tenant)
+            tenant = conn.execute(columns.where(Tenant.name == body.tenant)).first()
+            if tenant is None:
+                raise NotFound(f"no tenant {body.tenant}")
+            return tenant
         if body.tenant is not None and body.tenant != principal.tenant_name:
             raise PermissionDenied("a tenant allocates only for itself")
-        tenant = s.get(Tenant, principal.tenant_id)
+        tenant = conn.execute(columns.where(Tenant.id == principal.tenant_id)).first()
         if tenant is None:
             raise Unauthenticated("this token's tenant no longer exists")
         return tenant
@@ -490,11 +508,11 @@ class ControlPlane:
         return TenantOut(name=t.name, vpc_id=t.vpc_id, default_quota=Quota.model_validate(t.default_quota),
                          max_vrnics=t.max_vrnics, live_vrnics=self._live_count(s, t.id), created_at=t.created_at)
 
-    def _vrnic_out(self, s: Session, r: Vrnic, *, tenant_name: str | None = None) -> VrnicOut:
+    def _vrnic_out(self, s: Session, r: Vrnic | _Fields, *, tenant_name: str | None = None) -> VrnicOut:
         host = self.host_name if r.host_id == self._host_id else s.scalar(select(Host.name).where(Host.id == r.host_id))
         mode = VrnicMode(r.mode)
         return VrnicOut(
-            id=r.public_id, tenant=tenant_name or r.tenant.name, mode=mode, state=VrnicState(r.state),
+            id=r.public_id, tenant=tenant_name or cast(Vrnic, r).tenant.name, mode=mode, state=VrnicState(r.state),
             host=host or "", device=r.device_name, virtual_gid=r.virtual_gid,
             quota=Quota.model_validate(r.quota), qos=QosPolicy.model_validate(r.qos),
             attach=AttachInfo(vrnic_id=r.public_id, mode=mode, device=r.device_name, virtual_gid=r.virtual_gid,
@@ -526,8 +544,23 @@ class ControlPlane:
     @staticmethod
     def _event(s: Session, principal: Principal, action: str, subject: str, tenant_id: int | None,
                detail: dict[str, Any], *, actor: str | None = None) -> None:
-        s.add(Event(actor=actor or principal.actor, action=action, subject=subject, tenant_id=tenant_id,
-                    detail=detail))
+        s.flush()  # rows this event may refer to go first
+        s.connection().execute(insert(EVENTS).values(at=utcnow(), actor=actor or principal.actor, action=action,
+                                                     subject=subject, tenant_id=tenant_id, detail=detail))
+
+
+class _Fields:
+    """A vRNIC's column values (from Core) read like the ORM object's attributes."""
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        self.__dict__.update(values)
+
+    def __getattr__(self, name: str) -> Any:  # for mypy: any column
+        raise AttributeError(name)
+
+
+VRNICS = cast(Table, Vrnic.__table__)
+EVENTS = cast(Table, Event.__table__)
 
 
 def _host_out(h: Host) -> HostOut:
