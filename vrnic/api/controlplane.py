@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import Connection, Engine, Row, Select, Table, func, insert, select, update
+from sqlalchemy import Connection, Engine, Row, Select, Table, bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -323,7 +323,7 @@ class ControlPlane:
                     idempotency_key=idempotency_key, request_hash=request_hash, created_at=now, updated_at=now,
                     released_at=None)
                 # the serial (and a clash on the idempotency key) comes from the database
-                inserted = conn.execute(insert(VRNICS).values(values)).inserted_primary_key
+                inserted = conn.execute(_INSERT_VRNIC, values).inserted_primary_key
                 assert inserted is not None
                 serial = int(inserted[0])
                 virtual_gid = make_virtual_gid(tenant.vpc_id, serial)
@@ -333,7 +333,7 @@ class ControlPlane:
                 placed = dict(virtual_gid=virtual_gid, device_name=info.device,
                               device_id=self._device_id(body.mode, info.device), socket_path=info.socket_path,
                               attach_extra=dict(info.extra), updated_at=now)
-                conn.execute(update(VRNICS).where(VRNICS.c.serial == serial).values(placed))
+                conn.execute(_PLACE_VRNIC, {**placed, "b_serial": serial})
                 self._event(s, principal, "vrnic.allocate", f"vrnic/{public_id}", tenant.id,
                             {"mode": body.mode.value, "device": info.device, "virtual_gid": virtual_gid,
                              **({"idempotency_key": idempotency_key} if idempotency_key else {})})
@@ -365,18 +365,18 @@ class ControlPlane:
             self.require_operator(principal)
         with self._write() as s:
             conn = s.connection()
-            query = select(VRNICS, Tenant.name.label("tenant_name")).join(Tenant, Tenant.id == VRNICS.c.tenant_id) \
-                .where(VRNICS.c.public_id == vrnic_id)
-            if not principal.is_operator:
-                query = query.where(VRNICS.c.tenant_id == principal.tenant_id)
-            row = conn.execute(query.with_for_update(of=VRNICS)).mappings().first()
+            if principal.is_operator:
+                found = conn.execute(_VRNIC_FOR_UPDATE, {"b_id": vrnic_id})
+            else:
+                found = conn.execute(_TENANT_VRNIC_FOR_UPDATE, {"b_id": vrnic_id, "b_tenant": principal.tenant_id})
+            row = found.mappings().first()
             if row is None:  # another tenant's vRNIC looks exactly like one that does not exist
                 raise NotFound(f"no vRNIC {vrnic_id}")
             new = next_state(VrnicState(row["state"]), VrnicAction.RELEASE, force=force)
             self._release_backend(vrnic_id)
             now = utcnow()
             changes = {"state": new.value, "released_at": now, "updated_at": now}
-            conn.execute(update(VRNICS).where(VRNICS.c.serial == row["serial"]).values(changes))
+            conn.execute(_RELEASE_VRNIC, {**changes, "b_serial": row["serial"]})
             self._event(s, principal, "vrnic.release", f"vrnic/{vrnic_id}", row["tenant_id"],
                         {"from": row["state"], "force": force})
             return self._vrnic_out(s, _Fields({**row, **changes}), tenant_name=row["tenant_name"])
@@ -454,17 +454,16 @@ class ControlPlane:
 
     @staticmethod
     def _allocating_tenant(conn: Connection, principal: Principal, body: VrnicCreate) -> Row[Any]:
-        columns = select(Tenant.id, Tenant.name, Tenant.vpc_id, Tenant.max_vrnics, Tenant.default_quota)
         if principal.is_operator:
             if body.tenant is None:
                 raise InvalidArgument("the operator allocates on behalf of a tenant: give `tenant`")
-            tenant = conn.execute(columns.where(Tenant.name == body.tenant)).first()
+            tenant = conn.execute(_TENANT_BY_NAME, {"b_name": body.tenant}).first()
             if tenant is None:
                 raise NotFound(f"no tenant {body.tenant}")
             return tenant
         if body.tenant is not None and body.tenant != principal.tenant_name:
             raise PermissionDenied("a tenant allocates only for itself")
-        tenant = conn.execute(columns.where(Tenant.id == principal.tenant_id)).first()
+        tenant = conn.execute(_TENANT_BY_ID, {"b_id": principal.tenant_id}).first()
         if tenant is None:
             raise Unauthenticated("this token's tenant no longer exists")
         return tenant
@@ -545,8 +544,8 @@ class ControlPlane:
     def _event(s: Session, principal: Principal, action: str, subject: str, tenant_id: int | None,
                detail: dict[str, Any], *, actor: str | None = None) -> None:
         s.flush()  # rows this event may refer to go first
-        s.connection().execute(insert(EVENTS).values(at=utcnow(), actor=actor or principal.actor, action=action,
-                                                     subject=subject, tenant_id=tenant_id, detail=detail))
+        s.connection().execute(_INSERT_EVENT, {"at": utcnow(), "actor": actor or principal.actor, "action": action,
+                                               "subject": subject, "tenant_id": tenant_id, "detail": detail})
 
 
 class _Fields:
@@ -561,6 +560,19 @@ class _Fields:
 
 VRNICS = cast(Table, Vrnic.__table__)
 EVENTS = cast(Table, Event.__table__)
+
+# The hot path's statements, built once: values arrive as parameters, so SQLAlchemy compiles each once.
+_INSERT_VRNIC = insert(VRNICS)
+_INSERT_EVENT = insert(EVENTS)
+_PLACE_VRNIC = update(VRNICS).where(VRNICS.c.serial == bindparam("b_serial"))
+_RELEASE_VRNIC = update(VRNICS).where(VRNICS.c.serial == bindparam("b_serial"))
+_TENANT_COLUMNS = select(Tenant.id, Tenant.name, Tenant.vpc_id, Tenant.max_vrnics, Tenant.default_quota)
+_TENANT_BY_NAME = _TENANT_COLUMNS.where(Tenant.name == bindparam("b_name"))
+_TENANT_BY_ID = _TENANT_COLUMNS.where(Tenant.id == bindparam("b_id"))
+_VRNIC_FOR_UPDATE = select(VRNICS, Tenant.name.label("tenant_name")) \
+    .join(Tenant, Tenant.id == VRNICS.c.tenant_id).where(VRNICS.c.public_id == bindparam("b_id")) \
+    .with_for_update(of=VRNICS)
+_TENANT_VRNIC_FOR_UPDATE = _VRNIC_FOR_UPDATE.where(VRNICS.c.tenant_id == bindparam("b_tenant"))
 
 
 def _host_out(h: Host) -> HostOut:
