@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from vrnic.sriov import rdma_netns
 from vrnic.sriov.manager import SriovManager
 from vrnic.sriov.model import EventKind, LinkState, PfKind, VfRequest
 from vrnic.sriov.netlink import VfNetlink
+from vrnic.sriov.plan import VfOp
 
 PF = os.environ.get("VRNIC_LAB_NETDEVSIM_PF", "")
 NSIM_DEV = os.environ.get("VRNIC_LAB_NETDEVSIM_DEV", "netdevsim10")
@@ -122,7 +123,31 @@ def test_two_tenants_get_their_vlan_and_rates_confirmed_through_netlink(manager:
         driver.create_vrnic(spec("y", "y", 1, None, None), PF)
 
 
-def test_count_change_refused_while_allocated_and_forced_one_reapplies(manager: SriovManager) -> None:
+class RecordingNetlink(VfNetlink):
+    """The real netlink edge, remembering what it sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[tuple[int, str]] = []
+
+    def apply(self, pf: str, vf: int, ops: Sequence[VfOp]) -> None:
+        super().apply(pf, vf, ops)
+        self.sent += [(vf, op.attribute) for op in ops]
+
+
+def test_count_change_refused_while_allocated_and_forced_one_reapplies() -> None:
+    netlink = RecordingNetlink()
+    manager = SriovManager(netlink=netlink)
+    try:
+        _count_change(manager, netlink)
+    finally:
+        for allocation in manager.allocations():
+            manager.release(allocation.vrnic_id)
+        manager.set_num_vfs(PF, VF_COUNT, force=True)
+        manager.close()
+
+
+def _count_change(manager: SriovManager, netlink: RecordingNetlink) -> None:
     kept = manager.allocate("keep", "red", PF, VfRequest(vlan=10, max_tx_rate=800, min_tx_rate=80), vf_index=0)
     lost = manager.allocate("lose", "blue", PF, VfRequest(vlan=30, max_tx_rate=300), vf_index=3)
     with pytest.raises(Conflict) as refused:
@@ -133,8 +158,12 @@ def test_count_change_refused_while_allocated_and_forced_one_reapplies(manager: 
     with pytest.raises(OSError):
         (NSIM / "sriov_numvfs").write_text("2")
 
+    netlink.sent.clear()
     result = manager.set_num_vfs(PF, 2, force=True)
     assert result.change.steps == (0, 2) and numvfs() == 2
+    # netdevsim keeps VF settings across sriov_numvfs=0 (ConnectX does not), so the re-apply is shown by what
+    # reached the kernel: every attribute of the surviving VF, then confirmed by the read-back below
+    assert [a for vf, a in netlink.sent if vf == 0] == ["mac", "vlan", "rate", "spoofchk", "trust", "link_state"]
     vfs = ip_vfs()
     assert sorted(vfs) == [0, 1]
     assert vfs[0] == {"mac": kept.config.mac, "vlan": 10, "qos": 0, "max": 800, "min": 80, "spoofchk": True,
@@ -154,12 +183,12 @@ def test_count_change_refused_while_allocated_and_forced_one_reapplies(manager: 
 def test_reconcile_restores_a_vf_changed_behind_our_back(manager: SriovManager) -> None:
     a = manager.allocate("r1", "red", PF, VfRequest(vlan=100, max_tx_rate=1000, min_tx_rate=100), vf_index=1)
     assert manager.reconcile() == []
-    sh("ip", "link", "set", PF, "vf", "1", "vlan", "999", "trust", "on", "spoofchk", "off", "state", "disable",
-       "max_tx_rate", "5", "min_tx_rate", "0")
+    sh("ip", "link", "set", PF, "vf", "1", "mac", "02:66:66:66:66:66", "vlan", "999", "trust", "on", "spoofchk",
+       "off", "state", "disable", "max_tx_rate", "5", "min_tx_rate", "0")
     events = manager.reconcile()
     assert [(e.kind, e.vf, e.vrnic_id) for e in events] == [(EventKind.DRIFT_CORRECTED, 1, "r1")]
     assert events[0].detail["vlan"] == "999 -> 100" and set(events[0].detail) == \
-        {"vlan", "trust", "spoofchk", "link_state", "max_tx_rate", "min_tx_rate"}
+        {"mac", "vlan", "trust", "spoofchk", "link_state", "max_tx_rate", "min_tx_rate"}
     assert ip_vfs()[1] == {"mac": a.config.mac, "vlan": 100, "qos": 0, "max": 1000, "min": 100, "spoofchk": True,
                            "trust": False, "state": "auto"}
     assert manager.reconcile() == []
