@@ -26,7 +26,9 @@ def guest_suites() -> list[Record]:
 
 
 def host_suites() -> list[Record]:
-    return []
+    from bench import control_plane
+
+    return control_plane.run()
 
 
 def show(records: list[Record]) -> None:
