@@ -71,6 +71,7 @@ def test_allocate_confirms_and_release_resets(parts: tuple[SriovManager, MemoryS
     manager.release("v1")
     assert netlink.vfs[0] == CLEAN_VF and manager.allocations() == []
     assert [e.kind for e in manager.events] == [EventKind.ALLOCATED, EventKind.RELEASED]
+    assert manager.events.maxlen == 1000
 
 
 def test_refused_op_rolls_back_everything(parts: tuple[SriovManager, MemorySysfs, MemoryNetlink]) -> None:
@@ -79,7 +80,7 @@ def test_refused_op_rolls_back_everything(parts: tuple[SriovManager, MemorySysfs
     with pytest.raises(DeviceError, match="refused rate"):
         manager.allocate("v1", "red", "eth0", VfRequest(vlan=100, max_tx_rate=1000))
     assert netlink.vfs[0] == CLEAN_VF
-    assert manager.allocations() == [] and manager.events == []
+    assert manager.allocations() == [] and not manager.events
 
 
 def test_bad_input_touches_nothing(parts: tuple[SriovManager, MemorySysfs, MemoryNetlink]) -> None:
@@ -125,7 +126,11 @@ def test_reconcile_restores_drift(parts: tuple[SriovManager, MemorySysfs, Memory
     assert netlink.vfs[0] == a.config
     assert [(e.kind, e.vf) for e in events] == [(EventKind.DRIFT_CORRECTED, 0), (EventKind.UNOWNED_DIRTY, 2)]
     assert events[0].detail == {"vlan": "7 -> 100", "trust": "True -> False"}
-    assert manager.reconcile() == [events[1]]
+    assert manager.reconcile() == []  # the unowned VF is reported once, not on every pass
+    netlink.vfs[2] = CLEAN_VF
+    assert manager.reconcile() == []
+    netlink.vfs[2] = VfConfig(mac="02:99:00:00:00:02")
+    assert [(e.kind, e.vf) for e in manager.reconcile()] == [(EventKind.UNOWNED_DIRTY, 2)]
 
 
 def test_attach_without_vf_netdev_is_refused_clearly(parts: tuple[SriovManager, MemorySysfs, MemoryNetlink]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -91,7 +92,9 @@ class SriovManager:
         self._eswitch_mode = eswitch_mode or devlink.eswitch_mode
         self._rdma: RdmaNetns = rdma or _RdmaTool()
         self._lock = threading.RLock()
-        self.events: list[VfEvent] = []  # every event since start (the API persists them through on_event)
+        # the latest events (the API persists every one through on_event)
+        self.events: deque[VfEvent] = deque(maxlen=1000)
+        self._reported_dirty: set[VfAddress] = set()  # unowned dirty VFs are reported once, not every pass
 
     def close(self) -> None:
         self.netlink.close()
@@ -209,7 +212,9 @@ class SriovManager:
             for allocation in plan.vanished:
                 events.append(self._mark_vanished(allocation, "the VF no longer exists"))
             for address in plan.unowned_dirty:
-                events.append(self._emit(VfEvent(EventKind.UNOWNED_DIRTY, address.pf, address.index)))
+                if address not in self._reported_dirty:
+                    events.append(self._emit(VfEvent(EventKind.UNOWNED_DIRTY, address.pf, address.index)))
+            self._reported_dirty = set(plan.unowned_dirty)
         return events
 
     # VF count ------------------------------------------------------------------------------------------
