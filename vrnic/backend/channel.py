@@ -100,10 +100,13 @@ class ChannelServer:
                             continue
                         if request.op == "attach":
                             raise Conflict("already attached", current_state="attached")
+                        if request.op == "detach":  # tear down before replying, so a re-attach finds it free
+                            session.close()
+                            session.vrnic.session = None
+                            self._send(conn, reply_ok(request.id))
+                            return
                         result = session.handle(request.op, request.args)
                         self._send(conn, reply_ok(request.id, result))
-                        if request.op == "detach":
-                            return
                     except VrnicError as exc:
                         self._send(conn, reply_error(request_id, exc))
                     except Exception as exc:  # a daemon bug must fail one request, not the daemon

@@ -20,7 +20,10 @@ from typing import Any
 from vrnic.errors import InvalidArgument
 
 HEADER_BYTES = 192
-_U32 = struct.Struct("<I")
+# Native mode, not "<I": CPython packs standard-size integers byte by byte, so the
+# other process could read a torn index (0x1ff -> 0x200 passing 0x100). Native
+# mode packs with a fixed-size memcpy, one aligned 32-bit load or store on x86.
+_U32 = struct.Struct("I")
 _PRODUCER, _CONSUMER, _FLAGS = 0, 64, 128
 MAX_SGE = 4
 
