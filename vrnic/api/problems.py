@@ -52,11 +52,15 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def status_of(exc: VrnicError) -> int:
-    for cls in type(exc).__mro__:
+def status_for(error_class: type[VrnicError]) -> int:
+    for cls in error_class.__mro__:
         if cls in STATUS:
             return STATUS[cls]
     return 500
+
+
+def status_of(exc: VrnicError) -> int:
+    return status_for(type(exc))
 
 
 def problem(status: int, code: str, detail: str, request: Request, extra: dict[str, Any] | None = None) -> JSONResponse:
