@@ -18,7 +18,7 @@ from typing import Any, TypeVar, cast
 
 from sqlalchemy import Connection, Engine, Row, Select, Table, bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, joinedload, sessionmaker
 
 from vrnic import __version__
 from vrnic.api.auth import OPERATOR, Principal, TokenCache, hash_token, is_operator_token, new_tenant_token
@@ -313,6 +313,8 @@ class ControlPlane:
                 conn = s.connection()
                 tenant = self._allocating_tenant(conn, principal, body)
                 if tenant.max_vrnics is not None:
+                    # PostgreSQL: hold the tenant row so concurrent allocations cannot both pass the count.
+                    conn.execute(_LOCK_TENANT, {"b_id": tenant.id})
                     check_vrnic_count(tenant.max_vrnics, self._live_count(s, tenant.id))
                 quota = body.quota or Quota.model_validate(tenant.default_quota)
                 public_id, now = f"vr-{uuid.uuid4().hex}", utcnow()
@@ -331,7 +333,7 @@ class ControlPlane:
                                  qos=body.qos, vpc_id=tenant.vpc_id, virtual_gid=virtual_gid)
                 info = self.backend.create_vrnic(spec)
                 placed = dict(virtual_gid=virtual_gid, device_name=info.device,
-                              device_id=self._device_id(body.mode, info.device), socket_path=info.socket_path,
+                              device_id=self._device_id(s, body.mode, info.device), socket_path=info.socket_path,
                               attach_extra=dict(info.extra), updated_at=now)
                 conn.execute(_PLACE_VRNIC, {**placed, "b_serial": serial})
                 self._event(s, principal, "vrnic.allocate", f"vrnic/{public_id}", tenant.id,
@@ -347,7 +349,7 @@ class ControlPlane:
     def list_vrnics(self, principal: Principal, cursor: str | None, limit: int, *, state: VrnicState | None = None,
                     tenant: str | None = None) -> Page[VrnicOut]:
         with self._read() as s:
-            query = self._visible(select(Vrnic), principal)
+            query = self._visible(select(Vrnic).options(joinedload(Vrnic.tenant)), principal)
             if state is not None:
                 query = query.where(Vrnic.state == state.value)
             if tenant is not None:
@@ -446,11 +448,24 @@ class ControlPlane:
             # Already gone (the daemon restarted, or an earlier release got this far): nothing to tear down.
             log.warning("vRNIC %s had no backend state left to release", vrnic_id)
 
-    def _device_id(self, mode: VrnicMode, name: str) -> int | None:
+    def _device_id(self, s: Session, mode: VrnicMode, name: str) -> int | None:
         driver = self.backend.driver(mode).name
-        if (driver, name) not in self._device_ids:
-            self.sync_devices()  # a device that appeared after startup
-        return self._device_ids.get((driver, name))
+        known = self._device_ids.get((driver, name))
+        if known is not None:
+            return known
+        # A device that appeared after startup: record it in this transaction (not cached until the next
+        # sync, since this transaction may still roll back).
+        row = s.scalar(select(Device).where(Device.host_id == self.host_id, Device.driver == driver,
+                                            Device.name == name))
+        if row is None:
+            info = next((d for d in self.backend.devices() if d.driver == driver and d.name == name), None)
+            if info is None:
+                return None
+            row = Device(host_id=self.host_id, name=name, driver=driver, node_guid=info.node_guid,
+                         ports=[p.model_dump() for p in info.ports], caps=dict(info.caps))
+            s.add(row)
+            s.flush()
+        return row.id
 
     @staticmethod
     def _allocating_tenant(conn: Connection, principal: Principal, body: VrnicCreate) -> Row[Any]:
@@ -569,6 +584,7 @@ _RELEASE_VRNIC = update(VRNICS).where(VRNICS.c.serial == bindparam("b_serial"))
 _TENANT_COLUMNS = select(Tenant.id, Tenant.name, Tenant.vpc_id, Tenant.max_vrnics, Tenant.default_quota)
 _TENANT_BY_NAME = _TENANT_COLUMNS.where(Tenant.name == bindparam("b_name"))
 _TENANT_BY_ID = _TENANT_COLUMNS.where(Tenant.id == bindparam("b_id"))
+_LOCK_TENANT = select(Tenant.id).where(Tenant.id == bindparam("b_id")).with_for_update()
 _VRNIC_FOR_UPDATE = select(VRNICS, Tenant.name.label("tenant_name")) \
     .join(Tenant, Tenant.id == VRNICS.c.tenant_id).where(VRNICS.c.public_id == bindparam("b_id")) \
     .with_for_update(of=VRNICS)
