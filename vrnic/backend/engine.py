@@ -249,7 +249,14 @@ class SharedRingEngine(DataPathEngine):
 
     # ----- NIC -> guest ------------------------------------------------------------------------
     def _drain_cq(self, cq: CqState) -> bool:
-        room = cq.ring.entries - cq.ring.count()
+        if cq.ring.flags & RingFlags.CORRUPT:
+            return False
+        try:
+            room = cq.ring.entries - cq.ring.count()
+        except RingCorrupt as exc:  # the guest scribbled on its own ring: that CQ is dead, nobody else's
+            cq.ring.set_flag(RingFlags.CORRUPT)
+            log.warning("vRNIC %s: CQ ring corrupt (%s); CQ stopped", self.session.vrnic.spec.id, exc)
+            return False
         if room <= 0:
             return False
         npolled, wcs = cq.real.poll(num_entries=min(room, BATCH))
@@ -268,5 +275,8 @@ class SharedRingEngine(DataPathEngine):
 
     @staticmethod
     def _complete(cq: CqState, wc: Completion) -> None:
-        if not cq.ring.produce(pack_completion(wc)):
-            cq.ring.set_flag(RingFlags.OVERFLOW)
+        try:
+            if not cq.ring.produce(pack_completion(wc)):
+                cq.ring.set_flag(RingFlags.OVERFLOW)
+        except RingCorrupt:
+            cq.ring.set_flag(RingFlags.CORRUPT)

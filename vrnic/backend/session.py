@@ -34,7 +34,7 @@ from vrnic.backend.verbs import close_quietly, comp_channel_with_fd, device_erro
 from vrnic.core import ops
 from vrnic.core.handles import HandleTable
 from vrnic.core.quota import QuotaLedger, Resource
-from vrnic.core.rings import CQ_SLOT, RQ_SLOT, SQ_SLOT, Access, Ring
+from vrnic.core.rings import CQ_SLOT, RQ_SLOT, SQ_SLOT, Access, Ring, index_words
 from vrnic.core.translate import MrWindow, validate_region
 from vrnic.errors import Conflict, InvalidArgument, NotFound
 
@@ -121,13 +121,14 @@ class GuestSession:
         if not seals & REQUIRED_SEALS:
             raise InvalidArgument("the arena memfd must be sealed against shrinking (F_SEAL_SHRINK)")
         self.arena_size = os.fstat(arena_fd).st_size
-        if self.arena_size <= 0:
-            raise InvalidArgument("the arena is empty")
+        if self.arena_size <= 0 or self.arena_size % mmap.PAGESIZE:
+            raise InvalidArgument(f"the arena must be a positive number of pages, not {self.arena_size} bytes")
         self.arena = mmap.mmap(arena_fd, self.arena_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         anchor = ctypes.c_char.from_buffer(self.arena)
         self.arena_base = ctypes.addressof(anchor)
         del anchor  # an exported buffer would keep the mapping from ever closing
         self.view = memoryview(self.arena)
+        self.words = index_words(self.view)
         with device_errors(f"open {vrnic.device}"):
             self.ctx = Context(name=vrnic.device)
         from vrnic.backend.engine import SharedRingEngine  # the engine needs the session's types
@@ -247,7 +248,7 @@ class GuestSession:
     def op_create_cq(self, args: ops.CreateCq) -> dict[str, Any]:
         self.ledger.check_cqe(args.cqe)
         validate_region(args.ring, Ring.bytes_needed(args.cqe, CQ_SLOT.size), self.arena_size, "CQ ring")
-        ring = Ring(self.view, args.ring, args.cqe, CQ_SLOT)
+        ring = Ring(self.view, args.ring, args.cqe, CQ_SLOT, self.words)
         self.ledger.charge(Resource.CQ)
         channel = real = None
         try:
@@ -278,8 +279,8 @@ class GuestSession:
         self.ledger.check_wr(args.max_recv_wr)
         validate_region(args.sq_ring, Ring.bytes_needed(args.max_send_wr, SQ_SLOT.size), self.arena_size, "SQ ring")
         validate_region(args.rq_ring, Ring.bytes_needed(args.max_recv_wr, RQ_SLOT.size), self.arena_size, "RQ ring")
-        sq = Ring(self.view, args.sq_ring, args.max_send_wr, SQ_SLOT)
-        rq = Ring(self.view, args.rq_ring, args.max_recv_wr, RQ_SLOT)
+        sq = Ring(self.view, args.sq_ring, args.max_send_wr, SQ_SLOT, self.words)
+        rq = Ring(self.view, args.rq_ring, args.max_recv_wr, RQ_SLOT, self.words)
         self.ledger.charge(Resource.QP)
         qp_type = e.IBV_QPT_RC if args.qp_type == "rc" else e.IBV_QPT_UD
         cap = QPCap(max_send_wr=args.max_send_wr, max_recv_wr=args.max_recv_wr, max_send_sge=args.max_sge,
@@ -434,6 +435,7 @@ class GuestSession:
             self.mr_by_vkey.clear()
             self.qp_by_vqpn.clear()
             self.qp_by_phys.clear()
+            self.words.release()
             self.view.release()
             self.arena.close()
             for fd in (self.arena_fd, self.doorbell_fd):

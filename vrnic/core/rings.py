@@ -20,10 +20,6 @@ from typing import Any
 from vrnic.errors import InvalidArgument
 
 HEADER_BYTES = 192
-# Native mode, not "<I": CPython packs standard-size integers byte by byte, so the
-# other process could read a torn index (0x1ff -> 0x200 passing 0x100). Native
-# mode packs with a fixed-size memcpy, one aligned 32-bit load or store on x86.
-_U32 = struct.Struct("I")
 _PRODUCER, _CONSUMER, _FLAGS = 0, 64, 128
 MAX_SGE = 4
 
@@ -37,8 +33,19 @@ class RingCorrupt(InvalidArgument):
     code = "ring_corrupt"
 
 
+def index_words(buf: memoryview | bytearray) -> memoryview:
+    """A 32-bit view of an arena for ring indices; its owner releases it before unmapping.
+
+    Indices must be written with one aligned 32-bit store. struct.pack_into will
+    not do: it zeroes the destination before writing, so the other process can
+    read a transient 0. A memoryview element store is a single 4-byte memcpy.
+    """
+    return memoryview(buf).cast("B").cast("I")
+
+
 class Ring:
-    def __init__(self, buf: memoryview, offset: int, entries: int, slot: struct.Struct) -> None:
+    def __init__(self, buf: memoryview, offset: int, entries: int, slot: struct.Struct,
+                 words: memoryview | None = None) -> None:
         if entries < 1:
             raise InvalidArgument("a ring needs at least one entry")
         if entries > 1 << 31:
@@ -47,6 +54,7 @@ class Ring:
         if offset < 0 or offset % 64 or end > len(buf):
             raise InvalidArgument(f"ring [{offset}, {end}) is not 64-byte aligned inside the {len(buf)}-byte arena")
         self.buf, self.offset, self.entries, self.slot = buf, offset, entries, slot
+        self.words = index_words(buf) if words is None else words
         # Wrapping at 2^32 would jump index % entries backwards unless entries divides 2^32,
         # putting two live entries in one slot; wrap at a multiple of entries instead.
         self.modulus = ((1 << 32) // entries) * entries
@@ -56,10 +64,10 @@ class Ring:
         return HEADER_BYTES + entries * slot_size
 
     def _index(self, at: int) -> int:
-        return int(_U32.unpack_from(self.buf, self.offset + at)[0])
+        return int(self.words[(self.offset + at) >> 2])
 
     def _set_index(self, at: int, value: int) -> None:
-        _U32.pack_into(self.buf, self.offset + at, value % self.modulus)
+        self.words[(self.offset + at) >> 2] = value % self.modulus
 
     def count(self) -> int:
         producer, consumer = self._index(_PRODUCER), self._index(_CONSUMER)

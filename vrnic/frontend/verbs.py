@@ -25,6 +25,7 @@ from vrnic.core.rings import (
     RingFlags,
     SendRequest,
     Sge,
+    index_words,
     pack_recv,
     pack_send,
     unpack_completion,
@@ -73,14 +74,15 @@ class Context(_Resource):
 
     def __init__(self, socket_path: str, token: str, arena_bytes: int = DEFAULT_ARENA,
                  busy_poll: bool = False) -> None:
-        if arena_bytes < mmap.PAGESIZE:
-            raise InvalidArgument(f"the arena needs at least one page, not {arena_bytes} bytes")
+        if arena_bytes < mmap.PAGESIZE or arena_bytes % mmap.PAGESIZE:
+            raise InvalidArgument(f"the arena must be a positive number of pages, not {arena_bytes} bytes")
         self.arena_fd = os.memfd_create("vrnic-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self.arena_fd, arena_bytes)
         # Sealed so vrnicd can map it without fearing SIGBUS from a shrink.
         fcntl.fcntl(self.arena_fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
         self.arena = mmap.mmap(self.arena_fd, arena_bytes)
         self.view = memoryview(self.arena)
+        self.words = index_words(self.view)
         self.allocator = ArenaAllocator(arena_bytes)
         self.doorbell_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self.channel: Channel | None = None
@@ -138,6 +140,7 @@ class Context(_Resource):
     def _release_local(self) -> None:
         if self.channel is not None:
             self.channel.close()
+        self.words.release()
         self.view.release()
         self.arena.close()
         os.close(self.arena_fd)
@@ -208,12 +211,14 @@ class CQ(_Resource):
         except BaseException:
             ctx.free(self.ring_buffer)
             raise
-        self.ring = Ring(ctx.view, self.ring_buffer.addr, cqe, CQ_SLOT)
+        self.ring = Ring(ctx.view, self.ring_buffer.addr, cqe, CQ_SLOT, ctx.words)
 
     def poll(self, max_entries: int = 16) -> list[Completion]:
         """Completions waiting in the shared ring; never a round trip to vrnicd."""
         if self.ring.flags & RingFlags.OVERFLOW:
             raise DeviceError("CQ overflow: completions were lost", errno.EOVERFLOW)
+        if self.ring.flags & RingFlags.CORRUPT:
+            raise DeviceError("the CQ ring was corrupted; vrnicd stopped it", errno.EIO)
         return [unpack_completion(slot) for slot in self.ring.consume(max_entries)]
 
     def wait(self, count: int = 1, timeout: float = 10.0) -> list[Completion]:
@@ -258,8 +263,8 @@ class QP(_Resource):
         self.handle = int(reply["qp"])
         self.qpn = int(reply["qpn"])  # virtual: what a peer names this QP by
         self.qp_type = qp_type
-        self.sq = Ring(ctx.view, self.sq_buffer.addr, max_send_wr, SQ_SLOT)
-        self.rq = Ring(ctx.view, self.rq_buffer.addr, max_recv_wr, RQ_SLOT)
+        self.sq = Ring(ctx.view, self.sq_buffer.addr, max_send_wr, SQ_SLOT, ctx.words)
+        self.rq = Ring(ctx.view, self.rq_buffer.addr, max_recv_wr, RQ_SLOT, ctx.words)
 
     def connect(self, remote_gid: str, remote_qpn: int, access: int = 15) -> None:
         """INIT -> RTR -> RTS towards a peer named by its virtual GID and virtual QPN."""
