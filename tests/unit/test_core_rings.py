@@ -26,6 +26,7 @@ from vrnic.core.rings import (
     WcOpcode,
     WcStatus,
     WrOpcode,
+    index_words,
     pack_completion,
     pack_recv,
     pack_send,
@@ -202,6 +203,59 @@ def test_ring_behaves_like_a_bounded_fifo(entries: int, start: int, ops: list[tu
             assert got == model[:n]
             del model[:n]
         assert ring.count() == len(model)
+
+
+# ----- index stores ----------------------------------------------------------------------------
+
+class RecordingWords:
+    """Stands in for the 32-bit index view and records every store, to check there is one per update."""
+
+    def __init__(self, words: memoryview) -> None:
+        self.words = words
+        self.stores: list[tuple[int, int]] = []
+
+    def __getitem__(self, i: int) -> int:
+        return int(self.words[i])
+
+    def __setitem__(self, i: int, value: int) -> None:
+        self.stores.append((i, value))
+        self.words[i] = value
+
+
+def test_index_words_is_a_32_bit_view_of_the_same_memory() -> None:
+    buf = bytearray(256)
+    words = index_words(buf)
+    assert (words.itemsize, len(words)) == (4, 64)
+    words[16] = 0xDEADBEEF
+    assert struct.unpack_from("<I", buf, 64)[0] == 0xDEADBEEF
+
+
+def test_each_index_update_is_one_store_of_the_final_value() -> None:
+    """A peer process must never observe an intermediate value (such as a transient 0)."""
+    buf = memoryview(bytearray(Ring.bytes_needed(4, ONE.size) + 64))
+    recorder = RecordingWords(index_words(buf))
+    ring = Ring(buf, 64, 4, ONE, recorder)  # type: ignore[arg-type]
+    set_indices(buf, 64, 255, 255)  # the next store carries into the second byte
+    assert ring.produce((1,))
+    assert recorder.stores == [((64 + 0) // 4, 256)]
+    assert values(ring.consume(1)) == [1]
+    assert recorder.stores[-1] == ((64 + 64) // 4, 256)
+    ring.set_flag(RingFlags.OVERFLOW)
+    assert recorder.stores[-1] == ((64 + 128) // 4, 1)
+    assert len(recorder.stores) == 3
+
+
+def test_rings_sharing_one_index_view_stay_independent() -> None:
+    buf = memoryview(bytearray(4096))
+    words = index_words(buf)
+    first = Ring(buf, 0, 4, ONE, words)
+    second = Ring(buf, 1024, 4, ONE, words)
+    first.produce((1,))
+    second.produce((2,))
+    second.produce((3,))
+    assert (first.count(), second.count()) == (1, 2)
+    assert values(first.consume(4)) == [1]
+    assert values(second.consume(4)) == [2, 3]
 
 
 # ----- corruption and flags ---------------------------------------------------------------------
