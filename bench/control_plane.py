@@ -17,8 +17,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
@@ -31,6 +32,7 @@ from vrnic.core.vaddr import make_virtual_gid
 CONCURRENCY = (1, 8, 32)
 OPERATIONS = int(os.environ.get("VRNIC_BENCH_CP_OPS", "1500"))  # allocations per concurrency level
 OPERATOR_TOKEN = "vro_bench-operator"
+T = TypeVar("T")
 
 
 def _percentile(samples: list[float], q: float) -> float:
@@ -118,48 +120,57 @@ class Daemon:
             self.process.kill()
 
 
-async def _phase(clients: int, jobs: list[Callable[[httpx.AsyncClient], object]],
-                 http: httpx.AsyncClient) -> tuple[Stats, list[object]]:
-    """Run jobs on `clients` concurrent workers; per-request latencies and the wall time of all."""
+async def _phase(clients: list[httpx.AsyncClient], jobs: list[Callable[[httpx.AsyncClient], Awaitable[T]]]
+                 ) -> tuple[Stats, list[T]]:
+    """Run jobs on the clients concurrently (each client one connection, one request at a time)."""
     queue = list(reversed(jobs))
     latencies: list[float] = []
-    results: list[object] = []
+    results: list[T] = []
 
-    async def worker() -> None:
+    async def worker(http: httpx.AsyncClient) -> None:
         while queue:
             job = queue.pop()
             t0 = time.perf_counter()
-            results.append(await job(http))  # type: ignore[misc]
+            results.append(await job(http))
             latencies.append((time.perf_counter() - t0) * 1e3)
 
     started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(clients)))
+    await asyncio.gather(*(worker(http) for http in clients))
     return Stats(latencies, time.perf_counter() - started), results
 
 
-async def rest_level(url: str, token: str, clients: int, count: int) -> tuple[Stats, Stats]:
-    headers = {"Authorization": f"Bearer {token}"}
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=60) as http:
+async def rest_level(url: str, token: str, concurrency: int, count: int) -> tuple[Stats, Stats]:
+    """count allocations, then their releases, from `concurrency` clients with a connection each.
 
-        async def allocate(client: httpx.AsyncClient) -> str:
-            response = await client.post("/vrnics", json={})
+    One httpx client per simulated client: a single client shared by many tasks spends more CPU in its
+    connection pool than the server spends on the request (measured: 3.3 ms per request at 32).
+    """
+    headers = {"Authorization": f"Bearer {token}"}
+    one = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    clients = [httpx.AsyncClient(base_url=url, headers=headers, limits=one, timeout=60) for _ in range(concurrency)]
+    try:
+
+        async def allocate(http: httpx.AsyncClient) -> str:
+            response = await http.post("/vrnics", json={})
             if response.status_code != 201:
                 raise RuntimeError(f"allocate: {response.status_code} {response.text}")
             return str(response.json()["id"])
 
-        def release(vrnic_id: str) -> Callable[[httpx.AsyncClient], object]:
-            async def job(client: httpx.AsyncClient) -> None:
-                response = await client.delete(f"/vrnics/{vrnic_id}")
+        def release(vrnic_id: str) -> Callable[[httpx.AsyncClient], Awaitable[None]]:
+            async def job(http: httpx.AsyncClient) -> None:
+                response = await http.delete(f"/vrnics/{vrnic_id}")
                 if response.status_code != 200:
                     raise RuntimeError(f"release: {response.status_code} {response.text}")
             return job
 
-        warm, ids = await _phase(clients, [allocate] * min(count, 50), http)  # connections, caches
-        await _phase(clients, [release(str(i)) for i in ids], http)
-        allocated, ids = await _phase(clients, [allocate] * count, http)
-        released, _ = await _phase(clients, [release(str(i)) for i in ids], http)
+        _, ids = await _phase(clients, [allocate] * min(count, 50))  # connections, caches
+        await _phase(clients, [release(i) for i in ids])
+        allocated, ids = await _phase(clients, [allocate] * count)
+        released, _ = await _phase(clients, [release(i) for i in ids])
         return allocated, released
+    finally:
+        for http in clients:
+            await http.aclose()
 
 
 def run() -> list[Record]:

@@ -46,6 +46,7 @@ def create_app(settings: DaemonSettings, backend: BackendService, *, engine: Eng
             log.warning("%d live vRNIC(s) in the database have no backend state on this host "
                         "(released on DELETE): %s", len(orphans), ", ".join(orphans[:5]))
         yield
+        cp.close()
 
     app = FastAPI(title="vrnic", version=__version__, lifespan=lifespan,
                   description="Virtual RDMA NICs for VMs and containers: tenants, vRNICs, devices, hosts, events.")

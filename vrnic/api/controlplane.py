@@ -7,15 +7,19 @@ VrnicErrors; an allocation whose database commit fails releases its backend stat
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import json
 import logging
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, TypeVar, cast
 
+from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import Connection, Engine, Row, Select, Table, bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, joinedload, sessionmaker
@@ -70,10 +74,29 @@ class ControlPlane:
         self._readonly_sessions: sessionmaker[Session] = session_factory(
             engine.execution_options(vrnic_read_only=True))
         self._tokens = TokenCache()
-        self._write_lock: AbstractContextManager[object] = \
-            threading.Lock() if engine.dialect.name == "sqlite" else nullcontext()
+        sqlite = engine.dialect.name == "sqlite"
+        self._write_lock: AbstractContextManager[object] = threading.Lock() if sqlite else nullcontext()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="vrnic-db-writer") if sqlite else None
         self._host_id: int | None = None
         self._device_ids: dict[tuple[str, str], int] = {}
+
+    # -- how the API runs operations ---------------------------------------------------------------
+
+    async def write(self, operation: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a state-changing operation off the event loop.
+
+        SQLite takes one writer at a time, so its writes queue (first come, first served) for a single
+        writer thread instead of many threads contending for the lock, which kept tail latency long.
+        PostgreSQL writes run on the shared thread pool.
+        """
+        call = functools.partial(operation, *args, **kwargs)
+        if self._writer is None:
+            return await run_in_threadpool(call)
+        return await asyncio.get_running_loop().run_in_executor(self._writer, call)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
 
     # -- sessions ---------------------------------------------------------------------------------
 

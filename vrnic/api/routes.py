@@ -67,9 +67,9 @@ def health(cp: CP) -> dict[str, str]:
 # -- tenants (operator only) ----------------------------------------------------------------------
 
 @router.post("/tenants", status_code=status.HTTP_201_CREATED, tags=["tenants"])
-def create_tenant(body: TenantCreate, cp: CP, who: Caller, response: Response) -> TenantCreated:
+async def create_tenant(body: TenantCreate, cp: CP, who: Caller, response: Response) -> TenantCreated:
     """Create a tenant; the response carries its first token, shown only here."""
-    created = cp.create_tenant(who, body)
+    created = await cp.write(cp.create_tenant, who, body)
     response.headers["Location"] = f"/api/v1/tenants/{created.name}"
     return created
 
@@ -85,19 +85,19 @@ def get_tenant(name: TenantPath, cp: CP, who: Caller) -> TenantOut:
 
 
 @router.patch("/tenants/{name}", tags=["tenants"])
-def update_tenant(name: TenantPath, body: TenantUpdate, cp: CP, who: Caller) -> TenantOut:
-    return cp.update_tenant(who, name, body)
+async def update_tenant(name: TenantPath, body: TenantUpdate, cp: CP, who: Caller) -> TenantOut:
+    return await cp.write(cp.update_tenant, who, name, body)
 
 
 @router.delete("/tenants/{name}", status_code=status.HTTP_204_NO_CONTENT, tags=["tenants"])
-def delete_tenant(name: TenantPath, cp: CP, who: Caller) -> None:
+async def delete_tenant(name: TenantPath, cp: CP, who: Caller) -> None:
     """Delete a tenant with no live vRNICs (its released vRNICs and tokens go with it)."""
-    cp.delete_tenant(who, name)
+    await cp.write(cp.delete_tenant, who, name)
 
 
 @router.post("/tenants/{name}/tokens", status_code=status.HTTP_201_CREATED, tags=["tenants"])
-def issue_token(name: TenantPath, cp: CP, who: Caller) -> TokenIssued:
-    return cp.issue_token(who, name)
+async def issue_token(name: TenantPath, cp: CP, who: Caller) -> TokenIssued:
+    return await cp.write(cp.issue_token, who, name)
 
 
 @router.get("/tenants/{name}/tokens", tags=["tenants"])
@@ -106,8 +106,8 @@ def list_tokens(name: TenantPath, cp: CP, who: Caller) -> list[TokenOut]:
 
 
 @router.delete("/tenants/{name}/tokens/{token_id}", tags=["tenants"])
-def revoke_token(name: TenantPath, token_id: BigId, cp: CP, who: Caller) -> TokenOut:
-    return cp.revoke_token(who, name, token_id)
+async def revoke_token(name: TenantPath, token_id: BigId, cp: CP, who: Caller) -> TokenOut:
+    return await cp.write(cp.revoke_token, who, name, token_id)
 
 
 # -- vRNICs ---------------------------------------------------------------------------------------
@@ -115,7 +115,7 @@ def revoke_token(name: TenantPath, token_id: BigId, cp: CP, who: Caller) -> Toke
 @router.post("/vrnics", status_code=status.HTTP_201_CREATED, tags=["vrnics"],
              responses={200: {"model": VrnicOut, "description": "a replay: Idempotency-Key matched an earlier "
                                                                  "allocation (the attach token is not shown again)"}})
-def allocate_vrnic(body: VrnicCreate, cp: CP, who: Caller, response: Response,
+async def allocate_vrnic(body: VrnicCreate, cp: CP, who: Caller, response: Response,
                    idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255,
                                                                  pattern=Printable)] = None) -> VrnicOut:
     """Allocate a vRNIC: pick a device, create it in the backend, return what a frontend needs to attach.
@@ -123,7 +123,7 @@ def allocate_vrnic(body: VrnicCreate, cp: CP, who: Caller, response: Response,
     The attach token is in this response only. Retrying with the same Idempotency-Key returns the
     same vRNIC (status 200, header Idempotent-Replayed: true) instead of allocating another.
     """
-    out, replayed = cp.allocate(who, body, idempotency_key)
+    out, replayed = await cp.write(cp.allocate, who, body, idempotency_key)
     response.headers["Location"] = f"/api/v1/vrnics/{out.id}"
     if replayed:
         response.status_code = status.HTTP_200_OK
@@ -144,23 +144,23 @@ def get_vrnic(vrnic_id: VrnicPath, cp: CP, who: Caller) -> VrnicOut:
 
 
 @router.delete("/vrnics/{vrnic_id}", tags=["vrnics"])
-def release_vrnic(vrnic_id: VrnicPath, cp: CP, who: Caller,
+async def release_vrnic(vrnic_id: VrnicPath, cp: CP, who: Caller,
                   force: Annotated[bool, Query(description="operator: release even if attached")] = False
                   ) -> VrnicOut:
     """Release: tear down the backend state; the record stays, in state released."""
-    return cp.release(who, vrnic_id, force=force)
+    return await cp.write(cp.release, who, vrnic_id, force=force)
 
 
 @router.post("/vrnics/{vrnic_id}/attach", tags=["vrnics"])
-def attach_vrnic(vrnic_id: VrnicPath, cp: CP, who: Caller) -> VrnicOut:
+async def attach_vrnic(vrnic_id: VrnicPath, cp: CP, who: Caller) -> VrnicOut:
     """Record that a frontend attached."""
-    return cp.transition(who, vrnic_id, VrnicAction.ATTACH)
+    return await cp.write(cp.transition, who, vrnic_id, VrnicAction.ATTACH)
 
 
 @router.post("/vrnics/{vrnic_id}/detach", tags=["vrnics"])
-def detach_vrnic(vrnic_id: VrnicPath, cp: CP, who: Caller) -> VrnicOut:
+async def detach_vrnic(vrnic_id: VrnicPath, cp: CP, who: Caller) -> VrnicOut:
     """Record that the frontend went away."""
-    return cp.transition(who, vrnic_id, VrnicAction.DETACH)
+    return await cp.write(cp.transition, who, vrnic_id, VrnicAction.DETACH)
 
 
 # -- devices, hosts (operator only), events -------------------------------------------------------
