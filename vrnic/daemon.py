@@ -120,6 +120,28 @@ def run(settings: DaemonSettings) -> None:
 
 
 @contextmanager
+def serve_in_process(settings: DaemonSettings, backend: BackendService, *, migrate: bool = True) -> Iterator[str]:
+    """The daemon's API inside this process (tests, e.g. the kernel tier with a real driver).
+
+    Migrates the database to head when migrate is true, serves over HTTP on a free port of
+    settings.listen_host, yields the base URL (".../api/v1" is the API); the backend stays the caller's.
+    """
+    from vrnic.api.app import create_app
+    from vrnic.db.engine import make_engine
+    from vrnic.db.migrate import upgrade
+
+    settings = with_operator_token(settings)
+    engine = make_engine(settings.database)
+    try:
+        if migrate:
+            upgrade(engine)
+        with serve_in_thread(create_app(settings, backend, engine=engine), host=settings.listen_host) as url:
+            yield url
+    finally:
+        engine.dispose()
+
+
+@contextmanager
 def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0,
                     timeout: float = 15.0) -> Iterator[str]:
     """Serve app from a thread of this process (tests); yields the base URL, stops on exit."""

@@ -86,3 +86,25 @@ def test_daemon_refuses_an_old_schema_then_serves_after_upgrade(tmp_path: Path, 
         assert [h["name"] for h in hosts] == ["daemon-host"]  # registered once, refreshed on restart
     finally:
         assert _stop(process) == 0
+
+
+def test_serve_in_process_for_tests_with_any_backend(tmp_path: Path) -> None:
+    from pydantic import SecretStr
+
+    from vrnic.backend.driver import load_driver
+    from vrnic.backend.service import BackendService
+    from vrnic.config import DaemonSettings
+    from vrnic.core.model import VrnicMode
+    from vrnic.daemon import serve_in_process
+
+    backend = BackendService({VrnicMode.PARAVIRTUAL: load_driver("fake")})
+    settings = DaemonSettings(state_dir=tmp_path, operator_token=SecretStr("op"), host_name="in-process")
+    with serve_in_process(settings, backend) as url:
+        auth = {"Authorization": "Bearer op"}
+        tenant = httpx.post(f"{url}/api/v1/tenants", json={"name": "acme"}, headers=auth).json()
+        vrnic = httpx.post(f"{url}/api/v1/vrnics", json={},
+                           headers={"Authorization": f"Bearer {tenant['token']}"}).json()
+        assert vrnic["attach"]["token"] and vrnic["id"] in backend.vrnic_ids()
+        assert httpx.delete(f"{url}/api/v1/vrnics/{vrnic['id']}", headers=auth).json()["state"] == "released"
+    assert backend.vrnic_ids() == set()
+    backend.close()
