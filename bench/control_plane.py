@@ -112,6 +112,11 @@ class Daemon:
                 raise RuntimeError(f"vrnic daemon did not start:\n{self.log.read_text()}")
             time.sleep(0.1)
 
+    def cpu_seconds(self) -> float:
+        """CPU time the daemon process has used so far (user + system)."""
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         self.process.terminate()
         try:
@@ -188,7 +193,12 @@ def run() -> list[Record]:
             tenant.raise_for_status()
             token = tenant.json()["token"]
             for clients in CONCURRENCY:
+                cpu_before = daemon.cpu_seconds()
                 allocated, released = asyncio.run(rest_level(daemon.url, token, clients, OPERATIONS))
+                requests = 2 * (OPERATIONS + min(OPERATIONS, 50))  # with the warm-up
+                # Where the time goes: the daemon's own CPU per request (the clients share the machine).
+                records.append(Record(f"cp.rest.c{clients}.server_cpu_per_request", "ms",
+                                      (daemon.cpu_seconds() - cpu_before) / requests * 1e3))
                 for op, stats, bare in (("allocate", allocated, bare_create), ("release", released, bare_release)):
                     records += [
                         Record(f"cp.rest.{op}.c{clients}.throughput", "ops/s", stats.throughput,

@@ -30,6 +30,7 @@ from vrnic.db.migrate import upgrade
 
 TOKEN = "vro_schemathesis-operator"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+TENANT_AUTH: dict[str, str] = {}  # filled once the tenant exists
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           response_headers_conformance]
 
@@ -44,7 +45,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     app = create_app(DaemonSettings(state_dir=state, operator_token=SecretStr(TOKEN), host_name="st-host"),
                      backend, engine=engine)
     with serve_in_thread(app) as base_url:
-        httpx.post(f"{base_url}/api/v1/tenants", json={"name": "acme"}, headers=AUTH).raise_for_status()
+        tenant = httpx.post(f"{base_url}/api/v1/tenants", json={"name": "acme"}, headers=AUTH)
+        tenant.raise_for_status()
+        TENANT_AUTH["Authorization"] = f"Bearer {tenant.json()['token']}"
         httpx.post(f"{base_url}/api/v1/vrnics", json={"tenant": "acme"}, headers=AUTH).raise_for_status()
         yield base_url
     backend.close()
@@ -63,6 +66,12 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 @settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
 def test_api_conforms_to_its_schema(case: Any, served: str) -> None:
     case.call_and_validate(base_url=served, headers=AUTH, checks=CHECKS)
+
+
+@schema.parametrize()
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+def test_api_conforms_to_its_schema_for_a_tenant(case: Any, served: str) -> None:
+    case.call_and_validate(base_url=served, headers=TENANT_AUTH, checks=CHECKS)
 
 
 def test_schema_documents_problem_json_and_bearer_auth(served: str) -> None:

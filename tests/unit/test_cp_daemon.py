@@ -75,3 +75,14 @@ def test_cli_pairs_and_api_errors() -> None:
     error = ApiError(409, {"code": "conflict", "detail": "cannot release", "current_state": "attached"})
     assert str(error) == "409 conflict: cannot release (current state: attached)"
     assert str(ApiError(502, {"detail": "Bad Gateway"})) == "502 error: Bad Gateway"
+
+
+def test_daemon_settings_from_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("VRNIC_DATABASE_URL", "VRNIC_PARAVIRTUAL_DRIVER", "VRNIC_LISTEN_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    config = tmp_path / "vrnic.env"
+    config.write_text("VRNIC_DATABASE_URL=postgresql+psycopg://vrnic@db/vrnic\nVRNIC_PARAVIRTUAL_DRIVER=fake\n"
+                      "VRNIC_LISTEN_PORT=8555\n")
+    settings = DaemonSettings(_env_file=config)  # what VRNIC_CONFIG=<file> selects
+    assert settings.database == "postgresql+psycopg://vrnic@db/vrnic"
+    assert (settings.paravirtual_driver, settings.listen_port) == ("fake", 8555)
