@@ -55,11 +55,18 @@ def test_operator_and_tenant_workflow(run, backend: BackendService) -> None:  # 
     assert code == 0 and {d["name"] for d in json.loads(out)} == {"fake0", "fake1"}
     code, out, _ = run("hosts", "list")
     assert code == 0 and "test-host" in out
+    code, out, _ = run("vrnics", "attach", vrnic["id"], "--json", token=tenant["token"])
+    assert code == 0 and json.loads(out)["state"] == "attached"
+    code, _, err = run("vrnics", "release", vrnic["id"], token=tenant["token"])
+    assert code == 1 and "detach it first" in err and "(current state: attached)" in err
+    code, out, _ = run("vrnics", "detach", vrnic["id"], token=tenant["token"])
+    assert code == 0 and "detached" in out
     code, out, _ = run("vrnics", "release", vrnic["id"], token=tenant["token"])
     assert code == 0 and f"released {vrnic['id']}" in out
     assert vrnic["id"] not in backend.vrnic_ids()
     code, out, _ = run("events", "list", "--subject", f"vrnic/{vrnic['id']}", "--json")
-    assert [e["action"] for e in json.loads(out)] == ["vrnic.allocate", "vrnic.release"]
+    assert [e["action"] for e in json.loads(out)] == ["vrnic.allocate", "vrnic.attach", "vrnic.detach",
+                                                      "vrnic.release"]
 
 
 def test_errors_are_one_line_with_a_non_zero_exit(run, api_url: str) -> None:  # type: ignore[no-untyped-def]

@@ -10,7 +10,7 @@ from vrnic.cli.client import AllOpt, CursorOpt, JsonFlag, LimitOpt, api, parse_p
 from vrnic.core.lifecycle import VrnicState
 from vrnic.core.model import VrnicMode
 
-app = typer.Typer(help="vRNICs: allocate, list, show, release.", no_args_is_help=True)
+app = typer.Typer(help="vRNICs: allocate, list, show, release (and record attach/detach).", no_args_is_help=True)
 
 COLUMNS = ["id", "tenant", "mode", "state", "host", "device", "virtual_gid", "created_at"]
 
@@ -75,3 +75,19 @@ def release(vrnic_id: str,
         show_fields(vrnic, True)
     else:
         typer.echo(f"released {vrnic['id']} (was on {vrnic['device']})")
+
+
+@app.command()
+def attach(vrnic_id: str, as_json: JsonFlag = False) -> None:
+    """Record that a frontend attached (state allocated/detached -> attached)."""
+    with api() as client:
+        vrnic = client.request("POST", f"/vrnics/{vrnic_id}/attach")
+    show_fields(vrnic if as_json else _flat(vrnic), as_json)
+
+
+@app.command()
+def detach(vrnic_id: str, as_json: JsonFlag = False) -> None:
+    """Record that the frontend went away (state attached -> detached)."""
+    with api() as client:
+        vrnic = client.request("POST", f"/vrnics/{vrnic_id}/detach")
+    show_fields(vrnic if as_json else _flat(vrnic), as_json)
