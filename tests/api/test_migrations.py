@@ -46,3 +46,13 @@ def test_schema_check_refuses_an_unknown_newer_revision(migrated: Engine) -> Non
         connection.execute(text("UPDATE alembic_version SET version_num = 'ffffffff'"))
     with pytest.raises(Exception, match="newer than this vrnic knows"):
         check_schema(migrated)
+
+
+def test_schema_check_names_the_command_on_an_older_schema(migrated: Engine,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # One revision exists so far: pretend the code's head moved on past what this database has.
+    from vrnic.db import migrate
+
+    monkeypatch.setattr(migrate, "head_revision", lambda: "0002")
+    with pytest.raises(migrate.SchemaOutOfDate, match=r"older than head 0002; run `vrnic db upgrade`"):
+        check_schema(migrated)
