@@ -116,8 +116,8 @@ async def revoke_token(name: TenantPath, token_id: BigId, cp: CP, who: Caller) -
              responses={200: {"model": VrnicOut, "description": "a replay: Idempotency-Key matched an earlier "
                                                                  "allocation (the attach token is not shown again)"}})
 async def allocate_vrnic(body: VrnicCreate, cp: CP, who: Caller, response: Response,
-                   idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255,
-                                                                 pattern=Printable)] = None) -> VrnicOut:
+                         idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255,
+                                                                       pattern=Printable)] = None) -> VrnicOut:
     """Allocate a vRNIC: pick a device, create it in the backend, return what a frontend needs to attach.
 
     The attach token is in this response only. Retrying with the same Idempotency-Key returns the
@@ -145,8 +145,8 @@ def get_vrnic(vrnic_id: VrnicPath, cp: CP, who: Caller) -> VrnicOut:
 
 @router.delete("/vrnics/{vrnic_id}", tags=["vrnics"])
 async def release_vrnic(vrnic_id: VrnicPath, cp: CP, who: Caller,
-                  force: Annotated[bool, Query(description="operator: release even if attached")] = False
-                  ) -> VrnicOut:
+                        force: Annotated[bool, Query(description="operator: release even if attached")] = False
+                        ) -> VrnicOut:
     """Release: tear down the backend state; the record stays, in state released."""
     return await cp.write(cp.release, who, vrnic_id, force=force)
 
