@@ -20,9 +20,10 @@ GUEST_PART = RESULTS / "guest.json"
 
 
 def guest_suites() -> list[Record]:
-    from bench import native_verbs
+    from bench import native_verbs, paravirt
 
-    return native_verbs.run()
+    native = native_verbs.run()
+    return native + paravirt.run(native)
 
 
 def host_suites() -> list[Record]:

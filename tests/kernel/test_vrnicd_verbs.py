@@ -147,7 +147,8 @@ def test_ud_send_named_by_virtual_identity(make_vrnic: Callable[..., AttachInfo]
         for g in (a, b):
             for state in ("init", "rtr", "rts"):
                 g.qp.modify(state, qkey=0x1234)
-        b.qp.post_recv(RecvRequest(1, (b.mr.sge(0, 40 + 64),)))  # UD receives carry a 40-byte GRH
+        # UD receives carry a 40-byte GRH; sync: UD has no RNR retry, the receive must be on the NIC first.
+        b.qp.post_recv(RecvRequest(1, (b.mr.sge(0, 40 + 64),)), sync=True)
         a.mr.write(b"datagram" * 8)
         vgid = __import__("ipaddress").IPv6Address(b.ctx.gid).packed
         a.qp.post_send(SendRequest(9, WrOpcode.SEND, (a.mr.sge(0, 64),), ud_gid=vgid, ud_qpn=b.qp.qpn,

@@ -23,7 +23,7 @@ from vrnic.core.ops import (
 
 # A minimal valid argument set for every operation vrnicd serves.
 VALID: dict[str, dict[str, Any]] = {
-    "query_device": {}, "alloc_pd": {}, "detach": {},
+    "query_device": {}, "alloc_pd": {}, "detach": {}, "sync": {},
     "query_port": {"port": 1}, "query_gid": {"port": 1, "index": 0},
     "dealloc_pd": {"pd": 5},
     "reg_mr": {"pd": 5, "addr": 0, "length": 4096, "access": 7},

@@ -27,7 +27,7 @@ from vrnic.errors import Conflict, InvalidArgument, VrnicError
 log = logging.getLogger(__name__)
 
 RECV_BYTES = 65536
-MAX_FDS = 2
+MAX_FDS = 3
 _UCRED = struct.Struct("3i")
 
 
@@ -127,12 +127,14 @@ class ChannelServer:
             if op != "attach":
                 raise InvalidArgument("the first request must be attach")
             args = ops.Attach.model_validate(raw)
-            if len(fds) != 2:
-                raise InvalidArgument("attach needs two file descriptors: the arena memfd and the doorbell eventfd")
+            if len(fds) not in (2, 3):
+                raise InvalidArgument("attach needs two file descriptors: the arena memfd and the doorbell eventfd"
+                                      " (and optionally a completion-notify eventfd)")
             vrnic = self.registry.by_token(args.token)
             if vrnic.session is not None:
                 raise Conflict(f"vRNIC {vrnic.spec.id} already has a guest attached", current_state="attached")
-            session = GuestSession(vrnic, self.registry, fds[0], fds[1], cred, busy_poll=args.busy_poll)
+            session = GuestSession(vrnic, self.registry, fds[0], fds[1], cred, busy_poll=args.busy_poll,
+                                   notify_fd=fds[2] if len(fds) == 3 else None)
         except VrnicError:
             for fd in fds:
                 os.close(fd)

@@ -73,6 +73,10 @@ class DataPathEngine(ABC):
         """Something changed (a queue was created or destroyed): look again."""
 
     @abstractmethod
+    def drain_queues(self) -> int:
+        """Move every posted WR to the NIC now (the caller holds the session lock); how many moved."""
+
+    @abstractmethod
     def stop(self) -> None:
         """Stop and return once no verb of the session is in use any more."""
 
@@ -85,7 +89,9 @@ class SharedRingEngine(DataPathEngine):
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._thread = threading.Thread(target=self._run, name=f"engine-{session.vrnic.spec.id}", daemon=True)
         self.posted = 0
+        self.recvs_posted = 0
         self.completed = 0
+        self.waits = 0  # times the engine went to sleep: a cheap check that idle means idle
 
     def start(self) -> None:
         self._thread.start()
@@ -99,6 +105,12 @@ class SharedRingEngine(DataPathEngine):
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
         os.close(self._wake_fd)
+
+    def drain_queues(self) -> int:
+        before = self.posted + self.recvs_posted
+        for _, qp in self.session.qps.items():
+            self._drain_queues(qp)
+        return self.posted + self.recvs_posted - before
 
     # ----- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -120,11 +132,16 @@ class SharedRingEngine(DataPathEngine):
                 return False
             for _, qp in session.qps.items():
                 worked |= self._drain_queues(qp)
+            completed = False
             for _, cq in session.cqs.items():
-                worked |= self._drain_cq(cq)
-        return worked
+                completed |= self._drain_cq(cq)
+            if completed and session.notify_fd is not None:
+                with contextlib.suppress(OSError):  # a full counter already means "look"
+                    os.eventfd_write(session.notify_fd, 1)
+        return worked or completed
 
     def _wait(self) -> None:
+        self.waits += 1
         session = self.session
         fds = [self._wake_fd, session.doorbell_fd]
         timeout = IDLE_WAIT_S
@@ -236,6 +253,7 @@ class SharedRingEngine(DataPathEngine):
             if not sges:
                 raise WrRejected(WcStatus.LOC_QP_OP_ERR, NO_SGE)
             qp.real.post_recv(RecvWR(wr_id=wr.wr_id, num_sge=len(sges), sg=[SGE(*s) for s in sges]))
+            self.recvs_posted += 1
             if qp.qp_type == "ud":
                 qp.grh_at[wr.wr_id] = sges[0][0]  # where the NIC will write the source's GRH
         except WrRejected as exc:

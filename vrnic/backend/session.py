@@ -101,7 +101,7 @@ class QpState:
 
 class GuestSession:
     def __init__(self, vrnic: VirtualRnic, registry: Registry, arena_fd: int, doorbell_fd: int,
-                 cred: PeerCred, busy_poll: bool = False) -> None:
+                 cred: PeerCred, busy_poll: bool = False, notify_fd: int | None = None) -> None:
         self.vrnic = vrnic
         self.registry = registry
         self.cred = cred
@@ -115,6 +115,7 @@ class GuestSession:
         self.qp_by_vqpn: dict[int, QpState] = {}
         self.qp_by_phys: dict[int, QpState] = {}
         self.doorbell_fd = doorbell_fd
+        self.notify_fd = notify_fd  # rung after new completions, so a waiting guest can sleep
         self.arena_fd = arena_fd
         self.closed = False
         seals = fcntl.fcntl(arena_fd, fcntl.F_GET_SEALS)
@@ -411,6 +412,10 @@ class GuestSession:
         self.engine.busy_poll = args.enabled
         return {"busy_poll": args.enabled}
 
+    def op_sync(self, _: ops.NoArgs) -> dict[str, Any]:
+        """Post everything waiting in the guest's rings now: afterwards the NIC holds those WRs."""
+        return {"posted": self.engine.drain_queues()}
+
     def op_detach(self, _: ops.NoArgs) -> dict[str, Any]:
         return {}
 
@@ -438,7 +443,9 @@ class GuestSession:
             self.words.release()
             self.view.release()
             self.arena.close()
-            for fd in (self.arena_fd, self.doorbell_fd):
+            for fd in (self.arena_fd, self.doorbell_fd, self.notify_fd):
+                if fd is None:
+                    continue
                 with contextlib.suppress(OSError):
                     os.close(fd)
         log.info("vRNIC %s: session of pid %d closed, all objects destroyed", self.vrnic.spec.id, self.cred.pid)

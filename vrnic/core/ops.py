@@ -112,5 +112,5 @@ OPS: dict[str, type[Args]] = {
     "reg_mr": RegMr, "dereg_mr": MrRef,
     "create_cq": CreateCq, "destroy_cq": CqRef,
     "create_qp": CreateQp, "destroy_qp": QpRef, "modify_qp": ModifyQp, "query_qp": QpRef,
-    "connect": Connect, "busy_poll": BusyPoll, "detach": NoArgs,
+    "connect": Connect, "busy_poll": BusyPoll, "sync": NoArgs, "detach": NoArgs,
 }

@@ -7,6 +7,7 @@ import errno
 import fcntl
 import mmap
 import os
+import select
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -85,10 +86,11 @@ class Context(_Resource):
         self.words = index_words(self.view)
         self.allocator = ArenaAllocator(arena_bytes)
         self.doorbell_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self.notify_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self.channel: Channel | None = None
         try:
             self.channel = Channel(socket_path)
-            info = self.channel.call("attach", fds=[self.arena_fd, self.doorbell_fd], token=token,
+            info = self.channel.call("attach", fds=[self.arena_fd, self.doorbell_fd, self.notify_fd], token=token,
                                      busy_poll=busy_poll)
         except BaseException:
             self._release_local()
@@ -143,8 +145,8 @@ class Context(_Resource):
         self.words.release()
         self.view.release()
         self.arena.close()
-        os.close(self.arena_fd)
-        os.close(self.doorbell_fd)
+        for fd in (self.arena_fd, self.doorbell_fd, self.notify_fd):
+            os.close(fd)
 
 
 class PD(_Resource):
@@ -221,21 +223,25 @@ class CQ(_Resource):
             raise DeviceError("the CQ ring was corrupted; vrnicd stopped it", errno.EIO)
         return [unpack_completion(slot) for slot in self.ring.consume(max_entries)]
 
-    def wait(self, count: int = 1, timeout: float = 10.0) -> list[Completion]:
-        """Poll until count completions arrived (busy at first, then yielding the CPU)."""
+    def wait(self, count: int = 1, timeout: float = 10.0, spin: int = 20) -> list[Completion]:
+        """Poll until count completions arrived: a few busy polls, then sleep until vrnicd rings."""
         done: list[Completion] = []
         deadline = time.monotonic() + timeout
         spins = 0
+        notify = self.ctx.notify_fd
         while len(done) < count:
             got = self.poll(count - len(done))
             done += got
             if got:
                 continue
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise DeviceError(f"{len(done)} of {count} completions within {timeout} s", errno.ETIMEDOUT)
             spins += 1
-            if spins > 200:
-                time.sleep(0.0001)
+            # The ring is re-checked after every wake-up, so a stale notification costs one loop.
+            if spins > spin and select.select([notify], [], [], min(left, 0.05))[0]:
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(notify)
         return done
 
     def close(self) -> None:
@@ -284,11 +290,17 @@ class QP(_Resource):
         if doorbell:
             self.pd.ctx.ring_doorbell()
 
-    def post_recv(self, wrs: RecvRequest | Iterable[RecvRequest], doorbell: bool = True) -> None:
+    def post_recv(self, wrs: RecvRequest | Iterable[RecvRequest], doorbell: bool = True,
+                  sync: bool = False) -> None:
+        """Queue receives. vrnicd hands them to the NIC asynchronously; RC's RNR retry covers the
+        gap, but a UD receiver that must be ready before its peer sends passes sync=True, which
+        returns only once the NIC holds them (one round trip to vrnicd)."""
         for wr in [wrs] if isinstance(wrs, RecvRequest) else wrs:
             if not self.rq.produce(pack_recv(wr)):
                 raise DeviceError("receive queue full", errno.ENOMEM)
-        if doorbell:
+        if sync:
+            self.pd.ctx.call("sync")
+        elif doorbell:
             self.pd.ctx.ring_doorbell()
 
     def close(self) -> None:
