@@ -94,8 +94,8 @@ class ChannelServer:
                     try:
                         request = parse_request(message)
                         if session is None:
-                            session = self._attach(request.op, request.args, fds, cred)
-                            fds = []
+                            owned, fds = fds, []  # _attach owns them now: it keeps or closes every one
+                            session = self._attach(request.op, request.args, owned, cred)
                             self._send(conn, reply_ok(request.id, self._attach_result(session)))
                             continue
                         if request.op == "attach":

@@ -1,0 +1,76 @@
+"""The control plane on the real backend: allocate through REST, attach a frontend, move bytes, release."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from vrnic.backend.rdma_tool import resource_counts
+from vrnic.config import DaemonSettings
+from vrnic.core.model import AttachInfo
+from vrnic.daemon import build_backend, serve_in_process
+from vrnic.frontend import CQ, MR, PD, QP, Access, Context, NotFound, RecvRequest, SendRequest, WrOpcode
+
+from .conftest import wait_for_baseline
+
+OPERATOR = "operator-secret-for-the-kernel-tier"
+
+
+def test_rest_allocate_attach_verbs_release(rxe_pair: tuple[str, str], tmp_path: Path) -> None:
+    baseline = resource_counts()
+    settings = DaemonSettings(state_dir=tmp_path, operator_token=OPERATOR, sriov_driver=None,
+                              paravirtual_driver="verbs",
+                              paravirtual_driver_options={"socket_path": str(tmp_path / "vrnicd.sock")})
+    backend = build_backend(settings)
+    try:
+        with serve_in_process(settings, backend) as url:
+            operator = httpx.Client(base_url=f"{url}/api/v1", headers={"Authorization": f"Bearer {OPERATOR}"},
+                                    timeout=60)
+            devices = {d["name"] for d in operator.get("/devices").json()["items"]}
+            assert {"rxe0", "rxe1"} <= devices  # discovered from the real kernel
+            token = operator.post("/tenants", json={"name": "acme"}).json()["token"]
+            tenant = httpx.Client(base_url=f"{url}/api/v1", headers={"Authorization": f"Bearer {token}"},
+                                  timeout=60)
+            created = [tenant.post("/vrnics", json={"device": dev, "quota": {"max_qps": 2}}) for dev in rxe_pair]
+            assert [r.status_code for r in created] == [201, 201], [r.text for r in created]
+            vrnics = [r.json() for r in created]
+            assert backend.vrnic_ids() == {v["id"] for v in vrnics}  # real state in vrnicd, not just rows
+            infos = [AttachInfo(**v["attach"]) for v in vrnics]
+            access = Access.LOCAL_WRITE | Access.REMOTE_WRITE
+            with Context.attach(infos[0], 1 << 20) as ca, Context.attach(infos[1], 1 << 20) as cb:
+                assert ca.gid == vrnics[0]["virtual_gid"] and cb.gid == vrnics[1]["virtual_gid"]
+                for v in vrnics:
+                    assert tenant.post(f"/vrnics/{v['id']}/attach").json()["state"] == "attached"
+                pa, pb = PD(ca), PD(cb)
+                cqa, cqb = CQ(ca, 16), CQ(cb, 16)
+                mra, mrb = MR(pa, 4096, access), MR(pb, 4096, access)
+                qa, qb = QP(pa, cqa, cqa), QP(pb, cqb, cqb)
+                qa.connect(cb.gid, qb.qpn)
+                qb.connect(ca.gid, qa.qpn)
+                qb.post_recv(RecvRequest(1, (mrb.sge(0, 64),)))
+                mra.write(b"allocated through REST" + bytes(42))
+                qa.post_send(SendRequest(1, WrOpcode.SEND, (mra.sge(0, 64),)))
+                assert cqa.wait(1)[0].status == 0 and cqb.wait(1)[0].status == 0
+                assert mrb.read(22) == b"allocated through REST"
+                qa.post_send(SendRequest(2, WrOpcode.RDMA_WRITE, (mra.sge(0, 22),), remote_addr=mrb.addr + 1000,
+                                         rkey=mrb.rkey))
+                assert cqa.wait(1)[0].status == 0 and mrb.read(22, 1000) == b"allocated through REST"
+                assert resource_counts()["rxe0"]["qp"] == baseline["rxe0"]["qp"] + 1
+                for obj in (qa, qb, mra, mrb, cqa, cqb, pa, pb):
+                    obj.close()
+            for v in vrnics:
+                assert tenant.post(f"/vrnics/{v['id']}/detach").json()["state"] == "detached"
+                released = tenant.delete(f"/vrnics/{v['id']}")
+                assert released.status_code == 200 and released.json()["state"] == "released"
+            # The backend state is gone: no vRNIC in vrnicd, no kernel object, and the token attaches nothing.
+            assert backend.vrnic_ids() == set()
+            assert wait_for_baseline(baseline) == baseline
+            with pytest.raises(NotFound):
+                Context.attach(infos[0], 1 << 20)
+            events = operator.get("/events").json()["items"]
+            assert {"vrnic.allocate", "vrnic.release"} <= {e["action"] for e in events}, events
+    finally:
+        backend.close()
+    assert wait_for_baseline(baseline) == baseline
