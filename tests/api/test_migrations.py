@@ -6,6 +6,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, inspect, text
+from sqlalchemy.exc import IntegrityError
 
 from vrnic.db.migrate import check_schema, current_revision, downgrade, head_revision, upgrade
 from vrnic.db.models import Base
@@ -48,11 +49,30 @@ def test_schema_check_refuses_an_unknown_newer_revision(migrated: Engine) -> Non
         check_schema(migrated)
 
 
-def test_schema_check_names_the_command_on_an_older_schema(migrated: Engine,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    # One revision exists so far: pretend the code's head moved on past what this database has.
+def test_schema_check_names_the_command_on_an_older_schema(migrated: Engine) -> None:
     from vrnic.db import migrate
 
-    monkeypatch.setattr(migrate, "head_revision", lambda: "0002")
-    with pytest.raises(migrate.SchemaOutOfDate, match=r"older than head 0002; run `vrnic db upgrade`"):
+    downgrade(migrated, "0001")
+    with pytest.raises(migrate.SchemaOutOfDate, match=rf"at schema 0001, older than head {head_revision()}; "
+                                                      r"run `vrnic db upgrade`"):
         check_schema(migrated)
+
+
+def test_sriov_desired_state_columns_and_one_live_holder_per_vf(migrated: Engine) -> None:
+    columns = {c["name"]: c for c in inspect(migrated).get_columns("sriov_vfs")}
+    assert {"netns", "vanished"} <= set(columns) and not columns["vanished"]["nullable"]
+    with migrated.begin() as connection:
+        connection.execute(text("INSERT INTO hosts (name, version, registered_at, last_seen_at) "
+                                "VALUES ('h', '0', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
+        insert = text("INSERT INTO sriov_vfs (host_id, pf, vf_index, vanished, updated_at) "
+                      "VALUES (1, 'eth0', 3, :vanished, CURRENT_TIMESTAMP)")
+        connection.execute(insert, {"vanished": True})
+        connection.execute(insert, {"vanished": False})  # a vanished holder does not block the re-created VF
+    with pytest.raises(IntegrityError), migrated.begin() as connection:
+        connection.execute(insert, {"vanished": False})
+    downgrade(migrated, "0001")  # the vanished row goes, the live one stays under the old unique constraint
+    with migrated.connect() as connection:
+        assert connection.execute(text("SELECT pf, vf_index FROM sriov_vfs")).all() == [("eth0", 3)]
+    upgrade(migrated)
+    with migrated.connect() as connection:
+        assert connection.execute(text("SELECT vanished, netns FROM sriov_vfs")).all() == [(False, None)]

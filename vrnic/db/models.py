@@ -20,6 +20,8 @@ from sqlalchemy import (
     MetaData,
     String,
     UniqueConstraint,
+    false,
+    text,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -155,10 +157,15 @@ class Vrnic(Base):
 
 
 class SriovVf(Base):
-    """An SR-IOV virtual function of a PF on a host (the SR-IOV driver fills and allocates these)."""
+    """Desired state of an SR-IOV virtual function held by a vRNIC (vrnic.db.vf_store writes these; free VFs
+    are discovered live, not stored). Reconcile compares these rows with what netlink reports."""
 
     __tablename__ = "sriov_vfs"
-    __table_args__ = (UniqueConstraint("host_id", "pf", "vf_index"),)
+    __table_args__ = (
+        # One live holder per VF; a vanished allocation keeps its old index until released, so it is exempt.
+        Index("uq_sriov_vfs_held_vf", "host_id", "pf", "vf_index", unique=True,
+              sqlite_where=text("NOT vanished"), postgresql_where=text("NOT vanished")),
+    )
 
     id: Mapped[int] = mapped_column(Id, primary_key=True)
     host_id: Mapped[int] = mapped_column(ForeignKey("hosts.id", ondelete="CASCADE"), index=True)
@@ -175,6 +182,8 @@ class SriovVf(Base):
     link_state: Mapped[str | None] = mapped_column(String(16))  # auto | enable | disable
     vrnic_serial: Mapped[int | None] = mapped_column(ForeignKey("vrnics.serial", ondelete="SET NULL"),
                                                      unique=True)
+    netns: Mapped[str | None] = mapped_column(String(255))  # the container netns its netdev was moved into
+    vanished: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())  # gone in a VF count change
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
 
