@@ -3,12 +3,12 @@ VENV ?= /opt/vrnic/venv
 BIN := $(VENV)/bin
 KERNEL_TIMEOUT ?= 2400
 
-.PHONY: setup test test-host test-kernel lint demo bench
+.PHONY: setup test test-host test-kernel test-two-hosts lint demo bench
 
 setup:
 	@./scripts/setup.sh
 
-test: setup lint test-host test-kernel
+test: setup lint test-host test-kernel test-two-hosts
 
 lint:
 	$(BIN)/ruff check vrnic tests bench
@@ -21,6 +21,10 @@ test-host:
 # The kernel tier runs inside the bench: a QEMU guest with Soft-RoCE and netdevsim.
 test-kernel:
 	$(BIN)/vrnic lab run --netdevsim --timeout $(KERNEL_TIMEOUT) -- pytest -m kernel tests
+
+# Two guests wired by a QEMU dgram link: an RDMA WRITE from guest b lands in guest a, verified by a.
+test-two-hosts:
+	$(BIN)/vrnic lab run --topology two-hosts --timeout 300 -- python -m vrnic.lab.smoke --two-hosts
 
 demo: setup
 	$(BIN)/vrnic lab run -- python -m vrnic.demo

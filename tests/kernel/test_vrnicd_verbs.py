@@ -189,3 +189,25 @@ def test_objects_in_use_cannot_be_destroyed_and_teardown_is_complete(
     g.pd.closed = False
     _close(g)
     assert resource_counts() == before
+
+
+def test_busy_poll_mode_moves_data_and_can_be_switched_off(make_vrnic: Callable[..., AttachInfo]) -> None:
+    a, b = _guest(make_vrnic(device="rxe0")), _guest(make_vrnic(device="rxe1"))
+    try:
+        a.ctx.set_busy_poll(True)
+        b.ctx.set_busy_poll(True)
+        a.qp.connect(b.ctx.gid, b.qp.qpn)
+        b.qp.connect(a.ctx.gid, a.qp.qpn)
+        for i in range(20):
+            b.qp.post_recv(RecvRequest(i, (b.mr.sge(0, 64),)))
+            a.mr.write(i.to_bytes(8, "little"))
+            a.qp.post_send(SendRequest(i, WrOpcode.SEND, (a.mr.sge(0, 64),)))
+            assert a.cq.wait(1)[0].status == 0
+            assert b.cq.wait(1)[0].wr_id == i and b.mr.read(8) == i.to_bytes(8, "little")
+        a.ctx.set_busy_poll(False)
+        b.qp.post_recv(RecvRequest(99, (b.mr.sge(0, 64),)))
+        a.qp.post_send(SendRequest(99, WrOpcode.SEND, (a.mr.sge(0, 64),)))
+        assert b.cq.wait(1)[0].wr_id == 99
+    finally:
+        _close(a)
+        _close(b)

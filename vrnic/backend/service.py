@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from vrnic.backend.driver import RnicDriver
 from vrnic.core.model import AttachInfo, DeviceInfo, VrnicMode, VrnicSpec
 from vrnic.errors import Conflict, InvalidArgument, NotFound, NotSupported
+
+if TYPE_CHECKING:
+    from vrnic.sriov.libvirt_xml import HostdevInterface
+    from vrnic.sriov.manager import CountChangeResult, PfInventory, SriovManager
+    from vrnic.sriov.model import Allocation, VfEvent
 
 
 class BackendService:
@@ -25,6 +31,9 @@ class BackendService:
             return self._drivers[mode]
         except KeyError:
             raise NotSupported(f"mode {mode} is not enabled on this host") from None
+
+    def has_mode(self, mode: VrnicMode) -> bool:
+        return mode in self._drivers
 
     def devices(self) -> list[DeviceInfo]:
         seen: dict[str, DeviceInfo] = {}
@@ -76,3 +85,28 @@ class BackendService:
             driver.close()
         with self._lock:
             self._placement.clear()
+
+    # -- SR-IOV: PFs, VF counts, reconciliation, VM devices (the sriov driver's manager) --------------
+
+    def _sriov(self) -> SriovManager:
+        from vrnic.sriov.manager import SriovManager
+
+        manager = getattr(self.driver(VrnicMode.SRIOV), "manager", None)
+        if not isinstance(manager, SriovManager):
+            raise NotSupported("the SR-IOV driver of this host does not manage PFs and VFs")
+        return manager
+
+    def sriov_inventory(self) -> list[PfInventory]:
+        return self._sriov().inventory()
+
+    def sriov_set_num_vfs(self, pf: str, count: int, force: bool = False) -> CountChangeResult:
+        return self._sriov().set_num_vfs(pf, count, force)
+
+    def sriov_reconcile(self) -> list[VfEvent]:
+        return self._sriov().reconcile()
+
+    def sriov_allocation(self, vrnic_id: str) -> Allocation:
+        return self._sriov().allocation(vrnic_id)
+
+    def sriov_vm_interface(self, vrnic_id: str, alias: str | None = None) -> HostdevInterface:
+        return self._sriov().vm_interface(vrnic_id, alias)

@@ -14,10 +14,9 @@ from typing import ClassVar
 from vrnic.backend.channel import ChannelServer
 from vrnic.backend.driver import RnicDriver
 from vrnic.backend.registry import Registry, VirtualRnic
-from vrnic.backend.sysfs import roce_v2_ipv4_gid_index
-from vrnic.backend.verbs import describe, device_names
+from vrnic.backend.verbs import describe, device_names, roce_v2_ipv4_gid
 from vrnic.core.model import AttachInfo, DeviceInfo, VrnicMode, VrnicSpec
-from vrnic.errors import DeviceError, NotFound
+from vrnic.errors import DeviceError
 
 log = logging.getLogger(__name__)
 DEFAULT_SOCKET = Path("/run/vrnic/vrnicd.sock")
@@ -39,13 +38,10 @@ class VerbsDriver(RnicDriver):
         return [describe(n) for n in names]
 
     def create_vrnic(self, spec: VrnicSpec, device: str) -> AttachInfo:
-        if device not in device_names():
-            raise NotFound(f"no RDMA device {device}")
-        info = describe(device)
+        info = describe(device)  # NotFound for an unknown device
         if not info.ports or info.ports[0].state != "ACTIVE":
             raise DeviceError(f"{device} port 1 is not ACTIVE")
-        gid_index = roce_v2_ipv4_gid_index(device)
-        phys_gid = next(g.gid for g in info.ports[0].gids if g.index == gid_index)
+        gid_index, phys_gid = roce_v2_ipv4_gid(info)
         vrnic = VirtualRnic(spec=spec, device=device, token=secrets.token_urlsafe(24), phys_gid=phys_gid,
                             gid_index=gid_index)
         self.registry.add(vrnic)
