@@ -45,6 +45,7 @@ class DaemonSettings(BaseSettings):
     paravirtual_driver_options: dict[str, Any] = {}
     sriov_driver: str | None = "sriov"
     sriov_driver_options: dict[str, Any] = {}
+    sriov_reconcile_interval: float = Field(30.0, ge=0)  # seconds between SR-IOV reconcile passes; 0: startup only
     log_level: str = "info"
 
     @property

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from pydantic import SecretStr
@@ -42,7 +42,8 @@ def build_backend(settings: DaemonSettings) -> BackendService:
             log.info("mode %s: disabled (no driver configured)", mode)
             continue
         try:
-            driver = load_driver(name, **options)
+            driver = build_sriov_driver(settings, options) if mode is VrnicMode.SRIOV and name == "sriov" \
+                else load_driver(name, **options)
         except (VrnicError, ImportError, OSError) as exc:
             log.warning("mode %s: driver %r unavailable, mode disabled: %s", mode, name, exc)
             continue
@@ -55,6 +56,29 @@ def build_backend(settings: DaemonSettings) -> BackendService:
                  ", ".join(d.name for d in driver.devices()) or "none")
         drivers[mode] = driver
     return BackendService(drivers)
+
+
+def build_sriov_driver(settings: DaemonSettings, options: dict[str, Any]) -> RnicDriver:
+    """The sriov driver with its desired state in the database (sriov_vfs) and its events in the audit log.
+
+    No reconcile thread of its own: the API runs the passes (at startup and every
+    settings.sriov_reconcile_interval seconds) inside its write transactions, so they queue behind other
+    writes instead of contending for the database (SQLite has one writer) while holding the VF lock.
+    """
+    from vrnic.backend.drivers.sriov import SriovDriver
+    from vrnic.db.engine import make_engine
+    from vrnic.db.vf_store import DbVfEventLog, DbVfStateStore
+    from vrnic.sriov.manager import SriovManager
+
+    unknown = set(options) - {"release_on_close", "reconcile_interval"}
+    if unknown:
+        raise VrnicError(f"unknown sriov driver option(s): {', '.join(sorted(unknown))}")
+    if "reconcile_interval" in options:
+        log.warning("sriov driver option reconcile_interval is ignored: set VRNIC_SRIOV_RECONCILE_INTERVAL")
+    engine = make_engine(settings.database)
+    manager = SriovManager(store=DbVfStateStore(engine, settings.host_name), on_event=DbVfEventLog(engine))
+    return SriovDriver(manager=manager, reconcile_interval=None,
+                       release_on_close=bool(options.get("release_on_close", False)))
 
 
 def with_operator_token(settings: DaemonSettings) -> DaemonSettings:

@@ -5,11 +5,14 @@ The daemon and the tests build the app the same way; tests can pass their own en
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import Engine
 
 from vrnic import __version__
@@ -18,9 +21,10 @@ from vrnic.api.controlplane import ControlPlane
 from vrnic.api.routes import router
 from vrnic.backend.service import BackendService
 from vrnic.config import DaemonSettings
+from vrnic.core.model import VrnicMode
 from vrnic.db.engine import make_engine
 from vrnic.db.migrate import check_schema
-from vrnic.errors import InvalidArgument
+from vrnic.errors import InvalidArgument, VrnicError
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +33,9 @@ def create_app(settings: DaemonSettings, backend: BackendService, *, engine: Eng
                api_url: str | None = None) -> FastAPI:
     """The API app. Refuses (SchemaOutOfDate) a database whose schema is not at head.
 
-    On startup (lifespan) this host registers itself and records the devices the backend sees.
+    On startup (lifespan) this host registers itself and records the devices the backend sees; with the
+    SR-IOV mode on, desired VF state (database) is reconciled with the kernel then and every
+    settings.sriov_reconcile_interval seconds.
     """
     if settings.operator_token is None:
         raise InvalidArgument("no operator token: set VRNIC_OPERATOR_TOKEN (the daemon generates one)")
@@ -40,12 +46,27 @@ def create_app(settings: DaemonSettings, backend: BackendService, *, engine: Eng
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        cp.register_host()
+        # Off the event loop: drivers may block, and pyroute2 (the SR-IOV driver's netlink) cannot run its own
+        # loop inside a thread whose loop is already running.
+        await run_in_threadpool(cp.register_host)
         orphans = cp.orphaned_vrnics()
         if orphans:
             log.warning("%d live vRNIC(s) in the database have no backend state on this host "
                         "(released on DELETE): %s", len(orphans), ", ".join(orphans[:5]))
+        reconciler: asyncio.Task[None] | None = None
+        if backend.has_mode(VrnicMode.SRIOV):
+            try:
+                done = await cp.write(cp.sriov_reconcile)
+                log.info("SR-IOV reconcile at startup: %d correction(s)", len(done.events))
+            except VrnicError as exc:
+                log.error("SR-IOV reconcile at startup failed: %s", exc)
+            if settings.sriov_reconcile_interval > 0:
+                reconciler = asyncio.create_task(cp.reconcile_sriov_periodically(settings.sriov_reconcile_interval))
         yield
+        if reconciler is not None:
+            reconciler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reconciler
         cp.close()
 
     app = FastAPI(title="vrnic", version=__version__, lifespan=lifespan,

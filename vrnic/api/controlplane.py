@@ -30,13 +30,21 @@ from vrnic.api.schemas import (
     DeviceOut,
     EventOut,
     HostOut,
+    NumVfsChange,
+    NumVfsChanged,
     Page,
+    ReconcileOut,
+    SriovEventOut,
+    SriovPfOut,
+    SriovVfOut,
     TenantCreate,
     TenantCreated,
     TenantOut,
     TenantUpdate,
     TokenIssued,
     TokenOut,
+    VfAllocationOut,
+    VfSettings,
     VrnicCreate,
     VrnicOut,
 )
@@ -46,7 +54,18 @@ from vrnic.core.model import AttachInfo, QosPolicy, Quota, VrnicMode, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
 from vrnic.db.engine import session_factory
 from vrnic.db.models import ApiToken, Device, Event, Host, Tenant, Vrnic, utcnow
-from vrnic.errors import Conflict, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+from vrnic.db.vf_store import DAEMON_ACTOR, bound_to
+from vrnic.errors import (
+    Conflict,
+    InvalidArgument,
+    NotFound,
+    NotSupported,
+    PermissionDenied,
+    Unauthenticated,
+    VrnicError,
+)
+from vrnic.sriov.manager import PfInventory
+from vrnic.sriov.model import Allocation, VfConfig, VfEvent, VfInfo
 
 log = logging.getLogger(__name__)
 
@@ -354,7 +373,8 @@ class ControlPlane:
                 virtual_gid = make_virtual_gid(tenant.vpc_id, serial)
                 spec = VrnicSpec(id=public_id, tenant=tenant.name, mode=body.mode, device=body.device, quota=quota,
                                  qos=body.qos, vpc_id=tenant.vpc_id, virtual_gid=virtual_gid)
-                info = self.backend.create_vrnic(spec)
+                with bound_to(conn, principal.actor):  # SR-IOV desired state commits with this row
+                    info = self.backend.create_vrnic(spec)
                 placed = dict(virtual_gid=virtual_gid, device_name=info.device,
                               device_id=self._device_id(s, body.mode, info.device), socket_path=info.socket_path,
                               attach_extra=dict(info.extra), updated_at=now)
@@ -398,7 +418,8 @@ class ControlPlane:
             if row is None:  # another tenant's vRNIC looks exactly like one that does not exist
                 raise NotFound(f"no vRNIC {vrnic_id}")
             new = next_state(VrnicState(row["state"]), VrnicAction.RELEASE, force=force)
-            self._release_backend(vrnic_id)
+            with bound_to(conn, principal.actor):
+                self._release_backend(vrnic_id)
             now = utcnow()
             changes = {"state": new.value, "released_at": now, "updated_at": now}
             conn.execute(_RELEASE_VRNIC, {**changes, "b_serial": row["serial"]})
@@ -461,6 +482,95 @@ class ControlPlane:
             return self._page(s, query, Event.id, cursor, limit, lambda e: EventOut(
                 id=e.id, at=e.at, actor=e.actor, action=e.action, subject=e.subject,
                 tenant=names.get(e.tenant_id) if e.tenant_id is not None else None, detail=e.detail))
+
+    # -- SR-IOV: PFs and VFs (operator), a vRNIC's own VF (its tenant) -----------------------------
+
+    def sriov_pfs(self, principal: Principal, cursor: str | None, limit: int) -> Page[SriovPfOut]:
+        self.require_operator(principal)
+        pfs = [_pf_out(inventory) for inventory in self.backend.sriov_inventory()]
+        return _list_page(list(enumerate(pfs)), cursor, limit)
+
+    def sriov_pf(self, principal: Principal, pf: str) -> SriovPfOut:
+        self.require_operator(principal)
+        return _pf_out(self._inventory(pf))
+
+    def sriov_vfs(self, principal: Principal, pf: str, cursor: str | None, limit: int) -> Page[SriovVfOut]:
+        self.require_operator(principal)
+        inventory = self._inventory(pf)
+        vfs = [(vf.index, _vf_out(pf, vf.index, vf, inventory.allocations.get(vf.index))) for vf in inventory.pf.vfs]
+        return _list_page(vfs, cursor, limit)
+
+    def sriov_set_num_vfs(self, principal: Principal, pf: str, body: NumVfsChange) -> NumVfsChanged:
+        self.require_operator(principal)
+        result = self._sriov_write(principal.actor, self.backend.sriov_set_num_vfs, pf, body.num_vfs, body.force)
+        change = result.change
+        return NumVfsChanged(pf=pf, previous=change.current, num_vfs=change.requested, steps=list(change.steps),
+                             events=[_sriov_event_out(e) for e in result.events])
+
+    def sriov_reconcile(self, principal: Principal | None = None) -> ReconcileOut:
+        """One reconcile pass; principal None: the daemon's own (at startup and periodically)."""
+        if principal is not None:
+            self.require_operator(principal)
+        actor = principal.actor if principal is not None else DAEMON_ACTOR
+        events = self._sriov_write(actor, self.backend.sriov_reconcile)
+        return ReconcileOut(events=[_sriov_event_out(e) for e in events])
+
+    def vrnic_vf(self, principal: Principal, vrnic_id: str) -> SriovVfOut:
+        """The VF behind an SR-IOV vRNIC, with its desired and observed settings (its tenant may look)."""
+        self._sriov_vrnic(principal, vrnic_id)
+        allocation = self.backend.sriov_allocation(vrnic_id)
+        address = allocation.address
+        if allocation.vanished:
+            return _vf_out(address.pf, address.index, None, allocation)
+        vf = self._inventory(address.pf).pf.vf(address.index)
+        return _vf_out(address.pf, address.index, vf, allocation)
+
+    def vrnic_hostdev_xml(self, principal: Principal, vrnic_id: str, alias: str | None) -> str:
+        """libvirt <interface type='hostdev'> for giving the vRNIC's VF to a VM."""
+        self._sriov_vrnic(principal, vrnic_id)
+        return self.backend.sriov_vm_interface(vrnic_id, alias).to_xml()
+
+    async def reconcile_sriov_periodically(self, interval: float) -> None:
+        """The daemon's background reconcile passes, queued like any other write (one writer on SQLite)."""
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                result = await self.write(self.sriov_reconcile)
+            except VrnicError as exc:
+                log.error("SR-IOV reconcile pass failed: %s", exc)
+                continue
+            if result.events:
+                log.info("SR-IOV reconcile: %s", "; ".join(f"{e.kind} {e.pf}/{e.vf}" for e in result.events))
+
+    def _sriov_write(self, actor: str, operation: Callable[..., T], *args: Any) -> T:
+        # State changes of the kernel are recorded even when the operation fails half-way (a forced count
+        # change that could not re-configure one VF): the database follows the kernel, then the error goes up.
+        failure: VrnicError | None = None
+        with self._write() as s, bound_to(s.connection(), actor):
+            try:
+                result = operation(*args)
+            except VrnicError as exc:
+                failure = exc
+        if failure is not None:
+            raise failure
+        return result
+
+    def _inventory(self, pf: str) -> PfInventory:
+        inventories = self.backend.sriov_inventory()
+        found = next((i for i in inventories if i.pf.name == pf), None)
+        if found is None:
+            known = ", ".join(i.pf.name for i in inventories) or "none"
+            raise NotFound(f"no SR-IOV PF {pf!r} on this host (known: {known})")
+        return found
+
+    def _sriov_vrnic(self, principal: Principal, vrnic_id: str) -> None:
+        with self._read() as s:
+            row = self._vrnic(s, principal, vrnic_id)
+            mode, state = row.mode, row.state
+        if mode != VrnicMode.SRIOV.value:
+            raise NotSupported(f"vRNIC {vrnic_id} is in {mode} mode: it has no VF")
+        if state == VrnicState.RELEASED.value:
+            raise Conflict(f"vRNIC {vrnic_id} is released: it holds no VF", current_state=state)
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -612,6 +722,51 @@ _VRNIC_FOR_UPDATE = select(VRNICS, Tenant.name.label("tenant_name")) \
     .join(Tenant, Tenant.id == VRNICS.c.tenant_id).where(VRNICS.c.public_id == bindparam("b_id")) \
     .with_for_update(of=VRNICS)
 _TENANT_VRNIC_FOR_UPDATE = _VRNIC_FOR_UPDATE.where(VRNICS.c.tenant_id == bindparam("b_tenant"))
+
+
+def _list_page(items: list[tuple[int, T]], cursor: str | None, limit: int) -> Page[T]:
+    """A page of an in-memory list keyed by ascending ints (VF index, PF position), cursors as in _page."""
+    if not 1 <= limit <= MAX_PAGE:
+        raise InvalidArgument(f"limit must be 1..{MAX_PAGE}")
+    if cursor is not None:
+        if not (cursor.isascii() and cursor.isdigit() and int(cursor) < 1 << 63):
+            raise InvalidArgument(f"bad cursor {cursor!r}: pass back a next_cursor")
+        items = [(key, item) for key, item in items if key > int(cursor)]
+    page = items[:limit]
+    next_cursor = str(page[-1][0]) if len(items) > limit else None
+    return Page[T](items=[item for _, item in page], next_cursor=next_cursor)
+
+
+def _settings(config: VfConfig) -> VfSettings:
+    return VfSettings(mac=config.mac, vlan=config.vlan, qos=config.qos, max_tx_rate=config.max_tx_rate,
+                      min_tx_rate=config.min_tx_rate, spoofchk=config.spoofchk, trust=config.trust,
+                      link_state=cast(Any, config.link_state.name.lower()))
+
+
+def _pf_out(inventory: PfInventory) -> SriovPfOut:
+    pf = inventory.pf
+    return SriovPfOut(name=pf.name, kind=pf.kind.value, bus_id=pf.bus_id, driver=pf.driver, num_vfs=pf.num_vfs,
+                      total_vfs=pf.total_vfs, eswitch_mode=pf.eswitch_mode, rdma_device=pf.rdma_device,
+                      allocated_vfs=len(inventory.allocations),
+                      free_vfs=pf.num_vfs - sum(1 for i in inventory.allocations if i < pf.num_vfs),
+                      vanished_vrnics=[a.vrnic_id for a in inventory.vanished])
+
+
+def _vf_out(pf: str, index: int, vf: VfInfo | None, allocation: Allocation | None) -> SriovVfOut:
+    held = None
+    if allocation is not None:
+        held = VfAllocationOut(vrnic_id=allocation.vrnic_id, tenant=allocation.tenant,
+                               desired=_settings(allocation.config),
+                               in_sync=vf is not None and vf.config == allocation.config,
+                               netns=allocation.netns, vanished=allocation.vanished)
+    return SriovVfOut(pf=pf, index=index, pci_address=vf.pci_address if vf else None,
+                      netdev=vf.netdev if vf else None, rdma_device=vf.rdma_device if vf else None,
+                      settings=_settings(vf.config) if vf else None, allocation=held)
+
+
+def _sriov_event_out(event: VfEvent) -> SriovEventOut:
+    return SriovEventOut(kind=str(event.kind), pf=event.pf, vf=event.vf, vrnic_id=event.vrnic_id,
+                         detail=dict(event.detail))
 
 
 def _host_out(h: Host) -> HostOut:

@@ -15,7 +15,12 @@ from vrnic.api.schemas import (
     DeviceOut,
     EventOut,
     HostOut,
+    NumVfsChange,
+    NumVfsChanged,
     Page,
+    ReconcileOut,
+    SriovPfOut,
+    SriovVfOut,
     TenantCreate,
     TenantCreated,
     TenantOut,
@@ -54,6 +59,8 @@ TenantPath = Annotated[str, Path(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
 VrnicPath = Annotated[str, Path(pattern=r"^vr-[0-9a-f]{32}$", examples=["vr-0123456789abcdef0123456789abcdef"])]
 BigId = Annotated[int, Path(ge=1, lt=1 << 63)]
 Printable = r"^[\x20-\x7e]*$"
+PfPath = Annotated[str, Path(pattern=r"^[A-Za-z0-9_.:@-]{1,15}$", description="the PF's netdev name",
+                             examples=["eth0"])]
 
 router = APIRouter(prefix="/api/v1", responses=RESPONSES)
 
@@ -191,3 +198,52 @@ def list_events(cp: CP, who: Caller, cursor: Cursor = None, limit: Limit = 50,
                 action: Annotated[str | None, Query(max_length=40, pattern=Printable)] = None) -> Page[EventOut]:
     """The audit log, oldest first; a tenant sees only events about itself."""
     return cp.list_events(who, cursor, limit, subject=subject, action=action)
+
+
+# -- SR-IOV: PFs and VFs (operator only), a vRNIC's VF (its tenant too) ---------------------------
+
+@router.get("/sriov/pfs", tags=["sriov"])
+def list_sriov_pfs(cp: CP, who: Caller, cursor: Cursor = None, limit: Limit = 50) -> Page[SriovPfOut]:
+    """SR-IOV capable PFs of this host: VF totals and count, driver, eswitch mode, allocated and free VFs."""
+    return cp.sriov_pfs(who, cursor, limit)
+
+
+@router.get("/sriov/pfs/{pf}", tags=["sriov"])
+def get_sriov_pf(pf: PfPath, cp: CP, who: Caller) -> SriovPfOut:
+    return cp.sriov_pf(who, pf)
+
+
+@router.get("/sriov/pfs/{pf}/vfs", tags=["sriov"])
+def list_sriov_vfs(pf: PfPath, cp: CP, who: Caller, cursor: Cursor = None, limit: Limit = 50) -> Page[SriovVfOut]:
+    """A PF's VFs: the settings the kernel reports, and who holds each (with the desired settings)."""
+    return cp.sriov_vfs(who, pf, cursor, limit)
+
+
+@router.put("/sriov/pfs/{pf}/num-vfs", tags=["sriov"])
+async def set_sriov_num_vfs(pf: PfPath, body: NumVfsChange, cp: CP, who: Caller) -> NumVfsChanged:
+    """Set the VF count. Refused (409, naming the allocations) while VFs are allocated, unless `force`:
+    then it goes through zero, re-applies every surviving VF's configuration and marks vanished vRNICs."""
+    return await cp.write(cp.sriov_set_num_vfs, who, pf, body)
+
+
+@router.post("/sriov/reconcile", tags=["sriov"])
+async def reconcile_sriov(cp: CP, who: Caller) -> ReconcileOut:
+    """Compare desired VF state (database) with the kernel's now and restore what drifted (each correction
+    is also an event). The daemon does this at startup and periodically."""
+    return await cp.write(cp.sriov_reconcile, who)
+
+
+@router.get("/vrnics/{vrnic_id}/vf", tags=["vrnics", "sriov"])
+def get_vrnic_vf(vrnic_id: VrnicPath, cp: CP, who: Caller) -> SriovVfOut:
+    """The VF behind an SR-IOV vRNIC: desired and observed settings, netns, vanished."""
+    return cp.vrnic_vf(who, vrnic_id)
+
+
+@router.get("/vrnics/{vrnic_id}/hostdev", tags=["vrnics", "sriov"], response_class=Response,
+            responses={200: {"description": "libvirt `<interface type='hostdev'>` XML",
+                             "content": {"application/xml": {"schema": {"type": "string"}}}}})
+def get_vrnic_hostdev(vrnic_id: VrnicPath, cp: CP, who: Caller,
+                      alias: Annotated[str | None, Query(pattern=r"^ua-[A-Za-z0-9_-]{1,60}$",
+                                                         description="libvirt user alias")] = None) -> Response:
+    """The libvirt device XML that gives the vRNIC's VF to a VM (needs a PCI VF)."""
+    return Response(cp.vrnic_hostdev_xml(who, vrnic_id, alias), media_type="application/xml")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, Generic, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -133,3 +133,79 @@ class EventOut(BaseModel):
     subject: str
     tenant: str | None
     detail: dict[str, Any]
+
+
+# -- SR-IOV ---------------------------------------------------------------------------------------
+
+class VfSettings(BaseModel):
+    """A VF's netlink configuration (rates in Mbit/s, 0 = none)."""
+
+    mac: str
+    vlan: int
+    qos: int = Field(description="802.1p priority with the VLAN")
+    max_tx_rate: int = Field(description="cap, Mbit/s")
+    min_tx_rate: int = Field(description="guarantee, Mbit/s")
+    spoofchk: bool
+    trust: bool
+    link_state: Literal["auto", "enable", "disable"]
+
+
+class VfAllocationOut(BaseModel):
+    vrnic_id: str
+    tenant: str
+    desired: VfSettings = Field(description="what vrnic keeps on the VF (reconcile restores it)")
+    in_sync: bool = Field(description="the kernel's settings equal the desired ones")
+    netns: str | None = Field(None, description="the container network namespace its netdev is in")
+    vanished: bool = Field(False, description="the VF went away in a forced VF count change; release the vRNIC")
+
+
+class SriovVfOut(BaseModel):
+    pf: str
+    index: int
+    pci_address: str | None = None
+    netdev: str | None = None
+    rdma_device: str | None = None
+    settings: VfSettings | None = Field(description="as the kernel reports them (null: the VF is gone)")
+    allocation: VfAllocationOut | None = None
+
+
+class SriovPfOut(BaseModel):
+    name: str
+    kind: str = Field(examples=["pci", "netdevsim"])
+    bus_id: str
+    driver: str
+    num_vfs: int
+    total_vfs: int | None
+    eswitch_mode: str | None = None
+    rdma_device: str | None = None
+    allocated_vfs: int
+    free_vfs: int
+    vanished_vrnics: list[str] = Field(description="vRNICs whose VF went away in a forced count change")
+
+
+class NumVfsChange(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_vfs: int = Field(ge=0, le=4096)
+    force: bool = Field(False, description="change it even though VFs are allocated (goes through zero; "
+                                           "surviving VFs are re-configured, vanished ones are marked)")
+
+
+class SriovEventOut(BaseModel):
+    kind: str = Field(examples=["vf_drift_corrected"])
+    pf: str
+    vf: int | None = None
+    vrnic_id: str | None = None
+    detail: dict[str, str]
+
+
+class NumVfsChanged(BaseModel):
+    pf: str
+    previous: int
+    num_vfs: int
+    steps: list[int] = Field(description="values written to sriov_numvfs, in order")
+    events: list[SriovEventOut]
+
+
+class ReconcileOut(BaseModel):
+    events: list[SriovEventOut] = Field(description="the corrections (and failures) of this pass")
