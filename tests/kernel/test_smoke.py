@@ -6,32 +6,22 @@ import hashlib
 import os
 from pathlib import Path
 
-import pytest
-
 from vrnic.backend.rdma_tool import resource_counts
-from vrnic.backend.sysfs import rdma_devices, roce_v2_ipv4_gid_index
+from vrnic.backend.sysfs import roce_v2_ipv4_gid_index
 from vrnic.lab import smoke
 
 
-@pytest.fixture
-def pair() -> tuple[str, str]:
-    devices = rdma_devices()
-    if "rxe0" not in devices or "rxe1" not in devices:
-        pytest.skip(f"needs rxe0 and rxe1 (topology pair), have {devices}")
-    return "rxe0", "rxe1"
-
-
-def test_bench_devices_have_routable_gids(pair: tuple[str, str]) -> None:
-    for device in pair:
+def test_bench_devices_have_routable_gids(rxe_pair: tuple[str, str]) -> None:
+    for device in rxe_pair:
         assert roce_v2_ipv4_gid_index(device) >= 0
-    assert os.environ.get("VRNIC_LAB_RXE_DEVICES", "").split() == list(pair)
+    assert os.environ.get("VRNIC_LAB_RXE_DEVICES", "").split() == list(rxe_pair)
 
 
-def test_rdma_write_crosses_the_veth_and_lands(pair: tuple[str, str]) -> None:
+def test_rdma_write_crosses_the_veth_and_lands(rxe_pair: tuple[str, str]) -> None:
     before = resource_counts()
     tx_packets = Path("/sys/class/net/veth0/statistics/tx_packets")
     tx_before = int(tx_packets.read_text())
-    result = smoke.local_write(*pair, length=8192)
+    result = smoke.local_write(*rxe_pair, length=8192)
     tx_after = int(tx_packets.read_text())
     assert result.length == 8192
     assert result.digest == hashlib.sha256(smoke.pattern(8192)).hexdigest()
