@@ -18,6 +18,7 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+from sriov_fakes import MemoryKernel, sriov_driver
 
 from vrnic.api.app import create_app
 from vrnic.backend.driver import load_driver
@@ -37,11 +38,12 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The API served over HTTP on SQLite, with a tenant and a vRNIC in it."""
+    """The API served over HTTP on SQLite, with a tenant and a vRNIC in it; SR-IOV over in-memory kernel edges."""
     state: Path = tmp_path_factory.mktemp("schemathesis")
     engine = make_engine(f"sqlite:///{state / 'vrnic.db'}")
     upgrade(engine)
-    backend = BackendService({VrnicMode.PARAVIRTUAL: load_driver("fake")})
+    backend = BackendService({VrnicMode.PARAVIRTUAL: load_driver("fake"),
+                              VrnicMode.SRIOV: sriov_driver(engine, "st-host", MemoryKernel())})
     app = create_app(DaemonSettings(state_dir=state, operator_token=SecretStr(TOKEN), host_name="st-host"),
                      backend, engine=engine)
     with serve_in_thread(app) as base_url:

@@ -333,3 +333,21 @@ def test_cli_lists_pfs_and_vfs_sets_the_count_and_reconciles(run: Any, kernel: M
     assert code == 0 and json.loads(out)["steps"] == []
     code, _, err = run("sriov", "vfs", "nope0")
     assert code == 1 and err.strip() == "vrnic: 404 not_found: no SR-IOV PF 'nope0' on this host (known: ens1f0)"
+
+
+def test_daemon_builds_the_sriov_driver_on_the_database(settings: DaemonSettings, caplog: Any) -> None:
+    from vrnic.backend.drivers.sriov import SriovDriver
+    from vrnic.daemon import build_backend
+
+    wired = settings.model_copy(update={"paravirtual_driver": None, "sriov_driver": "sriov"})
+    backend = build_backend(wired)
+    try:
+        driver = backend.driver(VrnicMode.SRIOV)
+        assert isinstance(driver, SriovDriver)
+        assert isinstance(driver.manager.store, DbVfStateStore) and driver.manager.store.host_name == HOST
+        assert driver._reconciler is None and not driver._release_on_close  # the API runs the passes
+    finally:
+        backend.close()
+    refused = build_backend(wired.model_copy(update={"sriov_driver_options": {"no_such_option": 1}}))
+    assert not refused.has_mode(VrnicMode.SRIOV)
+    assert "unknown sriov driver option(s): no_such_option" in caplog.text
