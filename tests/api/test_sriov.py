@@ -118,9 +118,14 @@ def test_bound_writes_commit_or_roll_back_with_the_callers_transaction(migrated:
         events(VfEvent(EventKind.ALLOCATED, PF, 1, "vr-1", {"vlan": "100"}))
         assert store.get("vr-1") == allocation  # visible inside the transaction
         raise RuntimeError("the vRNIC row could not be committed")
-    assert store.get("vr-1") is None
     with migrated.connect() as c:
         assert c.execute(text("SELECT count(*) FROM events WHERE action = 'vf_allocated'")).scalar() == 0
+        assert c.execute(text("SELECT count(*) FROM sriov_vfs")).scalar() == 0
+    # Not in the database, but this process still knows it until released: the VF was configured, and the
+    # release that undoes it needs the allocation to reset it (meanwhile nobody else gets that VF).
+    assert store.get("vr-1") == allocation and store.list() == [allocation]
+    store.delete("vr-1")
+    assert store.get("vr-1") is None and store.list() == []
     with migrated.begin() as c, bound_to(c, "tenant:red"):
         store.put(allocation)
         events(VfEvent(EventKind.ALLOCATED, PF, 1, "vr-1", {"vlan": "100"}))
@@ -351,3 +356,48 @@ def test_daemon_builds_the_sriov_driver_on_the_database(settings: DaemonSettings
     refused = build_backend(wired.model_copy(update={"sriov_driver_options": {"no_such_option": 1}}))
     assert not refused.has_mode(VrnicMode.SRIOV)
     assert "unknown sriov driver option(s): no_such_option" in caplog.text
+
+
+def test_a_vf_configured_for_an_allocation_that_failed_to_commit_is_reset(api: TestClient, tenant: Any,
+                                                                          kernel: MemoryKernel,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from vrnic.api.controlplane import ControlPlane
+
+    red = tenant("red", 100)
+    real = ControlPlane._vrnic_out
+
+    def fail_once(*args: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(ControlPlane, "_vrnic_out", real)
+        raise RuntimeError("the database went away after the VF was configured")
+
+    monkeypatch.setattr(ControlPlane, "_vrnic_out", fail_once)
+    with pytest.raises(RuntimeError):
+        api.post("/api/v1/vrnics", headers=red, json={"mode": "sriov"})
+    assert kernel.vfs[0] == CLEAN_VF  # the allocation rolled back, and so did the VF
+    assert api.get(f"/api/v1/sriov/pfs/{PF}").json()["free_vfs"] == 4
+    again = api.post("/api/v1/vrnics", headers=red, json={"mode": "sriov"}).json()
+    assert again["attach"]["extra"]["vf_index"] == "0" and kernel.vfs[0].vlan == 100
+
+
+def test_concurrent_sriov_allocations_get_distinct_vfs(migrated: Engine, sriov_settings: DaemonSettings,
+                                                       sriov_backend: BackendService, kernel: MemoryKernel) -> None:
+    import concurrent.futures
+
+    import httpx
+
+    token = sriov_settings.operator_token.get_secret_value()  # type: ignore[union-attr]
+    auth = {"Authorization": f"Bearer {token}"}
+    with serve_in_thread(create_app(sriov_settings, sriov_backend, engine=migrated)) as url:
+        httpx.post(f"{url}/api/v1/tenants", json={"name": "red", "vpc_id": 100}, headers=auth).raise_for_status()
+
+        def allocate(_: int) -> httpx.Response:
+            return httpx.post(f"{url}/api/v1/vrnics", json={"mode": "sriov", "tenant": "red"}, headers=auth,
+                              timeout=60)
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(allocate, range(6)))
+    statuses = sorted(a.status_code for a in answers)
+    assert statuses == [201, 201, 201, 201, 403, 403], [a.text for a in answers if a.status_code >= 500]
+    indexes = sorted(a.json()["attach"]["extra"]["vf_index"] for a in answers if a.status_code == 201)
+    assert indexes == ["0", "1", "2", "3"]
+    assert all(kernel.vfs[i].vlan == 100 for i in range(4))

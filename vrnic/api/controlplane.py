@@ -539,6 +539,9 @@ class ControlPlane:
             except VrnicError as exc:
                 log.error("SR-IOV reconcile pass failed: %s", exc)
                 continue
+            except Exception:  # e.g. the database was unavailable: keep the loop, try again next time
+                log.exception("SR-IOV reconcile pass failed")
+                continue
             if result.events:
                 log.info("SR-IOV reconcile: %s", "; ".join(f"{e.kind} {e.pf}/{e.vf}" for e in result.events))
 

@@ -12,7 +12,9 @@ back together. Outside it (tests, tools) each call runs in a short transaction o
 
 from __future__ import annotations
 
+import builtins
 import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -80,12 +82,20 @@ _ALLOCATIONS = (select(SRIOV_VFS, Vrnic.public_id, Tenant.name.label("tenant_nam
 
 
 class DbVfStateStore(_Database):
-    """VfStateStore on sriov_vfs for the host named host_name (registered by the API at startup)."""
+    """VfStateStore on sriov_vfs for the host named host_name (registered by the API at startup).
+
+    Allocations written inside a caller's transaction stay visible to this process until a committed read
+    shows them (or they are deleted): other transactions must not hand out that VF meanwhile (PostgreSQL runs
+    allocations concurrently), and if the caller's transaction rolls back after the VF was configured, the
+    release that undoes it must still find the allocation to reset the VF.
+    """
 
     def __init__(self, engine: Engine, host_name: str) -> None:
         super().__init__(engine)
         self.host_name = host_name
         self._host_id: int | None = None
+        self._unsettled: dict[str, Allocation] = {}
+        self._lock = threading.Lock()
 
     def _host(self, connection: Connection, required: bool) -> int | None:
         if self._host_id is None:
@@ -97,19 +107,28 @@ class DbVfStateStore(_Database):
     def list(self) -> list[Allocation]:
         with self.connection(write=False) as connection:
             host = self._host(connection, required=False)
-            if host is None:
-                return []
-            rows = connection.execute(_ALLOCATIONS.where(SriovVf.host_id == host)
-                                      .order_by(SriovVf.pf, SriovVf.vf_index, SriovVf.id))
-            return [_allocation(row) for row in rows]
+            stored = [] if host is None else [_allocation(row) for row in connection.execute(
+                _ALLOCATIONS.where(SriovVf.host_id == host).order_by(SriovVf.pf, SriovVf.vf_index, SriovVf.id))]
+        return self._with_unsettled({a.vrnic_id: a for a in stored}, committed=_bound(self._engine) is None)
 
     def get(self, vrnic_id: str) -> Allocation | None:
         with self.connection(write=False) as connection:
             host = self._host(connection, required=False)
-            if host is None:
-                return None
-            row = connection.execute(_ALLOCATIONS.where(SriovVf.host_id == host, Vrnic.public_id == vrnic_id)).first()
-            return _allocation(row) if row is not None else None
+            row = None if host is None else connection.execute(
+                _ALLOCATIONS.where(SriovVf.host_id == host, Vrnic.public_id == vrnic_id)).first()
+        found = {vrnic_id: _allocation(row)} if row is not None else {}
+        return next(iter(self._with_unsettled(found, _bound(self._engine) is None, only=vrnic_id)), None)
+
+    def _with_unsettled(self, stored: dict[str, Allocation], committed: bool, only: str | None = None
+                        ) -> builtins.list[Allocation]:
+        with self._lock:
+            if committed:  # what a committed read shows has settled
+                for vrnic_id in stored:
+                    self._unsettled.pop(vrnic_id, None)
+            for vrnic_id, allocation in self._unsettled.items():
+                if vrnic_id not in stored and (only is None or vrnic_id == only):
+                    stored[vrnic_id] = allocation
+        return sorted(stored.values(), key=lambda a: (a.address.pf, a.address.index, a.vanished))
 
     def put(self, allocation: Allocation) -> None:
         with self.connection(write=True) as connection:
@@ -121,11 +140,18 @@ class DbVfStateStore(_Database):
             updated = connection.execute(update(SriovVf).where(SriovVf.vrnic_serial == serial), values)
             if updated.rowcount == 0:
                 connection.execute(insert(SriovVf), values | {"vrnic_serial": serial})
+        with self._lock:
+            if _bound(self._engine) is not None:
+                self._unsettled[allocation.vrnic_id] = allocation
+            else:
+                self._unsettled.pop(allocation.vrnic_id, None)
 
     def delete(self, vrnic_id: str) -> None:
         with self.connection(write=True) as connection:
             serial = select(Vrnic.serial).where(Vrnic.public_id == vrnic_id).scalar_subquery()
             connection.execute(delete(SriovVf).where(SriovVf.vrnic_serial == serial))
+        with self._lock:
+            self._unsettled.pop(vrnic_id, None)
 
 
 class DbVfEventLog(_Database):
