@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import time
 
 import pyverbs.enums as e
@@ -28,8 +30,16 @@ def control_verbs(device: str = "rxe0", repeat: int = 50) -> list[Record]:
         init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=cq, rcq=cq,
                           cap=QPCap(max_send_wr=64, max_recv_wr=64, max_send_sge=1, max_recv_sge=1))
         timed("create_qp", lambda: QP(pd, init).close)
-        timed("reg_mr_4k", lambda: MR(pd, 4096, ACCESS).close)
-        timed("reg_mr_1m", lambda: MR(pd, 1 << 20, ACCESS).close)
+        # Register existing, already touched memory, as vrnicd does with a guest's arena: MR(pd, n)
+        # alone would allocate fresh pages and charge their page faults to the baseline.
+        buffer = mmap.mmap(-1, 1 << 20)
+        buffer.write(b"\1" * (1 << 20))
+        anchor = ctypes.c_char.from_buffer(buffer)
+        address = ctypes.addressof(anchor)
+        timed("reg_mr_4k", lambda: MR(pd, 4096, ACCESS, address=address).close)
+        timed("reg_mr_1m", lambda: MR(pd, 1 << 20, ACCESS, address=address).close)
+        del anchor
+        buffer.close()
     return records
 
 
