@@ -52,8 +52,9 @@ def main() -> int:
         return 0
     records = host_suites()
     GUEST_PART.unlink(missing_ok=True)
-    rc = subprocess.run([sys.executable, "-m", "vrnic.cli.main", "lab", "run", "--timeout", "1800", "--", sys.executable, "-m", "bench.run",
-                         "--in-guest"], cwd=Path(__file__).parents[1], check=False).returncode
+    lab = [sys.executable, "-m", "vrnic.cli.main", "lab", "run", "--timeout", "1800", "--"]
+    rc = subprocess.run([*lab, sys.executable, "-m", "bench.run", "--in-guest"], cwd=Path(__file__).parents[1],
+                        check=False).returncode
     if rc != 0 or not GUEST_PART.exists():
         print(f"bench: kernel suites failed in the bench (exit {rc})", file=sys.stderr)
         return 1
