@@ -24,13 +24,12 @@ import pyverbs.enums as e
 from pydantic import ValidationError
 from pyverbs.addr import AH, GID, AHAttr, GlobalRoute
 from pyverbs.cq import CQ, CompChannel
-from pyverbs.device import Context
 from pyverbs.mr import MR
 from pyverbs.pd import PD
 from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 
 from vrnic.backend.registry import Registry, VirtualRnic
-from vrnic.backend.verbs import close_quietly, comp_channel_with_fd, device_errors
+from vrnic.backend.verbs import close_quietly, comp_channel_with_fd, device_errors, open_context
 from vrnic.core import ops
 from vrnic.core.handles import HandleTable
 from vrnic.core.quota import QuotaLedger, Resource
@@ -130,8 +129,7 @@ class GuestSession:
         del anchor  # an exported buffer would keep the mapping from ever closing
         self.view = memoryview(self.arena)
         self.words = index_words(self.view)
-        with device_errors(f"open {vrnic.device}"):
-            self.ctx = Context(name=vrnic.device)
+        self.ctx = open_context(vrnic.device)
         from vrnic.backend.engine import SharedRingEngine  # the engine needs the session's types
 
         self.engine = SharedRingEngine(self, busy_poll=busy_poll)

@@ -63,7 +63,7 @@ def device_names() -> list[str]:
 def describe(name: str) -> DeviceInfo:
     if name not in device_names():
         raise NotFound(f"no RDMA device {name}")
-    with device_errors(f"query {name}"), Context(name=name) as ctx:
+    with open_context(name) as ctx, device_errors(f"query {name}"):
         attr = ctx.query_device()
         caps = {c: int(getattr(attr, c)) for c in CAPS}
         ports = []
@@ -82,15 +82,20 @@ def describe(name: str) -> DeviceInfo:
 _fd_lock = threading.Lock()
 
 
-def _event_fds() -> set[int]:
-    found = set()
-    for entry in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{entry}") == "anon_inode:[infinibandevent]":
-                found.add(int(entry))
-        except OSError:
-            continue
-    return found
+def _open_fds() -> set[int]:
+    """This process's open fds, without the one used to list them (its number is reused next)."""
+    listing = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return {int(name) for name in os.listdir(listing)} - {listing}
+    finally:
+        os.close(listing)
+
+
+def _is_event_fd(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[infinibandevent]"
+    except OSError:
+        return False
 
 
 def comp_channel_with_fd(ctx: Context) -> tuple[CompChannel, int | None]:
@@ -101,11 +106,18 @@ def comp_channel_with_fd(ctx: Context) -> tuple[CompChannel, int | None]:
     means the fd could not be identified and the caller must poll instead.
     """
     with _fd_lock:
-        before = _event_fds()
+        # Diff fd numbers and readlink only the new ones: a readlink per open fd is slow under TCG.
+        before = _open_fds()
         with device_errors("create completion channel"):
             channel = CompChannel(ctx)
-        new = _event_fds() - before
-    return channel, (new.pop() if len(new) == 1 else None)
+        new = [fd for fd in _open_fds() - before if _is_event_fd(fd)]
+    return channel, (new[0] if len(new) == 1 else None)
+
+
+def open_context(name: str) -> Context:
+    """Open a device context; under the channel lock, because its async fd is an [infinibandevent] too."""
+    with _fd_lock, device_errors(f"open {name}"):
+        return Context(name=name)
 
 
 def close_quietly(*resources: Any) -> None:
