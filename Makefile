@@ -3,12 +3,12 @@ VENV ?= /opt/vrnic/venv
 BIN := $(VENV)/bin
 KERNEL_TIMEOUT ?= 2400
 
-.PHONY: setup test test-host test-kernel test-two-hosts lint demo bench
+.PHONY: setup test test-host test-kernel test-two-hosts test-sriov-nic lint demo bench
 
 setup:
 	@./scripts/setup.sh
 
-test: setup lint test-host test-kernel test-two-hosts
+test: setup lint test-host test-kernel test-two-hosts test-sriov-nic
 
 lint:
 	$(BIN)/ruff check vrnic tests bench
@@ -25,6 +25,10 @@ test-kernel:
 # Two guests wired by a QEMU dgram link: an RDMA WRITE from guest b lands in guest a, verified by a.
 test-two-hosts:
 	$(BIN)/vrnic lab run --topology two-hosts --timeout 300 -- python -m vrnic.lab.smoke --two-hosts
+
+# Real SR-IOV VFs (PCI functions with netdevs) on an emulated igb NIC; runs QEMU 10 (see make setup).
+test-sriov-nic:
+	$(BIN)/vrnic lab run --sriov-nic --topology single --timeout 600 -- pytest -m kernel tests/kernel/test_sriov_vf_netdev.py
 
 demo: setup
 	$(BIN)/vrnic lab run -- python -m vrnic.demo

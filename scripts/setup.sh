@@ -43,6 +43,25 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
 fi
 ln -sf "$VENV/bin/vrnic" /usr/local/bin/vrnic
 
+# QEMU 10 for the bench's SR-IOV NIC (--sriov-nic): Debian 12's QEMU 7.2 has no SR-IOV NIC model.
+# Unpacked beside 7.2 from bookworm-backports, so the proven default bench is untouched.
+QEMU_SRIOV=${VRNIC_LAB_SRIOV_QEMU_DIR:-/opt/vrnic/qemu10}
+if [[ ! -x $QEMU_SRIOV/root/usr/bin/qemu-system-x86_64 ]]; then
+  echo "setup: unpacking QEMU 10 from bookworm-backports into $QEMU_SRIOV (for the SR-IOV NIC)"
+  tmp=$(mktemp -d)
+  mkdir -p "$tmp/lists/partial"
+  echo "deb http://deb.debian.org/debian bookworm-backports main" > "$tmp/sources.list"
+  apt_bp=(-o "Dir::Etc::sourcelist=$tmp/sources.list" -o Dir::Etc::sourceparts=/nonexistent
+          -o "Dir::State::Lists=$tmp/lists" -o APT::Sandbox::User=root)
+  apt-get "${apt_bp[@]}" update -qq
+  (cd "$tmp" && apt-get "${apt_bp[@]}" download -qq qemu-system-x86/bookworm-backports \
+     qemu-system-data/bookworm-backports qemu-system-common/bookworm-backports 2>/dev/null)
+  mkdir -p "$QEMU_SRIOV/root"
+  for deb in "$tmp"/*.deb; do dpkg -x "$deb" "$QEMU_SRIOV/root"; done
+  rm -rf "$tmp"
+fi
+install -m 0755 scripts/qemu-sriov.sh "$QEMU_SRIOV/qemu-system-x86_64"
+
 # netdevsim is not in Debian's kernel: build it once against the bench kernel's headers.
 kver=$("$VENV/bin/python" -c 'from vrnic.lab.kernel import choose_kernel, installed_kernels as k; print(choose_kernel(k()))')
 dpkg-query -W -f='${Status}' "linux-headers-$kver" 2>/dev/null | grep -q "ok installed" || {

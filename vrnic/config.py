@@ -24,6 +24,8 @@ class LabSettings(BaseSettings):
     venv: Path = Path("/opt/vrnic/venv")  # must live outside work_dir (9p imports are slow)
     cache_dir: Path = Path("/var/cache/vrnic")
     qemu: str = "qemu-system-x86_64"
+    # QEMU >= 8.0 for --sriov-nic (igb); make setup unpacks bookworm-backports' QEMU 10 here.
+    sriov_qemu: str = "/opt/vrnic/qemu10/qemu-system-x86_64"
     memory_mb: int = 2048
     cpus: int = 2
     netdevsim_vfs: int = 4

@@ -159,3 +159,13 @@ def test_initramfs_init_loads_modules_in_order_and_reports_failures() -> None:
     assert init.index("insmod /modules/virtio.ko") < init.index("insmod /modules/9p.ko")
     assert f"{MARKER}boot-failed" in init
     assert 'switch_root /newroot /bin/bash "$run/guest-$role.sh"' in init
+
+
+def test_sriov_nic_is_an_igb_behind_a_pcie_root_port() -> None:
+    argv = qemu_argv(GuestSpec(**{**SPEC.__dict__, "sriov_nic": True}))
+    assert _option(argv, "-machine") == ["q35"]  # SR-IOV is a PCIe extended capability
+    assert _option(argv, "-device") == ["pcie-root-port,id=rp0,slot=1", "igb,bus=rp0,romfile="]
+    script = guest_script(_plan(sriov_nic=True))
+    assert "modprobe igb && modprobe igbvf" in script and "VRNIC_LAB_SRIOV_PF" in script
+    with pytest.raises(InvalidArgument):
+        guest_script(_plan(sriov_nic=True, topology=Topology.TWO_HOSTS))

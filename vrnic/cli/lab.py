@@ -19,6 +19,8 @@ def run(
     topology: Annotated[Topology, typer.Option(help="pair: rxe0+rxe1 over veth; single: rxe0; "
                                                     "two-hosts: two guests, rxe0 each.")] = Topology.PAIR,
     netdevsim: Annotated[bool, typer.Option(help="Add a netdevsim PF with SR-IOV VFs.")] = False,
+    sriov_nic: Annotated[bool, typer.Option(help="Add an emulated igb NIC with real SR-IOV VFs (PCI functions "
+                                                 "with netdevs); runs QEMU 10.")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds before the guest is killed (exit 124).")] = 600.0,
     env: Annotated[list[str] | None, typer.Option("--env", "-e", help="NAME=VALUE for the command.")] = None,
 ) -> None:
@@ -33,7 +35,7 @@ def run(
         raise typer.BadParameter("--env takes NAME=VALUE", param_hint="--env")
     try:
         rc = LabRunner().run(LabRequest(command=command, topology=topology, netdevsim=netdevsim,
-                                        timeout=timeout, env=pairs))
+                                        sriov_nic=sriov_nic, timeout=timeout, env=pairs))
     except VrnicError as exc:
         typer.secho(f"vrnic lab: {exc}", err=True, fg="red")
         raise typer.Exit(125) from exc

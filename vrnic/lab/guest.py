@@ -46,6 +46,7 @@ class GuestPlan:
     role: str = "a"
     netdevsim_ko: Path | None = None
     netdevsim_vfs: int = 4
+    sriov_nic: bool = False
     env: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -144,6 +145,18 @@ def _netdevsim_setup(ko: Path, vfs: int) -> list[str]:
     ]
 
 
+def _sriov_nic_setup() -> list[str]:
+    """The emulated igb PF and the igbvf driver for its VFs (VFs appear when sriov_numvfs is written)."""
+    return [
+        "modprobe igb && modprobe igbvf || fail 'modprobe igb igbvf'",
+        "for _ in $(seq 100); do ls /sys/bus/pci/drivers/igb/*/net/ >/dev/null 2>&1 && break; sleep 0.05; done",
+        "export VRNIC_LAB_SRIOV_PF=$(ls /sys/bus/pci/drivers/igb/*/net/ 2>/dev/null | head -1)",
+        '[ -n "$VRNIC_LAB_SRIOV_PF" ] || fail "no igb netdev"',
+        'step "SR-IOV NIC: igb PF $VRNIC_LAB_SRIOV_PF,'
+        ' $(cat /sys/class/net/$VRNIC_LAB_SRIOV_PF/device/sriov_totalvfs) VFs possible"',
+    ]
+
+
 def lab_env(plan: GuestPlan) -> dict[str, str]:
     """What a command learns about its bench from the environment."""
     env = {"VRNIC_LAB": "1", "VRNIC_LAB_TOPOLOGY": str(plan.topology), "VRNIC_LAB_ROLE": plan.role}
@@ -169,6 +182,8 @@ def guest_script(plan: GuestPlan) -> str:
         raise InvalidArgument("no command to run in the guest")
     if plan.role not in ROLES:
         raise InvalidArgument(f"role must be one of {ROLES}, not {plan.role!r}")
+    if plan.sriov_nic and plan.topology is Topology.TWO_HOSTS:
+        raise InvalidArgument("the SR-IOV NIC is available in the single and pair topologies")
     if plan.netdevsim_ko is not None and not 1 <= plan.netdevsim_vfs <= 64:
         raise InvalidArgument(f"netdevsim VF count must be 1..64, not {plan.netdevsim_vfs}")
     venv = shlex.quote(str(plan.venv))
@@ -178,6 +193,7 @@ def guest_script(plan: GuestPlan) -> str:
     else:
         topology = _pair_setup(2 if plan.topology is Topology.PAIR else 1)
     netdevsim = [] if plan.netdevsim_ko is None else _netdevsim_setup(plan.netdevsim_ko, plan.netdevsim_vfs)
+    netdevsim += _sriov_nic_setup() if plan.sriov_nic else []
     exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(lab_env(plan).items()))
     body = "\n".join([*topology, *netdevsim])
     command = " ".join(shlex.quote(arg) for arg in plan.command)

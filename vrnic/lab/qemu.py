@@ -37,6 +37,7 @@ class GuestSpec:
     cpus: int = 2
     memory_mb: int = 2048
     link: DgramLink | None = None
+    sriov_nic: bool = False  # an emulated Intel 82576 (igb) with real SR-IOV VFs; needs QEMU >= 8.0
     qemu: str = "qemu-system-x86_64"
     extra_kernel_args: tuple[str, ...] = field(default_factory=tuple)
 
@@ -75,6 +76,9 @@ def qemu_argv(spec: GuestSpec) -> list[str]:
         "-virtfs", f"local,path={work},mount_tag=work,{NINEP_OPTS}",
         "-append", kernel_cmdline(spec),
     ]
+    if spec.sriov_nic:
+        # SR-IOV is a PCIe extended capability: a q35 machine with the NIC behind a root port.
+        argv += ["-machine", "q35", "-device", "pcie-root-port,id=rp0,slot=1", "-device", "igb,bus=rp0,romfile="]
     if spec.link is None:
         argv += ["-nic", "none"]
     else:

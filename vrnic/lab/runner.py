@@ -49,6 +49,7 @@ class LabRequest:
     command: Sequence[str]
     topology: Topology = Topology.PAIR
     netdevsim: bool = False
+    sriov_nic: bool = False
     timeout: float = 600.0
     cwd: Path = field(default_factory=Path.cwd)
     env: dict[str, str] = field(default_factory=dict)
@@ -122,12 +123,13 @@ class LabRunner:
             rc_file = run_dir / f"rc-{role}"
             plan = GuestPlan(topology=request.topology, command=request.command, cwd=cwd, rc_file=rc_file,
                              venv=s.venv, role=role, netdevsim_ko=netdevsim_ko,
-                             netdevsim_vfs=s.netdevsim_vfs, env=request.env)
+                             netdevsim_vfs=s.netdevsim_vfs, sriov_nic=request.sriov_nic, env=request.env)
             (run_dir / f"guest-{role}.sh").write_text(guest_script(plan))
             link = (DgramLink(local_port=ports[index], remote_port=ports[1 - index], mac=TWO_HOSTS_MACS[index])
                     if two_hosts else None)
             spec = GuestSpec(kernel=kernel_image(version), initrd=initrd, work_dir=s.work_dir,
-                             run_dir=run_dir, role=role, link=link, qemu=s.qemu,
+                             run_dir=run_dir, role=role, link=link, sriov_nic=request.sriov_nic,
+                             qemu=s.sriov_qemu if request.sriov_nic else s.qemu,
                              cpus=1 if two_hosts else s.cpus,
                              memory_mb=min(s.memory_mb, 1536) if two_hosts else s.memory_mb)
             guests.append((role, qemu_argv(spec), rc_file))
@@ -137,13 +139,16 @@ class LabRunner:
     def run(self, request: LabRequest) -> int:
         started = time.monotonic()
         run_dir, specs = self.prepare(request)
-        if shutil.which(self.settings.qemu) is None:
-            raise LabError(f"{self.settings.qemu} not found; run `make setup` (apt install qemu-system-x86)")
+        qemu = self.settings.sriov_qemu if request.sriov_nic else self.settings.qemu
+        if shutil.which(qemu) is None:
+            raise LabError(f"{qemu} not found; run `make setup`"
+                           + (" (it unpacks QEMU 10 from bookworm-backports)" if request.sriov_nic else ""))
         two_hosts = len(specs) > 1
         events: queue.Queue[tuple[str, str | None]] = queue.Queue()
         guests: list[_Guest] = []
         self.console.print(f"[lab] booting {len(specs)} guest(s), topology {request.topology}"
-                           f"{' + netdevsim' if request.netdevsim else ''}, under QEMU TCG (about 10 s);"
+                           f"{' + netdevsim' if request.netdevsim else ''}"
+                           f"{' + SR-IOV NIC' if request.sriov_nic else ''}, under QEMU TCG (about 10 s);"
                            f" console log in {run_dir}")
         try:
             for role, argv, rc_file in specs:

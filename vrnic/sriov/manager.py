@@ -324,13 +324,19 @@ class SriovManager:
                 return
             netns = allocation.netns
             vf = self._vf_info(allocation.address) if not allocation.vanished else None
-            if vf is not None and vf.netdev is not None:
+            if vf is not None:
                 try:
                     if vf.rdma_device is not None and self._rdma.netns_mode() == "exclusive":
                         self._rdma.return_device(vf.rdma_device, netns)
-                    self.netlink.return_from_netns(vf.netdev, netns)
+                    # sysfs is per network namespace: while the netdev sits in the container, the VF's
+                    # PCI device shows none here. Find it in there by its parent, the VF's PCI function.
+                    netdev = vf.netdev
+                    if netdev is None and vf.pci_address is not None:
+                        netdev = self.netlink.link_by_parent_in_netns(vf.pci_address, netns)
+                    if netdev is not None:
+                        self.netlink.return_from_netns(netdev, netns)
                 except NotFound:
-                    log.info("netns %s or the netdev in it is gone; the kernel returned %s", netns, vf.netdev)
+                    log.info("netns %s or the netdev in it is gone; the kernel returned it", netns)
             self.store.put(replace(allocation, netns=None))
             self._emit(VfEvent(EventKind.NETNS_RETURNED, allocation.address.pf, allocation.address.index,
                                vrnic_id, {"netns": netns}))

@@ -139,6 +139,14 @@ class VfNetlink:
             finally:
                 os.close(own)
 
+    def link_by_parent_in_netns(self, parent_device: str, netns: str) -> str | None:
+        """The interface inside a namespace whose parent device is parent_device (a VF's PCI address)."""
+        with self._in_netns(netns) as socket:
+            for link in socket.link("dump"):
+                if link.get_attr("IFLA_PARENT_DEV_NAME") == parent_device:
+                    return str(link.get_attr("IFLA_IFNAME"))
+        return None
+
     def links_in_netns(self, netns: str | None) -> set[str]:
         """Interface names in a namespace (None: ours)."""
         if netns is None:
