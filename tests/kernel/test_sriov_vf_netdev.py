@@ -90,6 +90,5 @@ def test_release_returns_a_vf_still_inside_a_netns(manager: SriovManager) -> Non
     netdev = next(Path(f"/sys/class/net/{PF}/device/virtfn{allocation.address.index}/net").iterdir()).name
     manager.attach_container("vf-tenant-b", NETNS, require_rdma=False)
     assert netdev in netdevs(NETNS)
-    manager.detach_container("vf-tenant-b")
-    manager.release("vf-tenant-b")
+    manager.release("vf-tenant-b")  # no detach first: releasing brings the netdev home
     assert netdev in netdevs() and netdev not in netdevs(NETNS)

@@ -333,6 +333,9 @@ class GuestSession:
     def op_modify_qp(self, args: ops.ModifyQp) -> dict[str, Any]:
         qp = self.qps.get(args.qp)
         real = qp.real
+        # Program order: WRs the guest posted before this call reach the NIC before the transition
+        # (a receive posted, then ERR, must be flushed, not lost in the ring).
+        self.engine.drain_queues()
         with device_errors(f"modify QP to {args.state}"):
             if args.state == "init":
                 attr = QPAttr(qp_state=e.IBV_QPS_INIT, port_num=PORT)
