@@ -16,7 +16,8 @@ import sys
 from rich.console import Console
 
 from vrnic.backend.rdma_tool import resource_counts
-from vrnic.backend.sysfs import gid_table, rdma_devices
+from vrnic.backend.sysfs import rdma_devices
+from vrnic.backend.verbs import describe
 from vrnic.config import PROJECT_DIR
 from vrnic.errors import VrnicError
 from vrnic.lab import smoke
@@ -32,7 +33,7 @@ def main() -> int:
         return 1
     console.print("[bold]1. Soft-RoCE devices inside the bench guest[/bold]")
     for device in devices:
-        gids = ", ".join(f"{gid} ({kind})" for _, gid, kind in gid_table(device))
+        gids = ", ".join(f"{g.gid} ({g.type})" for port in describe(device).ports for g in port.gids)
         console.print(f"   {device}: {gids}")
     before = resource_counts()
     console.print("[bold]2. Native pyverbs RDMA WRITE (no vrnic in the path)[/bold]")

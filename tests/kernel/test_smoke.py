@@ -7,13 +7,14 @@ import os
 from pathlib import Path
 
 from vrnic.backend.rdma_tool import resource_counts
-from vrnic.backend.sysfs import roce_v2_ipv4_gid_index
+from vrnic.backend.verbs import describe, roce_v2_ipv4_gid
 from vrnic.lab import smoke
 
 
 def test_bench_devices_have_routable_gids(rxe_pair: tuple[str, str]) -> None:
     for device in rxe_pair:
-        assert roce_v2_ipv4_gid_index(device) >= 0
+        index, gid = roce_v2_ipv4_gid(describe(device))
+        assert index >= 0 and gid.startswith("::ffff:10.77.1.")
     assert os.environ.get("VRNIC_LAB_RXE_DEVICES", "").split() == list(rxe_pair)
 
 

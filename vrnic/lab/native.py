@@ -18,7 +18,7 @@ from pyverbs.pd import PD
 from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 from pyverbs.wr import SGE, RecvWR, SendWR
 
-from vrnic.backend.sysfs import roce_v2_ipv4_gid_index
+from vrnic.backend.verbs import describe, roce_v2_ipv4_gid
 from vrnic.errors import DeviceError
 
 ACCESS = (e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
@@ -68,7 +68,7 @@ class RcEndpoint:
 
     def __init__(self, device: str, size: int = 4096, depth: int = 64) -> None:
         self.device = device
-        self.gid_index = roce_v2_ipv4_gid_index(device)
+        self.gid_index, _ = roce_v2_ipv4_gid(describe(device))
         self.ctx = Context(name=device)
         self.pd = PD(self.ctx)
         self.cq = CQ(self.ctx, depth * 2)
