@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,31 +27,18 @@ from vrnic.daemon import build_backend, serve_in_process
 from vrnic.db.engine import make_engine
 from vrnic.db.migrate import upgrade
 
+from .sriov_iproute import CLEAN, sh, vf_settings
+
 PF = os.environ.get("VRNIC_LAB_NETDEVSIM_PF", "")
 NSIM_DEV = os.environ.get("VRNIC_LAB_NETDEVSIM_DEV", "netdevsim10")
 NSIM = Path("/sys/bus/netdevsim/devices") / NSIM_DEV
 VF_COUNT = 4
 OPERATOR = {"Authorization": "Bearer vro_bench-operator"}
-CLEAN = {"mac": "00:00:00:00:00:00", "vlan": 0, "qos": 0, "max": 0, "min": 0, "spoofchk": True, "trust": False,
-         "state": "auto"}
 
 pytestmark = pytest.mark.skipif(not PF or not NSIM.exists(),
                                 reason="needs netdevsim: `vrnic lab run --netdevsim -- pytest tests/kernel`")
 
 
-def sh(*argv: str) -> str:
-    return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
-
-
-def ip_vfs() -> dict[int, dict[str, Any]]:
-    link = json.loads(sh("ip", "-j", "-d", "link", "show", PF))[0]
-    vfs = {}
-    for vf in link.get("vfinfo_list", []):
-        vlan = (vf.get("vlan_list") or [{}])[0]
-        vfs[vf["vf"]] = {"mac": vf["address"], "vlan": vlan.get("vlan", 0), "qos": vlan.get("qos", 0),
-                         "max": vf["rate"]["max_tx"], "min": vf["rate"]["min_tx"], "spoofchk": vf["spoofchk"],
-                         "trust": vf["trust"], "state": vf["link_state"]}
-    return vfs
 
 
 def numvfs() -> int:
@@ -116,10 +102,11 @@ def test_sriov_vrnic_lifecycle_through_rest_and_cli(settings: DaemonSettings, ba
                 extra["min_tx_rate"], extra["netdevsim_device"]) == ("sriov", PF, PF, "100", "1000", "100", NSIM_DEV)
         wanted = {"mac": extra["mac"], "vlan": 100, "qos": 0, "max": 1000, "min": 100, "spoofchk": True,
                   "trust": False, "state": "auto"}
-        assert ip_vfs()[index] == wanted
+        assert vf_settings(PF)[index] == wanted
         other = api.post("/vrnics", headers=as_blue, json={"mode": "sriov", "qos": {"rate_cap_mbps": 500}}).json()
         other_index = int(other["attach"]["extra"]["vf_index"])
-        assert other_index != index and ip_vfs()[other_index]["vlan"] == 200 and ip_vfs()[other_index]["max"] == 500
+        other_vf = vf_settings(PF)[other_index]
+        assert other_index != index and other_vf["vlan"] == 200 and other_vf["max"] == 500
         # the desired state is in the database, linked to the vRNIC
         assert (PF, index, extra["mac"], 100, 1000, 100, 0) in db_rows(database)
 
@@ -137,7 +124,7 @@ def test_sriov_vrnic_lifecycle_through_rest_and_cli(settings: DaemonSettings, ba
         assert not api.get(f"/vrnics/{vid}/vf", headers=as_red).json()["allocation"]["in_sync"]
         events = api.post("/sriov/reconcile").json()["events"]
         assert [(e["kind"], e["vf"], e["vrnic_id"]) for e in events] == [("vf_drift_corrected", index, vid)]
-        assert ip_vfs()[index] == wanted
+        assert vf_settings(PF)[index] == wanted
         logged = api.get("/events", headers=as_red, params={"action": "vf_drift_corrected"}).json()["items"]
         assert [(e["subject"], e["actor"], e["tenant"]) for e in logged] == [(f"vf/{PF}/{index}", "operator", "red")]
         assert logged[0]["detail"]["vlan"] == "7 -> 100"
@@ -149,7 +136,7 @@ def test_sriov_vrnic_lifecycle_through_rest_and_cli(settings: DaemonSettings, ba
         assert problem["current_state"] == "allocated"
         assert vid in problem["detail"] and "tenant red" in problem["detail"]
         assert refused.headers["content-type"] == "application/problem+json"
-        assert numvfs() == VF_COUNT and ip_vfs()[index] == wanted
+        assert numvfs() == VF_COUNT and vf_settings(PF)[index] == wanted
 
         # The same through the CLI (REST only): tables, --json, one-line errors.
         monkeypatch.setenv("VRNIC_API_URL", url)
@@ -165,7 +152,7 @@ def test_sriov_vrnic_lifecycle_through_rest_and_cli(settings: DaemonSettings, ba
         sh("ip", "link", "set", PF, "vf", str(other_index), "trust", "on")
         result = runner.invoke(cli, ["sriov", "reconcile"], env={"COLUMNS": "200"})
         assert result.exit_code == 0 and f"vf_drift_corrected {PF}/vf{other_index} ({other['id']})" in result.stdout
-        assert ip_vfs()[other_index]["trust"] is False
+        assert vf_settings(PF)[other_index]["trust"] is False
 
         # A VM needs a PCI VF: netdevsim VFs have none, and the API says so.
         xml = api.get(f"/vrnics/{vid}/hostdev", headers=as_red)
@@ -178,7 +165,7 @@ def test_sriov_vrnic_lifecycle_through_rest_and_cli(settings: DaemonSettings, ba
     try:
         with serve_in_process(settings, restarted) as url:
             api = httpx.Client(base_url=f"{url}/api/v1", headers=OPERATOR, timeout=60)
-            assert ip_vfs()[index] == wanted  # restored at startup, before the first request
+            assert vf_settings(PF)[index] == wanted  # restored at startup, before the first request
             at_start = api.get("/events", params={"action": "vf_drift_corrected", "limit": 50}).json()["items"]
             assert (at_start[-1]["subject"], at_start[-1]["actor"], at_start[-1]["detail"]["vrnic_id"]) == \
                 (f"vf/{PF}/{index}", "daemon", vid)
@@ -186,12 +173,12 @@ def test_sriov_vrnic_lifecycle_through_rest_and_cli(settings: DaemonSettings, ba
             # Release through REST: the VF is reset, its row is gone, and it is free again.
             released = api.delete(f"/vrnics/{vid}", headers=as_red)
             assert released.status_code == 200 and released.json()["state"] == "released"
-            assert ip_vfs()[index] == CLEAN
+            assert vf_settings(PF)[index] == CLEAN
             assert [r[1] for r in db_rows(database)] == [other_index]
             listed = {v["index"]: v for v in api.get(f"/sriov/pfs/{PF}/vfs").json()["items"]}
             assert listed[index]["allocation"] is None and listed[index]["settings"]["mac"] == CLEAN["mac"]
             assert api.delete(f"/vrnics/{other['id']}").status_code == 200
-            assert ip_vfs()[other_index] == CLEAN and db_rows(database) == []
+            assert vf_settings(PF)[other_index] == CLEAN and db_rows(database) == []
 
             # Nothing allocated: the count change goes through.
             changed = api.put(f"/sriov/pfs/{PF}/num-vfs", json={"num_vfs": 2}).json()
@@ -224,7 +211,8 @@ def test_forced_count_change_through_rest_reapplies_and_marks_vanished(settings:
         assert kinds == [("pf_num_vfs_changed", None), ("vf_reapplied", 0), ("vf_reapplied", 1),
                          ("vf_vanished", 2), ("vf_vanished", 3)]
         assert numvfs() == 2
-        assert ip_vfs()[0]["vlan"] == 100 and ip_vfs()[0]["max"] == 300  # re-applied after going through zero
+        first_vf = vf_settings(PF)[0]
+        assert first_vf["vlan"] == 100 and first_vf["max"] == 300  # re-applied after going through zero
         vanished = api.get(f"/vrnics/{last['id']}/vf").json()
         assert vanished["allocation"]["vanished"] and vanished["settings"] is None
         assert set(api.get(f"/sriov/pfs/{PF}").json()["vanished_vrnics"]) == set(vanished_ids(api))

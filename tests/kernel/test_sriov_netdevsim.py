@@ -7,9 +7,7 @@ proven on a netdevsim port netdev, and the refusal for netdevsim VFs is itself t
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,8 @@ from vrnic.sriov.model import EventKind, LinkState, PfKind, VfRequest
 from vrnic.sriov.netlink import VfNetlink
 from vrnic.sriov.plan import VfOp
 
+from .sriov_iproute import CLEAN, sh, vf_settings
+
 PF = os.environ.get("VRNIC_LAB_NETDEVSIM_PF", "")
 NSIM_DEV = os.environ.get("VRNIC_LAB_NETDEVSIM_DEV", "netdevsim10")
 NSIM = Path("/sys/bus/netdevsim/devices") / NSIM_DEV
@@ -34,24 +34,8 @@ pytestmark = pytest.mark.skipif(not PF or not NSIM.exists(),
                                 reason="needs netdevsim: `vrnic lab run --netdevsim -- pytest tests/kernel`")
 
 
-def sh(*argv: str) -> str:
-    return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
 
 
-def ip_vfs() -> dict[int, dict[str, Any]]:
-    """The PF's VFs as iproute2 reports them: {index: {mac, vlan, qos, max, min, spoofchk, trust, state}}."""
-    link = json.loads(sh("ip", "-j", "-d", "link", "show", PF))[0]
-    vfs = {}
-    for vf in link.get("vfinfo_list", []):
-        vlan = (vf.get("vlan_list") or [{}])[0]
-        vfs[vf["vf"]] = {"mac": vf["address"], "vlan": vlan.get("vlan", 0), "qos": vlan.get("qos", 0),
-                         "max": vf["rate"]["max_tx"], "min": vf["rate"]["min_tx"], "spoofchk": vf["spoofchk"],
-                         "trust": vf["trust"], "state": vf["link_state"]}
-    return vfs
-
-
-CLEAN = {"mac": "00:00:00:00:00:00", "vlan": 0, "qos": 0, "max": 0, "min": 0, "spoofchk": True, "trust": False,
-         "state": "auto"}
 
 
 def numvfs() -> int:
@@ -97,7 +81,7 @@ def test_two_tenants_get_their_vlan_and_rates_confirmed_through_netlink(manager:
     blue = driver.create_vrnic(spec("blue-1", "blue", 200, 500, 50), PF)
     assert red.extra["vf_index"] == "0" and blue.extra["vf_index"] == "1"
     assert red.extra["netdevsim_device"] == NSIM_DEV and red.mode is VrnicMode.SRIOV
-    vfs = ip_vfs()
+    vfs = vf_settings(PF)
     assert vfs[0] == {"mac": red.extra["mac"], "vlan": 100, "qos": 0, "max": 1000, "min": 100, "spoofchk": True,
                       "trust": False, "state": "auto"}
     assert vfs[1] == {"mac": blue.extra["mac"], "vlan": 200, "qos": 0, "max": 500, "min": 50, "spoofchk": True,
@@ -107,17 +91,17 @@ def test_two_tenants_get_their_vlan_and_rates_confirmed_through_netlink(manager:
     # a given MAC, a VLAN priority and an explicit link state go through the manager
     green = manager.allocate("green-1", "green", PF, VfRequest(vlan=300, qos=5, max_tx_rate=2000, min_tx_rate=0,
                                                                 mac="02:47:00:00:00:03", link_state=LinkState.ENABLE))
-    assert ip_vfs()[green.address.index] == {"mac": "02:47:00:00:00:03", "vlan": 300, "qos": 5, "max": 2000,
+    assert vf_settings(PF)[green.address.index] == {"mac": "02:47:00:00:00:03", "vlan": 300, "qos": 5, "max": 2000,
                                              "min": 0, "spoofchk": True, "trust": False, "state": "enable"}
 
     driver.release_vrnic("red-1")
-    vfs = ip_vfs()
+    vfs = vf_settings(PF)
     assert vfs[0] == CLEAN  # nothing of tenant red survives
     assert vfs[1]["vlan"] == 200 and vfs[1]["max"] == 500  # blue untouched
     assert driver.vrnic_ids() == {"blue-1", "green-1"}
     # the released VF is the next one handed out, clean state replaced by the new tenant's
     again = driver.create_vrnic(spec("red-2", "red", 100, None, None), PF)
-    assert again.extra["vf_index"] == "0" and ip_vfs()[0]["max"] == 0 and ip_vfs()[0]["vlan"] == 100
+    assert again.extra["vf_index"] == "0" and vf_settings(PF)[0]["max"] == 0 and vf_settings(PF)[0]["vlan"] == 100
     assert driver.create_vrnic(spec("x", "x", 1, None, None), PF).extra["vf_index"] == "3"
     with pytest.raises(QuotaExceeded, match=f"free VFs on {PF}"):
         driver.create_vrnic(spec("y", "y", 1, None, None), PF)
@@ -153,7 +137,7 @@ def _count_change(manager: SriovManager, netlink: RecordingNetlink) -> None:
     with pytest.raises(Conflict) as refused:
         manager.set_num_vfs(PF, 2)
     assert "keep on vf0 (tenant red)" in str(refused.value) and "lose on vf3 (tenant blue)" in str(refused.value)
-    assert numvfs() == VF_COUNT and ip_vfs()[3]["vlan"] == 30  # nothing changed
+    assert numvfs() == VF_COUNT and vf_settings(PF)[3]["vlan"] == 30  # nothing changed
     # the kernel itself refuses N -> M without going through zero
     with pytest.raises(OSError):
         (NSIM / "sriov_numvfs").write_text("2")
@@ -164,7 +148,7 @@ def _count_change(manager: SriovManager, netlink: RecordingNetlink) -> None:
     # netdevsim keeps VF settings across sriov_numvfs=0 (ConnectX does not), so the re-apply is shown by what
     # reached the kernel: every attribute of the surviving VF, then confirmed by the read-back below
     assert [a for vf, a in netlink.sent if vf == 0] == ["mac", "vlan", "rate", "spoofchk", "trust", "link_state"]
-    vfs = ip_vfs()
+    vfs = vf_settings(PF)
     assert sorted(vfs) == [0, 1]
     assert vfs[0] == {"mac": kept.config.mac, "vlan": 10, "qos": 0, "max": 800, "min": 80, "spoofchk": True,
                       "trust": False, "state": "auto"}
@@ -174,7 +158,7 @@ def _count_change(manager: SriovManager, netlink: RecordingNetlink) -> None:
 
     # netdevsim keeps a hidden VF's settings: growing back must not hand out blue's old VF 3 dirty
     grown = manager.set_num_vfs(PF, VF_COUNT, force=True)
-    assert ip_vfs()[3] == CLEAN and ip_vfs()[0]["vlan"] == 10
+    assert vf_settings(PF)[3] == CLEAN and vf_settings(PF)[0]["vlan"] == 10
     assert (EventKind.RESET, 3) in [(e.kind, e.vf) for e in grown.events]
     manager.release(lost.vrnic_id)  # the vanished vRNIC goes without touching VF 3
     assert [a.vrnic_id for a in manager.allocations()] == ["keep"]
@@ -189,14 +173,14 @@ def test_reconcile_restores_a_vf_changed_behind_our_back(manager: SriovManager) 
     assert [(e.kind, e.vf, e.vrnic_id) for e in events] == [(EventKind.DRIFT_CORRECTED, 1, "r1")]
     assert events[0].detail["vlan"] == "999 -> 100" and set(events[0].detail) == \
         {"mac", "vlan", "trust", "spoofchk", "link_state", "max_tx_rate", "min_tx_rate"}
-    assert ip_vfs()[1] == {"mac": a.config.mac, "vlan": 100, "qos": 0, "max": 1000, "min": 100, "spoofchk": True,
+    assert vf_settings(PF)[1] == {"mac": a.config.mac, "vlan": 100, "qos": 0, "max": 1000, "min": 100, "spoofchk": True,
                            "trust": False, "state": "auto"}
     assert manager.reconcile() == []
 
 
 def test_bad_input_is_rejected_and_nothing_is_half_applied(manager: SriovManager) -> None:
     manager.allocate("ok", "red", PF, VfRequest(vlan=5), vf_index=0)
-    before = ip_vfs()
+    before = vf_settings(PF)
     driver = SriovDriver(manager)
     cases: list[tuple[Any, type[Exception], str]] = [
         (lambda: manager.allocate("b1", "t", PF, VfRequest(vlan=7), vf_index=VF_COUNT), InvalidArgument,
@@ -214,7 +198,7 @@ def test_bad_input_is_rejected_and_nothing_is_half_applied(manager: SriovManager
     for call, error, message in cases:
         with pytest.raises(error, match=message):
             call()
-    assert ip_vfs() == before and numvfs() == VF_COUNT
+    assert vf_settings(PF) == before and numvfs() == VF_COUNT
     assert [a.vrnic_id for a in manager.allocations()] == ["ok"]
 
 
@@ -273,10 +257,10 @@ def test_backend_service_places_sriov_vrnics_through_the_driver_entry_point() ->
     try:
         assert [(d.name, d.driver) for d in service.devices()] == [(PF, "sriov")]
         info = service.create_vrnic(spec("svc-1", "red", 77, 400, 40))  # no device given: the backend picks
-        assert info.device == PF and ip_vfs()[int(info.extra["vf_index"])]["vlan"] == 77
+        assert info.device == PF and vf_settings(PF)[int(info.extra["vf_index"])]["vlan"] == 77
         assert service.vrnic_ids() == {"svc-1"}
         service.release_vrnic("svc-1")
-        assert ip_vfs()[int(info.extra["vf_index"])] == CLEAN and service.vrnic_ids() == set()
+        assert vf_settings(PF)[int(info.extra["vf_index"])] == CLEAN and service.vrnic_ids() == set()
     finally:
         for vrnic_id in driver.vrnic_ids():
             driver.release_vrnic(vrnic_id)
@@ -291,5 +275,5 @@ def test_reconcile_marks_vfs_that_vanished_behind_our_back(manager: SriovManager
     events = manager.reconcile()
     assert [(e.kind, e.vrnic_id) for e in events] == [(EventKind.VANISHED, "gone")]
     assert manager.allocation("gone").vanished and not manager.allocation("k").vanished
-    assert ip_vfs()[0]["vlan"] == kept.config.vlan
+    assert vf_settings(PF)[0]["vlan"] == kept.config.vlan
     assert manager.reconcile() == []  # marked once, not on every pass

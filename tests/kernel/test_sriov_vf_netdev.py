@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from xml.etree import ElementTree
@@ -20,14 +19,12 @@ from vrnic.errors import NotSupported
 from vrnic.sriov.manager import SriovManager
 from vrnic.sriov.model import VfRequest
 
+from .sriov_iproute import sh
+
 PF = os.environ.get("VRNIC_LAB_SRIOV_PF", "")
 NETNS = "vrnic-test-c1"
 
 pytestmark = pytest.mark.skipif(not PF, reason="needs the SR-IOV NIC: `vrnic lab run --sriov-nic -- pytest ...`")
-
-
-def sh(*argv: str) -> str:
-    return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
 
 
 def netdevs(netns: str | None = None) -> set[str]:
