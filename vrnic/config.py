@@ -24,11 +24,15 @@ class LabSettings(BaseSettings):
     venv: Path = Path("/opt/vrnic/venv")  # must live outside work_dir (9p imports are slow)
     cache_dir: Path = Path("/var/cache/vrnic")
     qemu: str = "qemu-system-x86_64"
-    # QEMU >= 8.0 for --sriov-nic (igb); make setup unpacks bookworm-backports' QEMU 10 here.
-    sriov_qemu: str = "/opt/vrnic/qemu10/qemu-system-x86_64"
+    # QEMU >= 8.0 for --sriov-nic (igb); make setup unpacks bookworm-backports' QEMU 10 here
+    # (VRNIC_LAB_SRIOV_QEMU_DIR, the same variable setup.sh reads).
+    sriov_qemu_dir: Path = Path("/opt/vrnic/qemu10")
     memory_mb: int = 2048
     cpus: int = 2
     netdevsim_vfs: int = 4
+
+    def qemu_for(self, sriov_nic: bool) -> str:
+        return str(self.sriov_qemu_dir / "qemu-system-x86_64") if sriov_nic else self.qemu
 
 
 class DaemonSettings(BaseSettings):

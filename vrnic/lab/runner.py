@@ -129,7 +129,7 @@ class LabRunner:
                     if two_hosts else None)
             spec = GuestSpec(kernel=kernel_image(version), initrd=initrd, work_dir=s.work_dir,
                              run_dir=run_dir, role=role, link=link, sriov_nic=request.sriov_nic,
-                             qemu=s.sriov_qemu if request.sriov_nic else s.qemu,
+                             qemu=s.qemu_for(request.sriov_nic),
                              cpus=1 if two_hosts else s.cpus,
                              memory_mb=min(s.memory_mb, 1536) if two_hosts else s.memory_mb)
             guests.append((role, qemu_argv(spec), rc_file))
@@ -138,11 +138,11 @@ class LabRunner:
     # --- running -------------------------------------------------------------------------------
     def run(self, request: LabRequest) -> int:
         started = time.monotonic()
-        run_dir, specs = self.prepare(request)
-        qemu = self.settings.sriov_qemu if request.sriov_nic else self.settings.qemu
+        qemu = self.settings.qemu_for(request.sriov_nic)
         if shutil.which(qemu) is None:
             raise LabError(f"{qemu} not found; run `make setup`"
                            + (" (it unpacks QEMU 10 from bookworm-backports)" if request.sriov_nic else ""))
+        run_dir, specs = self.prepare(request)
         two_hosts = len(specs) > 1
         events: queue.Queue[tuple[str, str | None]] = queue.Queue()
         guests: list[_Guest] = []
