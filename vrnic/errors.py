@@ -108,11 +108,18 @@ def error_from_dict(data: dict[str, object]) -> VrnicError:
     if code == Conflict.code:
         state = data.get("current_state")
         return Conflict(message, state if isinstance(state, str) else None)
-    by_code: dict[str, type[VrnicError]] = {
-        cls.code: cls for cls in (InvalidArgument, NotFound, NotSupported, Unauthenticated, PermissionDenied,
-                                    LabError, BootFailure)}
-    if code in by_code:
-        return by_code[code](message)
-    if code in ("protocol_error", "wr_rejected", "ring_corrupt"):
-        return InvalidArgument(message)
-    return VrnicError(message)
+    # Any class with that code, rebuilt as its nearest ancestor from this module: subclasses kept
+    # elsewhere (vrnic.core) may need constructor arguments the wire form does not carry.
+    found = _by_code().get(code, VrnicError)
+    rebuilt: type[VrnicError] = next(c for c in found.__mro__ if c.__module__ == __name__)
+    return rebuilt(message)
+
+
+def _by_code() -> dict[str, type[VrnicError]]:
+    classes: dict[str, type[VrnicError]] = {}
+    pending: list[type[VrnicError]] = [VrnicError]
+    while pending:
+        cls = pending.pop()
+        classes.setdefault(cls.code, cls)
+        pending += cls.__subclasses__()
+    return classes
