@@ -18,7 +18,7 @@ lint:
 test-host:
 	$(BIN)/pytest -m "unit or api or libvirt" tests
 
-# The kernel tier runs inside the bench: a QEMU guest with Soft-RoCE and netdevsim.
+# The kernel tier runs inside the lab: a QEMU guest with Soft-RoCE and netdevsim.
 test-kernel:
 	$(BIN)/vrnic lab run --netdevsim --timeout $(KERNEL_TIMEOUT) -- pytest -m kernel tests
 

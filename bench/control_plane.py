@@ -28,12 +28,12 @@ import httpx
 from bench.harness import Record
 from vrnic.backend.driver import load_driver
 from vrnic.backend.service import BackendService
-from vrnic.core.model import VrnicMode, VrnicSpec
+from vrnic.core.specs import VrnicMode, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
 
 CONCURRENCY = (1, 8, 32)
 OPERATIONS = int(os.environ.get("VRNIC_BENCH_CP_OPS", "1500"))  # allocations per concurrency level
-OPERATOR_TOKEN = "vro_bench-operator"
+OPERATOR_TOKEN = "vro_lab-operator"
 T = TypeVar("T")
 
 
@@ -103,7 +103,7 @@ class Daemon:
         subprocess.run([*vrnic, "db", "upgrade"], env=self.env, check=True, capture_output=True)
         self.process = subprocess.Popen([*vrnic, "daemon"], env=self.env, stdout=self.log.open("wb"),
                                         stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180  # Python under TCG (the bench) starts slowly
+        deadline = time.monotonic() + 180  # Python under TCG (the lab) starts slowly
         while True:
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
@@ -215,7 +215,7 @@ def run() -> list[Record]:
 
 
 def run_guest(count: int = 20) -> list[Record]:
-    """In the bench on rxe (verbs driver): REST allocate and release at one client against the bare
+    """In the lab on rxe (verbs driver): REST allocate and release at one client against the bare
     BackendService create and release on the same device, in the same run. Use the ratio, not the
     absolute numbers (TCG: one verbs create takes about a second there, so few samples)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request

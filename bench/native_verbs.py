@@ -1,4 +1,4 @@
-"""Native pyverbs on rxe in the bench: the baseline later benchmarks compare against."""
+"""Native pyverbs on rxe in the lab: the baseline later benchmarks compare against."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench.harness import Record, median_ms
-from vrnic.core.model import AttachInfo
+from vrnic.core.specs import AttachInfo
 from vrnic.frontend import CQ, MR, PD, QP, Access, Context, RecvRequest, SendRequest, WrOpcode
 
 ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ

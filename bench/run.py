@@ -1,6 +1,6 @@
 """`make bench`: run every benchmark, write bench/results/latest.json, print a table.
 
-Host benchmarks run here; kernel benchmarks run inside the bench guest
+Host benchmarks run here; kernel benchmarks run inside the lab guest
 (`--in-guest`) and their records are merged in.
 """
 
@@ -45,7 +45,7 @@ def show(records: list[Record]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--in-guest", action="store_true", help="run the kernel suites (inside the bench)")
+    parser.add_argument("--in-guest", action="store_true", help="run the kernel suites (inside the lab)")
     args = parser.parse_args()
     if args.in_guest:
         write(guest_suites(), GUEST_PART)
@@ -56,7 +56,7 @@ def main() -> int:
     rc = subprocess.run([*lab, sys.executable, "-m", "bench.run", "--in-guest"], cwd=Path(__file__).parents[1],
                         check=False).returncode
     if rc != 0 or not GUEST_PART.exists():
-        print(f"bench: kernel suites failed in the bench (exit {rc})", file=sys.stderr)
+        print(f"bench: kernel suites failed in the lab (exit {rc})", file=sys.stderr)
         return 1
     records += load(GUEST_PART)
     GUEST_PART.unlink()

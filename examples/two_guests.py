@@ -1,6 +1,6 @@
 """Two guest processes on two vRNICs of one tenant, talking through vrnicd.
 
-Run it inside the bench (it needs rxe0 and rxe1):
+Run it inside the lab (it needs rxe0 and rxe1):
 
     vrnic lab run -- python examples/two_guests.py
 
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from vrnic.core.model import AttachInfo
+from vrnic.core.specs import AttachInfo
 from vrnic.frontend import CQ, MR, PD, QP, Access, Context, RecvRequest, SendRequest, WrOpcode
 
 ROUNDS = 10

@@ -7,7 +7,7 @@ from sqlalchemy import Engine
 
 from vrnic.config import DaemonSettings
 from vrnic.db.engine import make_engine
-from vrnic.db.models import Base
+from vrnic.db.tables import Base
 
 config = context.config
 

@@ -1,5 +1,5 @@
 #!/bin/sh
-# QEMU 10 from bookworm-backports, unpacked beside Debian 12's QEMU 7.2 (still the bench's default),
+# QEMU 10 from bookworm-backports, unpacked beside Debian 12's QEMU 7.2 (still the lab's default),
 # for --sriov-nic: QEMU 7.2 has no SR-IOV NIC model. It would load the system's 7.2 modules from the
 # shared module path, so bind its own over that path in a private mount namespace.
 root=$(dirname "$(readlink -f "$0")")/root

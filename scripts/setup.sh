@@ -6,9 +6,9 @@ VENV=${VRNIC_LAB_VENV:-/opt/vrnic/venv}
 CACHE=${VRNIC_LAB_CACHE_DIR:-/var/cache/vrnic}
 
 packages=(
-  # the bench: QEMU, Debian's kernel and a busybox initramfs
+  # the lab: QEMU, Debian's kernel and a busybox initramfs
   qemu-system-x86 linux-image-amd64 busybox-static cpio kmod xz-utils
-  # the RDMA stack (used inside the bench, off the read-only host root)
+  # the RDMA stack (used inside the lab, off the read-only host root)
   rdma-core ibverbs-utils ibverbs-providers python3-pyverbs perftest rdmacm-utils iproute2
   # libvirt (the libvirt tier and the VM hook) and what libvirt-python builds with
   libvirt-daemon-system libvirt-clients libvirt-dev pkg-config
@@ -43,8 +43,8 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
 fi
 ln -sf "$VENV/bin/vrnic" /usr/local/bin/vrnic
 
-# QEMU 10 for the bench's SR-IOV NIC (--sriov-nic): Debian 12's QEMU 7.2 has no SR-IOV NIC model.
-# Unpacked beside 7.2 from bookworm-backports, so the proven default bench is untouched.
+# QEMU 10 for the lab's SR-IOV NIC (--sriov-nic): Debian 12's QEMU 7.2 has no SR-IOV NIC model.
+# Unpacked beside 7.2 from bookworm-backports, so the proven default lab is untouched.
 QEMU_SRIOV=${VRNIC_LAB_SRIOV_QEMU_DIR:-/opt/vrnic/qemu10}
 if [[ ! -x $QEMU_SRIOV/root/usr/bin/qemu-system-x86_64 ]]; then
   echo "setup: unpacking QEMU 10 from bookworm-backports into $QEMU_SRIOV (for the SR-IOV NIC)"
@@ -62,11 +62,11 @@ if [[ ! -x $QEMU_SRIOV/root/usr/bin/qemu-system-x86_64 ]]; then
 fi
 install -m 0755 scripts/qemu-sriov.sh "$QEMU_SRIOV/qemu-system-x86_64"
 
-# netdevsim is not in Debian's kernel: build it once against the bench kernel's headers.
+# netdevsim is not in Debian's kernel: build it once against the lab kernel's headers.
 kver=$("$VENV/bin/python" -c 'from vrnic.lab.kernel import choose_kernel, installed_kernels as k; print(choose_kernel(k()))')
 dpkg-query -W -f='${Status}' "linux-headers-$kver" 2>/dev/null | grep -q "ok installed" || {
   echo "setup: installing linux-headers-$kver"
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "linux-headers-$kver" >/dev/null
 }
 kernel/netdevsim/build.sh "$kver" "$CACHE/$kver"
-echo "setup: ready (bench kernel $kver, venv $VENV)"
+echo "setup: ready (lab kernel $kver, venv $VENV)"

@@ -1,7 +1,7 @@
 """Test tiers: the directory a test lives in is its marker.
 
 unit: pure logic; api: real database; kernel: real RDMA/netlink (inside the
-bench); libvirt: a real libvirtd with QEMU on the host.
+lab); libvirt: a real libvirtd with QEMU on the host.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def _have_rdma() -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = Path(__file__).parent
-    no_rdma = pytest.mark.skip(reason="needs an RDMA device: runs inside the bench "
+    no_rdma = pytest.mark.skip(reason="needs an RDMA device: runs inside the lab "
                                       "(`vrnic lab run -- pytest -m kernel`, as `make test` does)")
     for item in items:
         tier = item.path.relative_to(root).parts[0]
@@ -32,5 +32,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture
-def in_bench() -> bool:
+def in_lab() -> bool:
     return os.environ.get("VRNIC_LAB") == "1"

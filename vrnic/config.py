@@ -14,7 +14,7 @@ PROJECT_DIR = Path(__file__).resolve().parents[1]
 
 
 class LabSettings(BaseSettings):
-    """The bench: a throw-away QEMU (TCG) guest running Debian's kernel with Soft-RoCE."""
+    """The lab: a throw-away QEMU (TCG) guest running Debian's kernel with Soft-RoCE."""
 
     model_config = SettingsConfigDict(env_prefix="VRNIC_LAB_", env_file=os.environ.get("VRNIC_CONFIG"),
                                       extra="ignore")

@@ -23,7 +23,7 @@ from pydantic import SecretStr
 from vrnic.backend.driver import RnicDriver, load_driver
 from vrnic.backend.service import BackendService
 from vrnic.config import DaemonSettings
-from vrnic.core.model import VrnicMode
+from vrnic.core.specs import VrnicMode
 from vrnic.errors import VrnicError
 
 if TYPE_CHECKING:

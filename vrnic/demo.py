@@ -1,7 +1,7 @@
-"""`make demo`: what vrnic does, shown on real Soft-RoCE inside the bench.
+"""`make demo`: what vrnic does, shown on real Soft-RoCE inside the lab.
 
-Run inside the bench: `vrnic lab run -- python -m vrnic.demo`.
-1. the bench's RDMA devices;
+Run inside the lab: `vrnic lab run -- python -m vrnic.demo`.
+1. the lab's RDMA devices;
 2. a native RDMA WRITE between them (the baseline: the stack works);
 3. examples/two_guests.py: vrnicd with two vRNICs of one tenant, two guest
    processes doing SEND/RECV ping-pong and RDMA WRITE + READ through it;
@@ -15,9 +15,9 @@ import sys
 
 from rich.console import Console
 
+from vrnic.backend.pyverbs_edge import describe
 from vrnic.backend.rdma_tool import resource_counts
 from vrnic.backend.sysfs import rdma_devices
-from vrnic.backend.verbs import describe
 from vrnic.config import PROJECT_DIR
 from vrnic.errors import VrnicError
 from vrnic.lab import smoke
@@ -29,9 +29,9 @@ def main() -> int:
     console = Console(highlight=False)
     devices = rdma_devices()
     if len(devices) < 2:
-        console.print(f"demo needs two RDMA devices (the bench's pair topology); found {devices or 'none'}")
+        console.print(f"demo needs two RDMA devices (the lab's pair topology); found {devices or 'none'}")
         return 1
-    console.print("[bold]1. Soft-RoCE devices inside the bench guest[/bold]")
+    console.print("[bold]1. Soft-RoCE devices inside the lab guest[/bold]")
     for device in devices:
         gids = ", ".join(f"{g.gid} ({g.type})" for port in describe(device).ports for g in port.gids)
         console.print(f"   {device}: {gids}")

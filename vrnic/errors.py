@@ -83,7 +83,7 @@ class DeviceError(VrnicError):
 
 
 class LabError(VrnicError):
-    """The bench (QEMU guest) could not be prepared or started."""
+    """The lab (QEMU guest) could not be prepared or started."""
 
     code = "lab_error"
 

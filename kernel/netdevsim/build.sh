@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build netdevsim out of tree for the bench kernel. Debian does not ship it
+# Build netdevsim out of tree for the lab kernel. Debian does not ship it
 # (CONFIG_NETDEVSIM is unset), but the SR-IOV mode is proven on its VFs.
 # Usage: build.sh KVER OUTDIR   -> OUTDIR/netdevsim.ko (skipped if present)
 set -euo pipefail

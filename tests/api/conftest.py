@@ -22,7 +22,7 @@ from vrnic.api.app import create_app
 from vrnic.backend.driver import load_driver
 from vrnic.backend.service import BackendService
 from vrnic.config import DaemonSettings
-from vrnic.core.model import VrnicMode
+from vrnic.core.specs import VrnicMode
 from vrnic.db.engine import make_engine
 from vrnic.db.migrate import upgrade
 

@@ -16,10 +16,10 @@ from vrnic.backend.drivers.sriov import SriovDriver
 from vrnic.db.vf_store import DbVfEventLog, DbVfStateStore
 from vrnic.errors import DeviceError
 from vrnic.sriov.manager import SriovManager
-from vrnic.sriov.model import CLEAN_VF, PfKind, VfConfig
 from vrnic.sriov.netlink import VfNetlink
 from vrnic.sriov.plan import VfOp
 from vrnic.sriov.sysfs import PfSysfs, SriovSysfs, VfSysfs
+from vrnic.sriov.vf_types import CLEAN_VF, PfKind, VfConfig
 
 PF = "ens1f0"
 

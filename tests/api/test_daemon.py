@@ -94,7 +94,7 @@ def test_serve_in_process_for_tests_with_any_backend(tmp_path: Path) -> None:
     from vrnic.backend.driver import load_driver
     from vrnic.backend.service import BackendService
     from vrnic.config import DaemonSettings
-    from vrnic.core.model import VrnicMode
+    from vrnic.core.specs import VrnicMode
     from vrnic.daemon import serve_in_process
 
     backend = BackendService({VrnicMode.PARAVIRTUAL: load_driver("fake")})

@@ -9,7 +9,7 @@ from sqlalchemy import Engine, inspect, text
 from sqlalchemy.exc import IntegrityError
 
 from vrnic.db.migrate import check_schema, current_revision, downgrade, head_revision, upgrade
-from vrnic.db.models import Base
+from vrnic.db.tables import Base
 
 TABLES = {"hosts", "devices", "tenants", "api_tokens", "vrnics", "sriov_vfs", "events"}
 

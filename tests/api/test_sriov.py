@@ -20,12 +20,12 @@ from vrnic.backend.driver import load_driver
 from vrnic.backend.service import BackendService
 from vrnic.cli.main import app as cli
 from vrnic.config import DaemonSettings
-from vrnic.core.model import VrnicMode
+from vrnic.core.specs import VrnicMode
 from vrnic.daemon import serve_in_thread
-from vrnic.db.models import Host, SriovVf, Tenant, Vrnic
+from vrnic.db.tables import Host, SriovVf, Tenant, Vrnic
 from vrnic.db.vf_store import DbVfEventLog, DbVfStateStore, bound_to
 from vrnic.errors import NotFound
-from vrnic.sriov.model import CLEAN_VF, Allocation, EventKind, LinkState, VfAddress, VfConfig, VfEvent
+from vrnic.sriov.vf_types import CLEAN_VF, Allocation, EventKind, LinkState, VfAddress, VfConfig, VfEvent
 
 HOST = "test-host"
 

@@ -1,4 +1,4 @@
-"""Kernel-tier fixtures: a real vrnicd backend (the verbs driver) on the bench's rxe0/rxe1."""
+"""Kernel-tier fixtures: a real vrnicd backend (the verbs driver) on the lab's rxe0/rxe1."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from vrnic.backend.rdma_tool import resource_counts
 from vrnic.backend.sysfs import rdma_devices
-from vrnic.core.model import AttachInfo, Quota, VrnicSpec
+from vrnic.core.specs import AttachInfo, Quota, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
 
 _serial = itertools.count(1)
@@ -21,7 +21,7 @@ _serial = itertools.count(1)
 def rxe_pair() -> tuple[str, str]:
     devices = rdma_devices()
     if "rxe0" not in devices or "rxe1" not in devices:
-        pytest.skip(f"needs rxe0 and rxe1 (the bench's pair topology), have {devices}")
+        pytest.skip(f"needs rxe0 and rxe1 (the lab's pair topology), have {devices}")
     return "rxe0", "rxe1"
 
 
@@ -37,7 +37,7 @@ def wait_for_baseline(baseline: dict[str, dict[str, int]], timeout: float = 10.0
 @pytest.fixture
 def driver(rxe_pair: tuple[str, str], tmp_path: Path) -> Iterator[object]:
     """An in-process verbs driver; afterwards the kernel must hold exactly what it held before."""
-    from vrnic.backend.drivers.verbs import VerbsDriver
+    from vrnic.backend.drivers.paravirtual import VerbsDriver
 
     baseline = resource_counts()
     drv = VerbsDriver(socket_path=tmp_path / "vrnicd.sock")

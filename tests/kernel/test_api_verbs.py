@@ -9,7 +9,7 @@ import pytest
 
 from vrnic.backend.rdma_tool import resource_counts
 from vrnic.config import DaemonSettings
-from vrnic.core.model import AttachInfo
+from vrnic.core.specs import AttachInfo
 from vrnic.daemon import build_backend, serve_in_process
 from vrnic.frontend import CQ, MR, PD, QP, Access, Context, NotFound, RecvRequest, SendRequest, WrOpcode
 

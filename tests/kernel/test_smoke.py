@@ -1,4 +1,4 @@
-"""The bench works: real Soft-RoCE, real RC connection, real bytes moved, nothing leaked."""
+"""The lab works: real Soft-RoCE, real RC connection, real bytes moved, nothing leaked."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import hashlib
 import os
 from pathlib import Path
 
+from vrnic.backend.pyverbs_edge import describe, roce_v2_ipv4_gid
 from vrnic.backend.rdma_tool import resource_counts
-from vrnic.backend.verbs import describe, roce_v2_ipv4_gid
 from vrnic.lab import smoke
 
 
-def test_bench_devices_have_routable_gids(rxe_pair: tuple[str, str]) -> None:
+def test_lab_devices_have_routable_gids(rxe_pair: tuple[str, str]) -> None:
     for device in rxe_pair:
         index, gid = roce_v2_ipv4_gid(describe(device))
         assert index >= 0 and gid.startswith("::ffff:10.77.1.")

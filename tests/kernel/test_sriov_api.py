@@ -1,4 +1,4 @@
-"""The SR-IOV mode through the REST API and the CLI, on real netdevsim VFs inside the bench
+"""The SR-IOV mode through the REST API and the CLI, on real netdevsim VFs inside the lab
 (`vrnic lab run --netdevsim`): the daemon's own wiring (build_backend: the sriov driver with its desired state
 in the database and its events in the audit log) behind the API served in-process on a SQLite file.
 
@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from vrnic.backend.service import BackendService
 from vrnic.cli.main import app as cli
 from vrnic.config import DaemonSettings
-from vrnic.core.model import VrnicMode
+from vrnic.core.specs import VrnicMode
 from vrnic.daemon import build_backend, serve_in_process
 from vrnic.db.engine import make_engine
 from vrnic.db.migrate import upgrade
@@ -33,7 +33,7 @@ PF = os.environ.get("VRNIC_LAB_NETDEVSIM_PF", "")
 NSIM_DEV = os.environ.get("VRNIC_LAB_NETDEVSIM_DEV", "netdevsim10")
 NSIM = Path("/sys/bus/netdevsim/devices") / NSIM_DEV
 VF_COUNT = 4
-OPERATOR = {"Authorization": "Bearer vro_bench-operator"}
+OPERATOR = {"Authorization": "Bearer vro_lab-operator"}
 
 pytestmark = pytest.mark.skipif(not PF or not NSIM.exists(),
                                 reason="needs netdevsim: `vrnic lab run --netdevsim -- pytest tests/kernel`")
@@ -54,7 +54,7 @@ def db_rows(database: Path) -> list[tuple[Any, ...]]:
 @pytest.fixture
 def settings(tmp_path: Path) -> Iterator[DaemonSettings]:
     settings = DaemonSettings(state_dir=tmp_path, operator_token=SecretStr(OPERATOR["Authorization"][7:]),
-                              host_name="bench-host", paravirtual_driver=None, sriov_driver="sriov",
+                              host_name="lab-host", paravirtual_driver=None, sriov_driver="sriov",
                               sriov_reconcile_interval=0)
     engine = make_engine(settings.database)
     upgrade(engine)  # the daemon refuses to start on an older schema; build_backend reads the store

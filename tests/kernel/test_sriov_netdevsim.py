@@ -1,4 +1,4 @@
-"""SR-IOV mode on real netdevsim VFs inside the bench (`vrnic lab run --netdevsim`).
+"""SR-IOV mode on real netdevsim VFs inside the lab (`vrnic lab run --netdevsim`).
 
 Every setting is read back independently of vrnic's own parser, through iproute2 (`ip -j -d link show`).
 netdevsim VFs have no netdev, PCI function or RDMA device of their own (kernel 6.1), so the netns move is
@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 
 from vrnic.backend.drivers.sriov import SriovDriver
-from vrnic.core.model import QosPolicy, VrnicMode, VrnicSpec
+from vrnic.core.specs import QosPolicy, VrnicMode, VrnicSpec
 from vrnic.errors import Conflict, DeviceError, InvalidArgument, NotFound, NotSupported, QuotaExceeded, VrnicError
 from vrnic.sriov import rdma_netns
 from vrnic.sriov.manager import SriovManager
-from vrnic.sriov.model import EventKind, LinkState, PfKind, VfRequest
 from vrnic.sriov.netlink import VfNetlink
 from vrnic.sriov.plan import VfOp
+from vrnic.sriov.vf_types import EventKind, LinkState, PfKind, VfRequest
 
 from .sriov_iproute import CLEAN, sh, vf_settings
 

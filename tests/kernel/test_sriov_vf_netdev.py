@@ -1,4 +1,4 @@
-"""SR-IOV on real PCI VFs: the bench's emulated igb NIC (`vrnic lab run --sriov-nic`).
+"""SR-IOV on real PCI VFs: the lab's emulated igb NIC (`vrnic lab run --sriov-nic`).
 
 netdevsim VFs have no netdev or PCI function; igb VFs have both (igbvf binds them), so here the VF
 netdev really moves into a container's network namespace and back, and the VM hostdev XML carries a
@@ -17,7 +17,7 @@ import pytest
 
 from vrnic.errors import NotSupported
 from vrnic.sriov.manager import SriovManager
-from vrnic.sriov.model import VfRequest
+from vrnic.sriov.vf_types import VfRequest
 
 from .sriov_iproute import sh
 

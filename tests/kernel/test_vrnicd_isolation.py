@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from vrnic.backend.rdma_tool import resource_counts
-from vrnic.core.model import AttachInfo
 from vrnic.core.proto import HEADER, MAGIC, MAX_BODY, VERSION, FrameDecoder, encode
+from vrnic.core.specs import AttachInfo
 from vrnic.frontend import (
     CQ,
     MR,

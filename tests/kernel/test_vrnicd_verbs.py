@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from vrnic.backend.rdma_tool import resource_counts
-from vrnic.core.model import AttachInfo
+from vrnic.core.specs import AttachInfo
 from vrnic.frontend import (
     CQ,
     MR,

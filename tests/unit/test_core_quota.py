@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from vrnic.core.model import Quota
 from vrnic.core.quota import QuotaLedger, Resource
+from vrnic.core.specs import Quota
 from vrnic.errors import InvalidArgument, QuotaExceeded
 
 SMALL = Quota(max_pds=2, max_cqs=3, max_qps=4, max_mrs=5, max_cqe=64, max_wr=32, max_pinned_bytes=1000)

@@ -1,4 +1,4 @@
-"""The pure parts of the bench: QEMU argv, kernel choice, guest scripts."""
+"""The pure parts of the lab: QEMU argv, kernel choice, guest scripts."""
 
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ def test_two_hosts_scripts_differ_by_role() -> None:
     assert "veth" not in a
 
 
-def test_lab_env_tells_the_command_its_bench() -> None:
+def test_lab_env_tells_the_command_its_lab() -> None:
     env = lab_env(_plan(topology=Topology.TWO_HOSTS, role="b", env={"X": "1"}))
     assert env["VRNIC_LAB_ROLE"] == "b" and env["VRNIC_LAB_LOCAL_ADDR"] == "10.77.0.2"
     assert env["X"] == "1" and env["VRNIC_LAB"] == "1"

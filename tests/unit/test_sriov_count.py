@@ -4,7 +4,7 @@ import pytest
 
 from vrnic.errors import Conflict, InvalidArgument
 from vrnic.sriov.count import plan_count_change
-from vrnic.sriov.model import Allocation, VfAddress, VfConfig
+from vrnic.sriov.vf_types import Allocation, VfAddress, VfConfig
 
 HELD = [Allocation("v0", "red", VfAddress("eth0", 0), VfConfig(mac="02:00:00:00:00:01")),
         Allocation("v3", "blue", VfAddress("eth0", 3), VfConfig(mac="02:00:00:00:00:02")),

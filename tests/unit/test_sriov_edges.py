@@ -9,10 +9,10 @@ import pytest
 from pyroute2 import NetlinkError
 
 from vrnic.errors import Conflict, DeviceError, NotFound, NotSupported
-from vrnic.sriov.model import LinkState, VfConfig
 from vrnic.sriov.netlink import VfNetlink, parse_vf_list, translate
 from vrnic.sriov.plan import plan_ops
 from vrnic.sriov.rdma_netns import parse_netns_mode
+from vrnic.sriov.vf_types import LinkState, VfConfig
 
 
 class Attrs:

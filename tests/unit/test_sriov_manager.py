@@ -12,11 +12,11 @@ import pytest
 from vrnic.errors import Conflict, DeviceError, InvalidArgument, NotFound, NotSupported
 from vrnic.sriov.libvirt_xml import HostdevInterface, PciAddress
 from vrnic.sriov.manager import SriovManager
-from vrnic.sriov.model import CLEAN_VF, EventKind, PfKind, VfConfig, VfRequest
 from vrnic.sriov.netlink import VfNetlink
 from vrnic.sriov.plan import VfOp
 from vrnic.sriov.store import InMemoryVfStateStore
 from vrnic.sriov.sysfs import PfSysfs, SriovSysfs, VfSysfs
+from vrnic.sriov.vf_types import CLEAN_VF, EventKind, PfKind, VfConfig, VfRequest
 
 
 class MemorySysfs(SriovSysfs):

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from vrnic.errors import Conflict, InvalidArgument, NotFound, QuotaExceeded
-from vrnic.sriov.model import Allocation, VfAddress, VfConfig
 from vrnic.sriov.pool import VfPool
+from vrnic.sriov.vf_types import Allocation, VfAddress, VfConfig
 
 
 def cfg(mac: str, vlan: int = 10) -> VfConfig:

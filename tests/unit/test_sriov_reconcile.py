@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from vrnic.sriov.model import CLEAN_VF, Allocation, LinkState, VfAddress, VfConfig
 from vrnic.sriov.reconcile import plan_reconcile
+from vrnic.sriov.vf_types import CLEAN_VF, Allocation, LinkState, VfAddress, VfConfig
 
 A = VfConfig(mac="02:00:00:00:00:0a", vlan=100, max_tx_rate=1000, min_tx_rate=100, link_state=LinkState.ENABLE)
 B = VfConfig(mac="02:00:00:00:00:0b", vlan=200, max_tx_rate=500)

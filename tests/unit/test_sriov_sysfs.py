@@ -1,5 +1,5 @@
 """The sysfs edge on a fabricated tree shaped like a ConnectX PF (PCI) and netdevsim: the PCI layout is
-what the bench cannot provide; the netdevsim side is also proven on the real thing in tests/kernel."""
+what the lab cannot provide; the netdevsim side is also proven on the real thing in tests/kernel."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from vrnic.errors import NotFound
-from vrnic.sriov.model import PfKind
 from vrnic.sriov.sysfs import SriovSysfs, VfSysfs
+from vrnic.sriov.vf_types import PfKind
 
 
 def _write(path: Path, text: str) -> None:

@@ -21,7 +21,7 @@ from vrnic.api.controlplane import ControlPlane
 from vrnic.api.routes import router
 from vrnic.backend.service import BackendService
 from vrnic.config import DaemonSettings
-from vrnic.core.model import VrnicMode
+from vrnic.core.specs import VrnicMode
 from vrnic.db.engine import make_engine
 from vrnic.db.migrate import check_schema
 from vrnic.errors import InvalidArgument, VrnicError

@@ -50,10 +50,10 @@ from vrnic.api.schemas import (
 )
 from vrnic.backend.service import BackendService
 from vrnic.core.lifecycle import VrnicAction, VrnicState, check_vrnic_count, next_state
-from vrnic.core.model import AttachInfo, QosPolicy, Quota, VrnicMode, VrnicSpec
+from vrnic.core.specs import AttachInfo, QosPolicy, Quota, VrnicMode, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
 from vrnic.db.engine import session_factory
-from vrnic.db.models import ApiToken, Device, Event, Host, Tenant, Vrnic, utcnow
+from vrnic.db.tables import ApiToken, Device, Event, Host, Tenant, Vrnic, utcnow
 from vrnic.db.vf_store import DAEMON_ACTOR, bound_to
 from vrnic.errors import (
     Conflict,
@@ -65,7 +65,7 @@ from vrnic.errors import (
     VrnicError,
 )
 from vrnic.sriov.manager import PfInventory
-from vrnic.sriov.model import Allocation, VfConfig, VfEvent, VfInfo
+from vrnic.sriov.vf_types import Allocation, VfConfig, VfEvent, VfInfo
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from vrnic.core.lifecycle import VrnicState
-from vrnic.core.model import AttachInfo, PortInfo, QosPolicy, Quota, VrnicMode
+from vrnic.core.specs import AttachInfo, PortInfo, QosPolicy, Quota, VrnicMode
 
 T = TypeVar("T")
 

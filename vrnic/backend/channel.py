@@ -20,7 +20,7 @@ from typing import Any
 
 from vrnic.backend.registry import Registry
 from vrnic.backend.session import GuestSession, PeerCred
-from vrnic.core import ops
+from vrnic.core import verb_args
 from vrnic.core.proto import FrameDecoder, ProtocolError, encode, parse_request, reply_error, reply_ok
 from vrnic.errors import Conflict, InvalidArgument, VrnicError
 
@@ -126,7 +126,7 @@ class ChannelServer:
         try:
             if op != "attach":
                 raise InvalidArgument("the first request must be attach")
-            args = ops.Attach.model_validate(raw)
+            args = verb_args.Attach.model_validate(raw)
             if len(fds) not in (2, 3):
                 raise InvalidArgument("attach needs two file descriptors: the arena memfd and the doorbell eventfd"
                                       " (and optionally a completion-notify eventfd)")

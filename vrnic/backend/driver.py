@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from importlib.metadata import entry_points
 from typing import Any, ClassVar
 
-from vrnic.core.model import AttachInfo, DeviceInfo, VrnicMode, VrnicSpec
+from vrnic.core.specs import AttachInfo, DeviceInfo, VrnicMode, VrnicSpec
 from vrnic.errors import NotFound
 
 ENTRY_POINT_GROUP = "vrnic.drivers"

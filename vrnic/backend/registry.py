@@ -7,7 +7,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from vrnic.core.model import VrnicSpec
+from vrnic.core.specs import VrnicSpec
 from vrnic.errors import Conflict, NotFound
 
 if TYPE_CHECKING:

@@ -11,13 +11,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from vrnic.backend.driver import RnicDriver
-from vrnic.core.model import AttachInfo, DeviceInfo, VrnicMode, VrnicSpec
+from vrnic.core.specs import AttachInfo, DeviceInfo, VrnicMode, VrnicSpec
 from vrnic.errors import Conflict, InvalidArgument, NotFound, NotSupported
 
 if TYPE_CHECKING:
     from vrnic.sriov.libvirt_xml import HostdevInterface
     from vrnic.sriov.manager import CountChangeResult, PfInventory, SriovManager
-    from vrnic.sriov.model import Allocation, VfEvent
+    from vrnic.sriov.vf_types import Allocation, VfEvent
 
 
 class BackendService:

@@ -28,9 +28,9 @@ from pyverbs.mr import MR
 from pyverbs.pd import PD
 from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 
+from vrnic.backend.pyverbs_edge import close_quietly, comp_channel_with_fd, device_errors, open_context
 from vrnic.backend.registry import Registry, VirtualRnic
-from vrnic.backend.verbs import close_quietly, comp_channel_with_fd, device_errors, open_context
-from vrnic.core import ops
+from vrnic.core import verb_args
 from vrnic.core.handles import HandleTable
 from vrnic.core.quota import QuotaLedger, Resource
 from vrnic.core.rings import CQ_SLOT, RQ_SLOT, SQ_SLOT, Access, Ring, index_words
@@ -137,7 +137,7 @@ class GuestSession:
 
     # ----- dispatch ----------------------------------------------------------------------------
     def handle(self, op: str, raw_args: dict[str, Any]) -> dict[str, Any]:
-        schema = ops.OPS.get(op)
+        schema = verb_args.OPS.get(op)
         if schema is None or op == "attach":
             raise InvalidArgument(f"unknown operation {op!r}")
         try:
@@ -155,7 +155,7 @@ class GuestSession:
         return result
 
     # ----- queries -----------------------------------------------------------------------------
-    def op_query_device(self, _: ops.NoArgs) -> dict[str, Any]:
+    def op_query_device(self, _: verb_args.NoArgs) -> dict[str, Any]:
         with device_errors("query device"):
             attr = self.ctx.query_device()
         quota = self.vrnic.spec.quota
@@ -167,7 +167,7 @@ class GuestSession:
                 "arena_bytes": self.arena_size, "atomic_caps": attr.atomic_caps, "phys_port_cnt": 1,
                 "quota_used": self.ledger.used()}
 
-    def op_query_port(self, args: ops.QueryPort) -> dict[str, Any]:
+    def op_query_port(self, args: verb_args.QueryPort) -> dict[str, Any]:
         if args.port != PORT:
             raise InvalidArgument(f"a vRNIC has one port (1), not {args.port}")
         with device_errors("query port"):
@@ -175,13 +175,13 @@ class GuestSession:
         return {"state": int(attr.state), "active_mtu": int(attr.active_mtu), "max_mtu": int(attr.max_mtu),
                 "gid_tbl_len": 1}
 
-    def op_query_gid(self, args: ops.QueryGid) -> dict[str, Any]:
+    def op_query_gid(self, args: verb_args.QueryGid) -> dict[str, Any]:
         if args.port != PORT or args.index != 0:
             raise InvalidArgument("a vRNIC has one GID: port 1, index 0")
         return {"gid": self.vrnic.spec.virtual_gid}
 
     # ----- PD ----------------------------------------------------------------------------------
-    def op_alloc_pd(self, _: ops.NoArgs) -> dict[str, Any]:
+    def op_alloc_pd(self, _: verb_args.NoArgs) -> dict[str, Any]:
         self.ledger.charge(Resource.PD)
         try:
             with device_errors("alloc PD"):
@@ -191,7 +191,7 @@ class GuestSession:
             raise
         return {"pd": self.pds.add(pd)}
 
-    def op_dealloc_pd(self, args: ops.PdRef) -> dict[str, Any]:
+    def op_dealloc_pd(self, args: verb_args.PdRef) -> dict[str, Any]:
         pd = self.pds.get(args.pd)
         if pd.users:
             raise Conflict(f"PD {args.pd} still has {pd.users} MR(s)/QP(s)", current_state="in_use")
@@ -201,7 +201,7 @@ class GuestSession:
         return {}
 
     # ----- MR ----------------------------------------------------------------------------------
-    def op_reg_mr(self, args: ops.RegMr) -> dict[str, Any]:
+    def op_reg_mr(self, args: verb_args.RegMr) -> dict[str, Any]:
         pd = self.pds.get(args.pd)
         validate_region(args.addr, args.length, self.arena_size, "MR")
         access = Access(args.access)
@@ -234,7 +234,7 @@ class GuestSession:
             if key not in self.mr_by_vkey:
                 return key
 
-    def op_dereg_mr(self, args: ops.MrRef) -> dict[str, Any]:
+    def op_dereg_mr(self, args: verb_args.MrRef) -> dict[str, Any]:
         mr = self.mrs.pop(args.mr)
         self.mr_by_vkey.pop(mr.window.vkey, None)
         close_quietly(mr.real)
@@ -244,7 +244,7 @@ class GuestSession:
         return {}
 
     # ----- CQ ----------------------------------------------------------------------------------
-    def op_create_cq(self, args: ops.CreateCq) -> dict[str, Any]:
+    def op_create_cq(self, args: verb_args.CreateCq) -> dict[str, Any]:
         self.ledger.check_cqe(args.cqe)
         validate_region(args.ring, Ring.bytes_needed(args.cqe, CQ_SLOT.size), self.arena_size, "CQ ring")
         ring = Ring(self.view, args.ring, args.cqe, CQ_SLOT, self.words)
@@ -261,7 +261,7 @@ class GuestSession:
         ring.reset()
         return {"cq": self.cqs.add(CqState(real, channel, fd, ring)), "cqe": args.cqe}
 
-    def op_destroy_cq(self, args: ops.CqRef) -> dict[str, Any]:
+    def op_destroy_cq(self, args: verb_args.CqRef) -> dict[str, Any]:
         cq = self.cqs.get(args.cq)
         if cq.users:
             raise Conflict(f"CQ {args.cq} is still used by {cq.users} QP(s)", current_state="in_use")
@@ -271,7 +271,7 @@ class GuestSession:
         return {}
 
     # ----- QP ----------------------------------------------------------------------------------
-    def op_create_qp(self, args: ops.CreateQp) -> dict[str, Any]:
+    def op_create_qp(self, args: verb_args.CreateQp) -> dict[str, Any]:
         pd = self.pds.get(args.pd)
         send_cq, recv_cq = self.cqs.get(args.send_cq), self.cqs.get(args.recv_cq)
         self.ledger.check_wr(args.max_send_wr)
@@ -309,7 +309,7 @@ class GuestSession:
             if vqpn not in self.qp_by_vqpn:
                 return vqpn
 
-    def op_destroy_qp(self, args: ops.QpRef) -> dict[str, Any]:
+    def op_destroy_qp(self, args: verb_args.QpRef) -> dict[str, Any]:
         qp = self.qps.pop(args.qp)
         self._destroy_qp(qp)
         return {}
@@ -323,14 +323,14 @@ class GuestSession:
         qp.recv_cq.users -= 1
         self.ledger.refund(Resource.QP)
 
-    def op_query_qp(self, args: ops.QpRef) -> dict[str, Any]:
+    def op_query_qp(self, args: verb_args.QpRef) -> dict[str, Any]:
         qp = self.qps.get(args.qp)
         with device_errors("query QP"):
             attr, _init = qp.real.query(e.IBV_QP_STATE | e.IBV_QP_CAP)
         return {"qpn": qp.vqpn, "state": QP_STATES.get(attr.qp_state, str(attr.qp_state)), "qp_type": qp.qp_type,
                 "connected_to": None if qp.peer is None else qp.peer.spec.virtual_gid}
 
-    def op_modify_qp(self, args: ops.ModifyQp) -> dict[str, Any]:
+    def op_modify_qp(self, args: verb_args.ModifyQp) -> dict[str, Any]:
         qp = self.qps.get(args.qp)
         real = qp.real
         # Program order: WRs the guest posted before this call reach the NIC before the transition
@@ -388,12 +388,12 @@ class GuestSession:
             raise NotFound(f"no QP {remote_qpn} on {remote_gid}")
         return peer, target.real.qp_num
 
-    def op_connect(self, args: ops.Connect) -> dict[str, Any]:
+    def op_connect(self, args: verb_args.Connect) -> dict[str, Any]:
         qp = self.qps.get(args.qp)
         if qp.qp_type != "rc":
             raise InvalidArgument("connect is for RC QPs; UD QPs name their peer per work request")
         for state in ("init", "rtr", "rts"):
-            self.op_modify_qp(ops.ModifyQp(qp=args.qp, state=state, access=args.access,  # type: ignore[arg-type]
+            self.op_modify_qp(verb_args.ModifyQp(qp=args.qp, state=state, access=args.access,  # type: ignore[arg-type]
                                            remote_gid=args.remote_gid, remote_qpn=args.remote_qpn))
         return {"state": "rts"}
 
@@ -409,15 +409,15 @@ class GuestSession:
             qp.ahs[key] = ah
         return ah, phys_qpn
 
-    def op_busy_poll(self, args: ops.BusyPoll) -> dict[str, Any]:
+    def op_busy_poll(self, args: verb_args.BusyPoll) -> dict[str, Any]:
         self.engine.busy_poll = args.enabled
         return {"busy_poll": args.enabled}
 
-    def op_sync(self, _: ops.NoArgs) -> dict[str, Any]:
+    def op_sync(self, _: verb_args.NoArgs) -> dict[str, Any]:
         """Post everything waiting in the guest's rings now: afterwards the NIC holds those WRs."""
         return {"posted": self.engine.drain_queues()}
 
-    def op_detach(self, _: ops.NoArgs) -> dict[str, Any]:
+    def op_detach(self, _: verb_args.NoArgs) -> dict[str, Any]:
         return {}
 
     # ----- teardown ----------------------------------------------------------------------------

@@ -19,8 +19,8 @@ import sys
 import threading
 from pathlib import Path
 
-from vrnic.backend.drivers.verbs import DEFAULT_SOCKET, VerbsDriver
-from vrnic.core.model import Quota, VrnicSpec
+from vrnic.backend.drivers.paravirtual import DEFAULT_SOCKET, VerbsDriver
+from vrnic.core.specs import Quota, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
 from vrnic.errors import InvalidArgument, VrnicError
 

@@ -1,4 +1,4 @@
-"""`vrnic lab`: run commands inside the bench (a throw-away QEMU guest with Soft-RoCE)."""
+"""`vrnic lab`: run commands inside the lab (a throw-away QEMU guest with Soft-RoCE)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import typer
 from vrnic.errors import VrnicError
 from vrnic.lab.guest import Topology
 
-app = typer.Typer(help="The bench: Debian's kernel under QEMU TCG with Soft-RoCE (rxe) ready.",
+app = typer.Typer(help="The lab: Debian's kernel under QEMU TCG with Soft-RoCE (rxe) ready.",
                   no_args_is_help=True)
 
 
@@ -24,7 +24,7 @@ def run(
     timeout: Annotated[float, typer.Option(help="Seconds before the guest is killed (exit 124).")] = 600.0,
     env: Annotated[list[str] | None, typer.Option("--env", "-e", help="NAME=VALUE for the command.")] = None,
 ) -> None:
-    """Boot the bench, run COMMAND in it and exit with its exit code.
+    """Boot the lab, run COMMAND in it and exit with its exit code.
 
     Exit 124 on timeout, 125 if the guest failed to boot, 126 if it died while running the command.
     """

@@ -8,7 +8,7 @@ import typer
 
 from vrnic.cli.client import AllOpt, CursorOpt, JsonFlag, LimitOpt, api, parse_pairs, show, show_fields
 from vrnic.core.lifecycle import VrnicState
-from vrnic.core.model import VrnicMode
+from vrnic.core.specs import VrnicMode
 
 app = typer.Typer(help="vRNICs: allocate, list, show, release (and record attach/detach).", no_args_is_help=True)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from enum import StrEnum
 
-from vrnic.core.model import Quota
+from vrnic.core.specs import Quota
 from vrnic.errors import InvalidArgument, QuotaExceeded
 
 

@@ -24,9 +24,9 @@ from typing import Any, cast
 from sqlalchemy import Connection, Engine, Row, Table, delete, insert, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
-from vrnic.db.models import Event, Host, SriovVf, Tenant, Vrnic, utcnow
+from vrnic.db.tables import Event, Host, SriovVf, Tenant, Vrnic, utcnow
 from vrnic.errors import NotFound
-from vrnic.sriov.model import Allocation, LinkState, VfAddress, VfConfig, VfEvent
+from vrnic.sriov.vf_types import Allocation, LinkState, VfAddress, VfConfig, VfEvent
 
 log = logging.getLogger(__name__)
 

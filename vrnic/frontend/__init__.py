@@ -21,7 +21,7 @@ from vrnic.errors import (
     QuotaExceeded,
     VrnicError,
 )
-from vrnic.frontend.verbs import CQ, MR, PD, QP, Buffer, Context
+from vrnic.frontend.guest_library import CQ, MR, PD, QP, Buffer, Context
 
 __all__ = ["CQ", "MR", "PD", "QP", "Access", "Buffer", "Completion", "Conflict", "Context", "DeviceError",
            "InvalidArgument", "NotFound", "NotSupported", "QuotaExceeded", "RecvRequest", "SendRequest", "Sge",

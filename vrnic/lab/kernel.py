@@ -1,4 +1,4 @@
-"""Which Debian kernel the bench boots, and which module files a set of modules needs."""
+"""Which Debian kernel the lab boots, and which module files a set of modules needs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from vrnic.errors import LabError
 BOOT = Path("/boot")
 MODULES = Path("/lib/modules")
 # 6.1 is proven for rxe and the netdevsim build; pick it explicitly so an
-# installed 6.12 from bookworm-security does not change the bench under us.
+# installed 6.12 from bookworm-security does not change the lab under us.
 PREFERRED_SERIES = "6.1."
 
 

@@ -1,4 +1,4 @@
-"""Native pyverbs RC endpoints: the bench smoke workload and the baseline benchmarks compare against.
+"""Native pyverbs RC endpoints: the lab smoke workload and the baseline benchmarks compare against.
 
 This deliberately talks to pyverbs directly, with no vrnic mediation in between.
 """
@@ -18,7 +18,7 @@ from pyverbs.pd import PD
 from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 from pyverbs.wr import SGE, RecvWR, SendWR
 
-from vrnic.backend.verbs import describe, roce_v2_ipv4_gid
+from vrnic.backend.pyverbs_edge import describe, roce_v2_ipv4_gid
 from vrnic.errors import DeviceError
 
 ACCESS = (e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ

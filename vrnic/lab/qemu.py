@@ -1,4 +1,4 @@
-"""QEMU command lines for bench guests, built from plain data with no I/O."""
+"""QEMU command lines for lab guests, built from plain data with no I/O."""
 
 from __future__ import annotations
 

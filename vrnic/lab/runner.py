@@ -1,6 +1,6 @@
-"""Boot bench guests, run a command in them, stream their consoles, return the exit code.
+"""Boot lab guests, run a command in them, stream their consoles, return the exit code.
 
-This is the side-effect edge of the bench: files, QEMU processes, timeouts.
+This is the side-effect edge of the lab: files, QEMU processes, timeouts.
 """
 
 from __future__ import annotations

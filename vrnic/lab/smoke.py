@@ -1,4 +1,4 @@
-"""The bench smoke workload: a real RDMA WRITE between two RC QPs, verified byte for byte.
+"""The lab smoke workload: a real RDMA WRITE between two RC QPs, verified byte for byte.
 
     python -m vrnic.lab.smoke                 # rxe0 -> rxe1 in one guest (topology pair)
     python -m vrnic.lab.smoke --two-hosts     # guest b writes into guest a (topology two-hosts)

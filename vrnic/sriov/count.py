@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from vrnic.errors import Conflict, InvalidArgument
-from vrnic.sriov.model import Allocation
+from vrnic.sriov.vf_types import Allocation
 
 
 @dataclass(frozen=True)

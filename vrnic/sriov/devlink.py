@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vrnic.sriov.model import PfKind
+from vrnic.sriov.vf_types import PfKind
 
 ESWITCH_MODES = {0: "legacy", 1: "switchdev"}
 

@@ -13,7 +13,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
 from vrnic.errors import InvalidArgument
-from vrnic.sriov.model import MAX_VLAN, ZERO_MAC, normalize_mac
+from vrnic.sriov.vf_types import MAX_VLAN, ZERO_MAC, normalize_mac
 
 _PCI_RE = re.compile(r"^(?:([0-9a-fA-F]{4}):)?([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")
 

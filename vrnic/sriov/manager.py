@@ -19,7 +19,13 @@ from vrnic.errors import Conflict, DeviceError, NotFound, NotSupported, VrnicErr
 from vrnic.sriov import devlink, rdma_netns
 from vrnic.sriov.count import CountChange, plan_count_change
 from vrnic.sriov.libvirt_xml import HostdevInterface, PciAddress
-from vrnic.sriov.model import (
+from vrnic.sriov.netlink import VfNetlink
+from vrnic.sriov.plan import differing_fields, plan_ops
+from vrnic.sriov.pool import VfPool
+from vrnic.sriov.reconcile import plan_reconcile
+from vrnic.sriov.store import InMemoryVfStateStore, VfStateStore
+from vrnic.sriov.sysfs import PfSysfs, SriovSysfs
+from vrnic.sriov.vf_types import (
     CLEAN_VF,
     Allocation,
     EventKind,
@@ -32,12 +38,6 @@ from vrnic.sriov.model import (
     VfRequest,
     validate_tenant_config,
 )
-from vrnic.sriov.netlink import VfNetlink
-from vrnic.sriov.plan import differing_fields, plan_ops
-from vrnic.sriov.pool import VfPool
-from vrnic.sriov.reconcile import plan_reconcile
-from vrnic.sriov.store import InMemoryVfStateStore, VfStateStore
-from vrnic.sriov.sysfs import PfSysfs, SriovSysfs
 
 log = logging.getLogger(__name__)
 

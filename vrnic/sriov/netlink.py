@@ -12,8 +12,8 @@ from contextlib import contextmanager
 from typing import Any, Protocol
 
 from vrnic.errors import Conflict, DeviceError, NotFound, NotSupported, VrnicError
-from vrnic.sriov.model import LinkState, VfConfig
 from vrnic.sriov.plan import VfOp
+from vrnic.sriov.vf_types import LinkState, VfConfig
 
 RTEXT_FILTER_VF = 1  # IFLA_EXT_MASK bit that makes the kernel include IFLA_VFINFO_LIST
 

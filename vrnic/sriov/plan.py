@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vrnic.sriov.model import VfConfig
+from vrnic.sriov.vf_types import VfConfig
 
 # One op per IFLA_VF_* attribute. vlan+qos and the two rates each travel together in one attribute,
 # so the kernel checks min <= max on the pair it is given, never against a stale half.

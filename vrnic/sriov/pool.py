@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from vrnic.errors import Conflict, InvalidArgument, NotFound, QuotaExceeded
-from vrnic.sriov.model import Allocation, VfAddress, VfConfig
+from vrnic.sriov.vf_types import Allocation, VfAddress, VfConfig
 
 
 class VfPool:

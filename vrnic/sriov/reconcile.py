@@ -6,8 +6,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from vrnic.sriov.model import CLEAN_VF, Allocation, VfAddress, VfConfig
 from vrnic.sriov.plan import VfOp, plan_ops
+from vrnic.sriov.vf_types import CLEAN_VF, Allocation, VfAddress, VfConfig
 
 
 @dataclass(frozen=True)

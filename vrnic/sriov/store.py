@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
-from vrnic.sriov.model import Allocation
+from vrnic.sriov.vf_types import Allocation
 
 
 class VfStateStore(Protocol):

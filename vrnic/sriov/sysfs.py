@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vrnic.errors import DeviceError, InvalidArgument, NotFound
-from vrnic.sriov.model import PfKind
+from vrnic.sriov.vf_types import PfKind
 
 SYS = Path("/sys")
 # Switchdev representors point at the PF's device too; they are switch ports, not PFs.

@@ -3,7 +3,7 @@
 import json
 import sys
 
-from vrnic.core.model import AttachInfo
+from vrnic.core.specs import AttachInfo
 from vrnic.frontend import CQ, MR, PD, QP, Access, Context, SendRequest, WrOpcode
 
 info = AttachInfo(**json.loads(sys.argv[1]))

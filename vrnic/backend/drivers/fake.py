@@ -11,7 +11,7 @@ import threading
 from typing import ClassVar
 
 from vrnic.backend.driver import RnicDriver
-from vrnic.core.model import AttachInfo, DeviceInfo, PortInfo, VrnicMode, VrnicSpec
+from vrnic.core.specs import AttachInfo, DeviceInfo, PortInfo, VrnicMode, VrnicSpec
 from vrnic.errors import Conflict, NotFound
 
 

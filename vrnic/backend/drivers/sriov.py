@@ -14,11 +14,11 @@ from __future__ import annotations
 from typing import ClassVar
 
 from vrnic.backend.driver import RnicDriver
-from vrnic.core.model import AttachInfo, DeviceInfo, VrnicMode, VrnicSpec
+from vrnic.core.specs import AttachInfo, DeviceInfo, VrnicMode, VrnicSpec
 from vrnic.errors import InvalidArgument
 from vrnic.sriov.manager import PeriodicReconciler, SriovManager
-from vrnic.sriov.model import MAX_VLAN, Allocation, PfInfo, PfKind, VfRequest
 from vrnic.sriov.store import InMemoryVfStateStore
+from vrnic.sriov.vf_types import MAX_VLAN, Allocation, PfInfo, PfKind, VfRequest
 
 
 def vlan_for_vpc(vpc_id: int) -> int:

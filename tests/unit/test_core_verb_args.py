@@ -1,4 +1,4 @@
-"""Argument schemas of the frontend protocol's operations (vrnic.core.ops)."""
+"""Argument schemas of the frontend protocol's operations (vrnic.core.verb_args)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from vrnic.core.ops import (
+from vrnic.core.verb_args import (
     OPS,
     Args,
     Attach,

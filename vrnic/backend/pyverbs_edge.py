@@ -18,7 +18,7 @@ from pyverbs.cq import CompChannel
 from pyverbs.device import Context, get_device_list, guid_to_hex
 from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
 
-from vrnic.core.model import DeviceInfo, GidEntry, PortInfo
+from vrnic.core.specs import DeviceInfo, GidEntry, PortInfo
 from vrnic.errors import DeviceError, NotFound, NotSupported
 
 PORT_STATES = {1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}

@@ -104,7 +104,7 @@ class Tenant(Base):
     id: Mapped[int] = mapped_column(Id, primary_key=True)
     name: Mapped[str] = mapped_column(String(64), unique=True)
     vpc_id: Mapped[int] = mapped_column(BigInteger, unique=True)  # the VPC part of its virtual GIDs
-    default_quota: Mapped[dict[str, Any]] = mapped_column(default=dict)  # a vrnic.core.model.Quota
+    default_quota: Mapped[dict[str, Any]] = mapped_column(default=dict)  # a vrnic.core.specs.Quota
     max_vrnics: Mapped[int | None] = mapped_column(Integer)  # None: no limit
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -135,7 +135,7 @@ class Vrnic(Base):
     serial: Mapped[int] = mapped_column(Id, primary_key=True)  # feeds the virtual GID
     public_id: Mapped[str] = mapped_column(String(40), unique=True)  # "vr-<hex>", what the API shows
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="RESTRICT"))
-    mode: Mapped[str] = mapped_column(String(16))  # vrnic.core.model.VrnicMode
+    mode: Mapped[str] = mapped_column(String(16))  # vrnic.core.specs.VrnicMode
     state: Mapped[str] = mapped_column(String(16), index=True)  # vrnic.core.lifecycle.VrnicState
     host_id: Mapped[int] = mapped_column(ForeignKey("hosts.id", ondelete="RESTRICT"), index=True)
     device_id: Mapped[int | None] = mapped_column(ForeignKey("devices.id", ondelete="SET NULL"))

@@ -11,7 +11,7 @@ from pydantic import SecretStr
 
 from vrnic.cli.client import ApiError, parse_pairs
 from vrnic.config import DaemonSettings
-from vrnic.core.model import VrnicMode
+from vrnic.core.specs import VrnicMode
 from vrnic.daemon import build_backend, with_operator_token
 from vrnic.errors import NotSupported
 

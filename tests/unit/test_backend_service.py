@@ -9,7 +9,7 @@ import pytest
 from vrnic.backend.driver import ENTRY_POINT_GROUP, RnicDriver, available_drivers, load_driver
 from vrnic.backend.drivers.fake import FakeDriver
 from vrnic.backend.service import BackendService
-from vrnic.core.model import AttachInfo, DeviceInfo, VrnicMode, VrnicSpec
+from vrnic.core.specs import AttachInfo, DeviceInfo, VrnicMode, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
 from vrnic.errors import Conflict, InvalidArgument, NotFound, NotSupported
 

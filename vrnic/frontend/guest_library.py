@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from vrnic.core.arena import ArenaAllocator
-from vrnic.core.model import AttachInfo
 from vrnic.core.rings import (
     CQ_SLOT,
     RQ_SLOT,
@@ -31,6 +30,7 @@ from vrnic.core.rings import (
     pack_send,
     unpack_completion,
 )
+from vrnic.core.specs import AttachInfo
 from vrnic.errors import DeviceError, InvalidArgument, VrnicError
 from vrnic.frontend.channel import Channel
 

@@ -3,9 +3,10 @@ from __future__ import annotations
 import pytest
 
 from vrnic.backend.drivers.sriov import request_for, vlan_for_vpc
-from vrnic.core.model import QosPolicy, VrnicMode, VrnicSpec
+from vrnic.core.specs import QosPolicy, VrnicMode, VrnicSpec
 from vrnic.errors import InvalidArgument
-from vrnic.sriov.model import (
+from vrnic.sriov.plan import plan_ops
+from vrnic.sriov.vf_types import (
     CLEAN_VF,
     LinkState,
     VfConfig,
@@ -14,7 +15,6 @@ from vrnic.sriov.model import (
     normalize_mac,
     validate_tenant_config,
 )
-from vrnic.sriov.plan import plan_ops
 
 
 def test_generated_mac_is_stable_local_unicast() -> None:

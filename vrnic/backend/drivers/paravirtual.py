@@ -13,9 +13,9 @@ from typing import ClassVar
 
 from vrnic.backend.channel import ChannelServer
 from vrnic.backend.driver import RnicDriver
+from vrnic.backend.pyverbs_edge import describe, device_names, roce_v2_ipv4_gid
 from vrnic.backend.registry import Registry, VirtualRnic
-from vrnic.backend.verbs import describe, device_names, roce_v2_ipv4_gid
-from vrnic.core.model import AttachInfo, DeviceInfo, VrnicMode, VrnicSpec
+from vrnic.core.specs import AttachInfo, DeviceInfo, VrnicMode, VrnicSpec
 from vrnic.errors import DeviceError
 
 log = logging.getLogger(__name__)
