@@ -6,8 +6,9 @@ import hashlib
 import os
 from pathlib import Path
 
-from vrnic.backend.pyverbs_edge import describe, roce_v2_ipv4_gid
+from vrnic.backend.pyverbs_edge import describe
 from vrnic.backend.rdma_tool import resource_counts
+from vrnic.core.specs import roce_v2_ipv4_gid
 from vrnic.lab import smoke
 
 

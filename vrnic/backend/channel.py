@@ -18,8 +18,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from vrnic.backend.registry import Registry
-from vrnic.backend.session import GuestSession, PeerCred
+from pydantic import ValidationError
+
+from vrnic.backend.attachment import AttachedSession, PeerCred, SessionOpener
 from vrnic.core import verb_args
 from vrnic.core.proto import FrameDecoder, ProtocolError, encode, parse_request, reply_error, reply_ok
 from vrnic.errors import Conflict, InvalidArgument, VrnicError
@@ -32,9 +33,9 @@ _UCRED = struct.Struct("3i")
 
 
 class ChannelServer:
-    def __init__(self, path: Path, registry: Registry, mode: int = 0o666) -> None:
+    def __init__(self, path: Path, open_session: SessionOpener, mode: int = 0o666) -> None:
         self.path = path
-        self.registry = registry
+        self.open_session = open_session
         path.parent.mkdir(parents=True, exist_ok=True)
         path.unlink(missing_ok=True)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -75,7 +76,7 @@ class ChannelServer:
         pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
         cred = PeerCred(pid, uid, gid)
         decoder = FrameDecoder()
-        session: GuestSession | None = None
+        session: AttachedSession | None = None
         try:
             while True:
                 try:
@@ -95,14 +96,13 @@ class ChannelServer:
                         request = parse_request(message)
                         if session is None:
                             owned, fds = fds, []  # _attach owns them now: it keeps or closes every one
-                            session = self._attach(request.op, request.args, owned, cred)
-                            self._send(conn, reply_ok(request.id, self._attach_result(session)))
+                            session = self._attach(request.op, request.args, owned, cred, conn)
+                            self._send(conn, reply_ok(request.id, session.attach_result()))
                             continue
                         if request.op == "attach":
                             raise Conflict("already attached", current_state="attached")
                         if request.op == "detach":  # tear down before replying, so a re-attach finds it free
                             session.close()
-                            session.vrnic.session = None
                             self._send(conn, reply_ok(request.id))
                             return
                         result = session.handle(request.op, request.args)
@@ -117,41 +117,34 @@ class ChannelServer:
         finally:
             if session is not None:
                 session.close()
-                session.vrnic.session = None
             with self._lock:
                 self._connections.discard(conn)
             conn.close()
 
-    def _attach(self, op: str, raw: dict[str, Any], fds: list[int], cred: PeerCred) -> GuestSession:
+    def _attach(self, op: str, raw: dict[str, Any], fds: list[int], cred: PeerCred,
+                conn: socket.socket) -> AttachedSession:
         try:
             if op != "attach":
                 raise InvalidArgument("the first request must be attach")
-            args = verb_args.Attach.model_validate(raw)
+            try:
+                args = verb_args.Attach.model_validate(raw)
+            except ValidationError:
+                raise InvalidArgument("attach takes a token (string) and busy_poll (bool)") from None
             if len(fds) not in (2, 3):
                 raise InvalidArgument("attach needs two file descriptors: the arena memfd and the doorbell eventfd"
                                       " (and optionally a completion-notify eventfd)")
-            vrnic = self.registry.by_token(args.token)
-            if vrnic.session is not None:
-                raise Conflict(f"vRNIC {vrnic.spec.id} already has a guest attached", current_state="attached")
-            session = GuestSession(vrnic, self.registry, fds[0], fds[1], cred, busy_poll=args.busy_poll,
-                                   notify_fd=fds[2] if len(fds) == 3 else None)
-        except VrnicError:
+        except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
-        except Exception as exc:
-            for fd in fds:
-                os.close(fd)
-            raise InvalidArgument(f"attach failed: {exc}") from exc
-        vrnic.session = session
-        log.info("vRNIC %s attached by pid %d uid %d", vrnic.spec.id, cred.pid, cred.uid)
-        return session
 
-    @staticmethod
-    def _attach_result(session: GuestSession) -> dict[str, Any]:
-        spec = session.vrnic.spec
-        return {"vrnic_id": spec.id, "virtual_gid": spec.virtual_gid, "arena_bytes": session.arena_size,
-                "quota": spec.quota.model_dump()}
+        def disconnect() -> None:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+        session = self.open_session(args, fds, cred, disconnect)
+        log.info("vRNIC %s attached by pid %d uid %d", session.vrnic_id, cred.pid, cred.uid)
+        return session
 
     @staticmethod
     def _send(conn: socket.socket, message: dict[str, Any]) -> None:

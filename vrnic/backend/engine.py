@@ -5,25 +5,26 @@ that drains the guest's send/recv rings onto the real QPs and moves real
 completions into the guest's CQ rings; the guest never makes a round trip for
 post or poll. A later "direct" engine maps the NIC's queues into the guest and
 does nothing per post; it only has to implement the same interface.
+
+An engine sees its session only through EngineHost: the session's own tables,
+its lock, the RNIC edge, and a resolver for peers (which goes through the
+registry, never into another session).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import ipaddress
 import logging
 import os
 import select
 import threading
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
-import pyverbs.enums as e
-from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
-from pyverbs.wr import SGE, RecvWR, SendWR
-
+from vrnic.backend.rnic_edge import DeviceContext, PhysRecv, PhysSend, SendQueueFull
 from vrnic.core.rings import (
     WC_OF_WR,
     Completion,
@@ -36,11 +37,9 @@ from vrnic.core.rings import (
     unpack_recv,
     unpack_send,
 )
-from vrnic.core.translate import ATOMICS, WrRejected, local_sges, remote_target
-from vrnic.errors import InvalidArgument
-
-if TYPE_CHECKING:
-    from vrnic.backend.session import CqState, GuestSession, QpState
+from vrnic.core.session_state import CqEntry, QpEntry, SessionState
+from vrnic.core.translate import ATOMICS, MrWindow, WrRejected, local_sges, remote_target
+from vrnic.errors import InvalidArgument, VrnicError
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +59,32 @@ def source_gid(grh: bytes) -> str:
 
 # pyverbs 44 cannot build a WR without SGEs; a zero-length SGE on one's own MR does the same job.
 NO_SGE = "work requests need at least one SGE (use a zero-length SGE on one of your MRs)"
+
+
+class EngineHost(Protocol):
+    """What an engine may touch of its session."""
+
+    vrnic_id: str
+    lock: threading.RLock
+    state: SessionState  # the session's own tables; read and written under lock
+    device: DeviceContext
+    doorbell_fd: int
+    notify_fd: int | None  # rung after new completions, so a waiting guest can sleep
+
+    @property
+    def closed(self) -> bool: ...
+
+    def ud_destination(self, qp: QpEntry, virtual_gid: str, vqpn: int) -> tuple[Any, int]:
+        """(address handle, physical QPN) of a reachable UD peer; NotFound otherwise."""
+
+    def peer_mrs(self, qp: QpEntry) -> Mapping[int, MrWindow] | None:
+        """The MRs of qp's connected peer by virtual key; None if not connected."""
+
+    def source_vqpn(self, phys_qpn: int, phys_gid: str | None) -> int:
+        """The virtual QPN of a UD sender, 0 if unknown or unreachable."""
+
+    def engine_failed(self) -> None:
+        """The engine stopped for good: tell the guest and end its connection."""
 
 
 class DataPathEngine(ABC):
@@ -82,12 +107,13 @@ class DataPathEngine(ABC):
 
 
 class SharedRingEngine(DataPathEngine):
-    def __init__(self, session: GuestSession, busy_poll: bool = False) -> None:
-        self.session = session
+    def __init__(self, host: EngineHost, busy_poll: bool = False) -> None:
+        self.host = host
         self.busy_poll = busy_poll
+        self.failed = False
         self._stop = threading.Event()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._thread = threading.Thread(target=self._run, name=f"engine-{session.vrnic.spec.id}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"engine-{host.vrnic_id}", daemon=True)
         self.posted = 0
         self.recvs_posted = 0
         self.completed = 0
@@ -97,9 +123,12 @@ class SharedRingEngine(DataPathEngine):
         self._thread.start()
 
     def wake(self) -> None:
-        os.eventfd_write(self._wake_fd, 1)
+        with contextlib.suppress(OSError):  # stopped already
+            os.eventfd_write(self._wake_fd, 1)
 
     def stop(self) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
         self.wake()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
@@ -108,7 +137,7 @@ class SharedRingEngine(DataPathEngine):
 
     def drain_queues(self) -> int:
         before = self.posted + self.recvs_posted
-        for _, qp in self.session.qps.items():
+        for _, qp in self.host.state.qps.items():
             self._drain_queues(qp)
         return self.posted + self.recvs_posted - before
 
@@ -121,44 +150,50 @@ class SharedRingEngine(DataPathEngine):
                 if self.busy_poll:
                     continue
                 self._wait()
-        except Exception:  # an engine bug must not take the daemon down; the session goes dead
-            log.exception("data-path engine of vRNIC %s failed", self.session.vrnic.spec.id)
+        except Exception:  # an engine bug must not take the daemon down, nor leave the guest waiting
+            log.exception("data-path engine of vRNIC %s failed; ending its session", self.host.vrnic_id)
+            self.failed = True
+            self.host.engine_failed()
 
     def _step(self) -> bool:
-        session = self.session
+        host = self.host
         worked = False
-        with session.lock:
-            if session.closed:
+        with host.lock:
+            if host.closed:
                 return False
-            for _, qp in session.qps.items():
+            for _, qp in host.state.qps.items():
                 worked |= self._drain_queues(qp)
             completed = False
-            for _, cq in session.cqs.items():
+            for _, cq in host.state.cqs.items():
                 completed |= self._drain_cq(cq)
-            if completed and session.notify_fd is not None:
+            if completed and host.notify_fd is not None:
                 with contextlib.suppress(OSError):  # a full counter already means "look"
-                    os.eventfd_write(session.notify_fd, 1)
+                    os.eventfd_write(host.notify_fd, 1)
         return worked or completed
 
     def _wait(self) -> None:
         self.waits += 1
-        session = self.session
-        fds = [self._wake_fd, session.doorbell_fd]
+        host = self.host
+        device = host.device
+        fds = [self._wake_fd, host.doorbell_fd]
         timeout = IDLE_WAIT_S
-        with session.lock:
-            if session.closed:
+        with host.lock:
+            if host.closed:
                 return
-            cqs = [cq for _, cq in session.cqs.items()]
+            cqs = [cq for _, cq in host.state.cqs.items()]
+            by_fd: dict[int, CqEntry] = {}
             for cq in cqs:
-                if cq.channel_fd is None:
+                fd = device.cq_event_fd(cq.obj)
+                if fd is None:
                     timeout = UNKNOWN_FD_WAIT_S
-                elif not cq.armed:
-                    cq.real.req_notify()
+                    continue
+                by_fd[fd] = cq
+                if not cq.armed:
+                    device.arm_cq(cq.obj)
                     cq.armed = True
             # A completion may have landed between the last poll and arming: look once more.
             if any(self._drain_cq(cq) for cq in cqs):
                 return
-        by_fd = {cq.channel_fd: cq for cq in cqs if cq.channel_fd is not None}
         try:
             readable, _, _ = select.select(fds + list(by_fd), [], [], timeout)
         except (OSError, ValueError):  # an fd closed under us: the session is going away
@@ -166,21 +201,17 @@ class SharedRingEngine(DataPathEngine):
         for fd in readable:
             if fd in by_fd:
                 cq = by_fd[fd]
-                with session.lock:
-                    if session.closed or cq not in [c for _, c in session.cqs.items()]:
+                with host.lock:
+                    if host.closed or cq.handle not in host.state.cqs:
                         continue
-                    try:
-                        cq.channel.get_cq_event(cq.real)
-                        cq.real.ack_events(1)
-                    except PyverbsError:
-                        pass
+                    device.ack_cq_event(cq.obj)
                     cq.armed = False
             else:
                 with contextlib.suppress(BlockingIOError):
                     os.eventfd_read(fd)
 
     # ----- guest -> NIC ------------------------------------------------------------------------
-    def _drain_queues(self, qp: QpState) -> bool:
+    def _drain_queues(self, qp: QpEntry) -> bool:
         worked = False
         try:
             retry, qp.pending = qp.pending, []
@@ -204,95 +235,95 @@ class SharedRingEngine(DataPathEngine):
                 self._post_recv(qp, slot)
         except RingCorrupt as exc:
             qp.sq.set_flag(RingFlags.CORRUPT)
-            log.warning("vRNIC %s QP %d: %s; queue marked corrupt", self.session.vrnic.spec.id, qp.vqpn, exc)
+            log.warning("vRNIC %s QP %d: %s; queue marked corrupt", self.host.vrnic_id, qp.vqpn, exc)
         return worked
 
-    def _post(self, qp: QpState, wr: Any) -> None:
-        session = self.session
-        try:
-            sges = local_sges(wr.sges, session.mr_by_vkey, writable=wr.opcode in WRITE_OPS)
-            if not sges:
-                raise WrRejected(WcStatus.LOC_QP_OP_ERR, NO_SGE)
-            real = SendWR(wr_id=wr.wr_id, opcode=int(wr.opcode), num_sge=len(sges),
-                          sg=[SGE(*s) for s in sges],
-                          send_flags=e.IBV_SEND_SIGNALED if wr.signaled else 0, imm_data=wr.imm)
-            if wr.opcode in (WrOpcode.SEND, WrOpcode.SEND_WITH_IMM) and qp.qp_type == "ud":
+    def _physical(self, qp: QpEntry, wr: Any) -> PhysSend:
+        """The guest's WR in physical terms, or WrRejected: nothing unchecked reaches the NIC."""
+        host = self.host
+        sges = local_sges(wr.sges, host.state.mr_by_vkey, writable=wr.opcode in WRITE_OPS)
+        if not sges:
+            raise WrRejected(WcStatus.LOC_QP_OP_ERR, NO_SGE)
+        phys = PhysSend(wr_id=wr.wr_id, opcode=int(wr.opcode), sges=sges, signaled=wr.signaled, imm=wr.imm)
+        if wr.opcode in (WrOpcode.SEND, WrOpcode.SEND_WITH_IMM):
+            if qp.qp_type == "ud":
                 gid = str(ipaddress.IPv6Address(wr.ud_gid))
-                ah, phys_qpn = session.ud_address(qp, gid, wr.ud_qpn)
-                real.set_wr_ud(ah, phys_qpn, wr.ud_qkey)
-            elif wr.opcode not in (WrOpcode.SEND, WrOpcode.SEND_WITH_IMM):
-                length = 8 if wr.opcode in ATOMICS else sum(s[1] for s in sges)
-                peer = qp.peer.session if qp.peer is not None else None
-                addr, rkey = remote_target(wr.opcode, wr.remote_addr, length, wr.rkey,
-                                           None if peer is None else peer.mr_by_vkey)
-                if wr.opcode in ATOMICS:
-                    real.set_wr_atomic(rkey, addr, wr.compare_add, wr.swap)
-                else:
-                    real.set_wr_rdma(rkey, addr)
+                phys.ah, phys.remote_qpn = host.ud_destination(qp, gid, wr.ud_qpn)
+                phys.qkey = wr.ud_qkey
+            return phys
+        length = 8 if wr.opcode in ATOMICS else sum(s[1] for s in sges)
+        phys.remote_addr, phys.rkey = remote_target(wr.opcode, wr.remote_addr, length, wr.rkey, host.peer_mrs(qp))
+        if wr.opcode in ATOMICS:
+            phys.compare_add, phys.swap = wr.compare_add, wr.swap
+        return phys
+
+    def _post(self, qp: QpEntry, wr: Any) -> None:
+        try:
+            phys = self._physical(qp, wr)
         except WrRejected as exc:
             self._reject(qp, wr, exc.status, str(exc))
             return
-        except Exception as exc:  # noqa: BLE001 - a UD peer that vanished, a bad GID: the WR fails alone
+        except VrnicError as exc:  # a UD peer that vanished or is out of reach, a bad GID: the WR fails alone
+            self._reject(qp, wr, WcStatus.LOC_QP_OP_ERR, str(exc))
+            return
+        except ValueError as exc:  # an unparsable GID
             self._reject(qp, wr, WcStatus.LOC_QP_OP_ERR, str(exc))
             return
         try:
-            qp.real.post_send(real)
+            self.host.device.post_send(qp.obj, phys)
             self.posted += 1
-        except PyverbsRDMAError as exc:
-            if abs(exc.error_code or 0) == errno.ENOMEM:  # send queue full: retry after completions
-                qp.pending.append(wr)
-            else:
-                self._reject(qp, wr, WcStatus.LOC_QP_OP_ERR, str(exc))
-        except PyverbsError as exc:
+        except SendQueueFull:  # retry after completions
+            qp.pending.append(wr)
+        except VrnicError as exc:
             self._reject(qp, wr, WcStatus.LOC_QP_OP_ERR, str(exc))
 
-    def _post_recv(self, qp: QpState, slot: Any) -> None:
+    def _post_recv(self, qp: QpEntry, slot: Any) -> None:
         try:
             wr = unpack_recv(slot)
-            sges = local_sges(wr.sges, self.session.mr_by_vkey, writable=True)
+            sges = local_sges(wr.sges, self.host.state.mr_by_vkey, writable=True)
             if not sges:
                 raise WrRejected(WcStatus.LOC_QP_OP_ERR, NO_SGE)
-            qp.real.post_recv(RecvWR(wr_id=wr.wr_id, num_sge=len(sges), sg=[SGE(*s) for s in sges]))
+            self.host.device.post_recv(qp.obj, PhysRecv(wr.wr_id, sges))
             self.recvs_posted += 1
             if qp.qp_type == "ud":
                 qp.grh_at[wr.wr_id] = sges[0][0]  # where the NIC will write the source's GRH
         except WrRejected as exc:
             self._complete(qp.recv_cq, Completion(slot[0], exc.status, WcOpcode.RECV, qp=qp.vqpn))
-        except (InvalidArgument, PyverbsError):
+        except VrnicError:
             self._complete(qp.recv_cq, Completion(slot[0], WcStatus.LOC_QP_OP_ERR, WcOpcode.RECV, qp=qp.vqpn))
 
-    def _reject(self, qp: QpState, wr: Any, status: WcStatus, reason: str) -> None:
-        log.info("vRNIC %s QP %d: WR %d refused: %s", self.session.vrnic.spec.id, qp.vqpn, wr.wr_id, reason)
+    def _reject(self, qp: QpEntry, wr: Any, status: WcStatus, reason: str) -> None:
+        log.info("vRNIC %s QP %d: WR %d refused: %s", self.host.vrnic_id, qp.vqpn, wr.wr_id, reason)
         self._complete(qp.send_cq, Completion(wr.wr_id, status, WC_OF_WR[wr.opcode], qp=qp.vqpn))
 
     # ----- NIC -> guest ------------------------------------------------------------------------
-    def _drain_cq(self, cq: CqState) -> bool:
-        if cq.ring.flags & RingFlags.CORRUPT:
+    def _drain_cq(self, cq: CqEntry) -> bool:
+        if cq.ring.flags & (RingFlags.CORRUPT | RingFlags.FAILED):
             return False
         try:
             room = cq.ring.entries - cq.ring.count()
         except RingCorrupt as exc:  # the guest scribbled on its own ring: that CQ is dead, nobody else's
             cq.ring.set_flag(RingFlags.CORRUPT)
-            log.warning("vRNIC %s: CQ ring corrupt (%s); CQ stopped", self.session.vrnic.spec.id, exc)
+            log.warning("vRNIC %s: CQ ring corrupt (%s); CQ stopped", self.host.vrnic_id, exc)
             return False
         if room <= 0:
             return False
-        npolled, wcs = cq.real.poll(num_entries=min(room, BATCH))
-        session = self.session
-        for wc in wcs[:npolled]:
-            qp = session.qp_by_phys.get(wc.qp_num)
+        host = self.host
+        wcs = host.device.poll_cq(cq.obj, min(room, BATCH))
+        for wc in wcs:
+            qp = host.state.qp_by_phys.get(wc.qp_num)
             src = 0
             if qp is not None and qp.qp_type == "ud" and wc.opcode & WcOpcode.RECV:
                 grh = qp.grh_at.pop(wc.wr_id, None)
                 source = None if grh is None or not wc.wc_flags & WC_GRH else source_gid(ctypes.string_at(grh, 40))
-                src = session.registry.virtual_qpn(session.vrnic, wc.src_qp, source)
+                src = host.source_vqpn(wc.src_qp, source)
             self._complete(cq, Completion(wc.wr_id, wc.status, wc.opcode, wc.byte_len, wc.imm_data,
                                           qp.vqpn if qp else 0, src, wc.wc_flags, wc.vendor_err))
-        self.completed += npolled
-        return npolled > 0
+        self.completed += len(wcs)
+        return bool(wcs)
 
     @staticmethod
-    def _complete(cq: CqState, wc: Completion) -> None:
+    def _complete(cq: CqEntry, wc: Completion) -> None:
         try:
             if not cq.ring.produce(pack_completion(wc)):
                 cq.ring.set_flag(RingFlags.OVERFLOW)

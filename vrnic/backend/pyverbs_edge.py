@@ -1,4 +1,4 @@
-"""The pyverbs edge: errors become vrnic errors here, and nowhere else.
+"""The pyverbs edge: the RNIC edge on a real verbs device; errors become vrnic errors here, and nowhere else.
 
 Also the two things pyverbs 44 does not give directly: a device inventory in
 plain data, and the file descriptor of a completion channel (for select()).
@@ -14,10 +14,30 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from pyverbs.cq import CompChannel
+import pyverbs.enums as e
+from pyverbs.addr import AH, GID, AHAttr, GlobalRoute
+from pyverbs.cq import CQ, CompChannel
 from pyverbs.device import Context, get_device_list, guid_to_hex
+from pyverbs.mr import MR
+from pyverbs.pd import PD
 from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
+from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
+from pyverbs.wr import SGE, RecvWR, SendWR
 
+from vrnic.backend.rnic_edge import (
+    PORT,
+    DeviceContext,
+    DeviceLimits,
+    PhysCompletion,
+    PhysRecv,
+    PhysSend,
+    PortAttrs,
+    QpCaps,
+    RnicEdge,
+    RtrParams,
+    RtsParams,
+    SendQueueFull,
+)
 from vrnic.core.specs import DeviceInfo, GidEntry, PortInfo
 from vrnic.errors import DeviceError, NotFound, NotSupported
 
@@ -31,14 +51,6 @@ CAPS = ("max_qp", "max_qp_wr", "max_sge", "max_cq", "max_cqe", "max_mr", "max_mr
 def _display_gid(text: str) -> str:
     address = ipaddress.IPv6Address(text)
     return f"::ffff:{address.ipv4_mapped}" if address.ipv4_mapped else str(address)
-
-
-def roce_v2_ipv4_gid(info: DeviceInfo, port: int = 1) -> tuple[int, str]:
-    """(index, GID) of the port's RoCE v2 IPv4-mapped GID: the one routable between hosts."""
-    for entry in next((p.gids for p in info.ports if p.port == port), []):
-        if entry.type == "RoCE v2" and ipaddress.IPv6Address(entry.gid).ipv4_mapped is not None:
-            return entry.index, entry.gid
-    raise NotFound(f"{info.name} port {port} has no RoCE v2 IPv4 GID (is an address set on its netdev?)")
 
 
 @contextmanager
@@ -129,3 +141,178 @@ def close_quietly(*resources: Any) -> None:
             resource.close()
         except PyverbsError:
             continue
+
+
+# ----- the RNIC edge over pyverbs ---------------------------------------------------------------------
+
+MTU_ENUM = {256: e.IBV_MTU_256, 512: e.IBV_MTU_512, 1024: e.IBV_MTU_1024, 2048: e.IBV_MTU_2048,
+            4096: e.IBV_MTU_4096}
+QP_STATES = {e.IBV_QPS_RESET: "reset", e.IBV_QPS_INIT: "init", e.IBV_QPS_RTR: "rtr", e.IBV_QPS_RTS: "rts",
+             e.IBV_QPS_SQD: "sqd", e.IBV_QPS_SQE: "sqe", e.IBV_QPS_ERR: "err"}
+
+
+def _gid(text: str) -> GID:
+    """pyverbs parses only the fully written-out form (8 groups of 4 hex digits)."""
+    return GID(ipaddress.IPv6Address(text).exploded)
+
+
+class _Cq:
+    __slots__ = ("real", "channel", "fd")
+
+    def __init__(self, real: CQ, channel: CompChannel, fd: int | None) -> None:
+        self.real, self.channel, self.fd = real, channel, fd
+
+    def close(self) -> None:
+        close_quietly(self.real, self.channel)
+
+
+class PyverbsContext(DeviceContext):
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.ctx = open_context(name)
+
+    def query_device(self) -> DeviceLimits:
+        with device_errors("query device"):
+            a = self.ctx.query_device()
+        return DeviceLimits(max_qp=a.max_qp, max_cq=a.max_cq, max_mr=a.max_mr, max_pd=a.max_pd, max_cqe=a.max_cqe,
+                            max_qp_wr=a.max_qp_wr, max_sge=a.max_sge, atomic_caps=int(a.atomic_caps))
+
+    def query_port(self, port: int) -> PortAttrs:
+        with device_errors("query port"):
+            a = self.ctx.query_port(port)
+        return PortAttrs(state=int(a.state), active_mtu=int(a.active_mtu), max_mtu=int(a.max_mtu))
+
+    def alloc_pd(self) -> PD:
+        with device_errors("alloc PD"):
+            return PD(self.ctx)
+
+    def reg_mr(self, pd: PD, address: int, length: int, access: int) -> tuple[MR, int, int]:
+        with device_errors("reg MR"):
+            mr = MR(pd, length, access, address=address)
+        return mr, mr.lkey, mr.rkey
+
+    def create_cq(self, cqe: int) -> _Cq:
+        channel, fd = comp_channel_with_fd(self.ctx)
+        try:
+            with device_errors("create CQ"):
+                return _Cq(CQ(self.ctx, cqe, None, channel, 0), channel, fd)
+        except BaseException:
+            close_quietly(channel)
+            raise
+
+    def cq_event_fd(self, cq: _Cq) -> int | None:
+        return cq.fd
+
+    def create_qp(self, pd: PD, send_cq: _Cq, recv_cq: _Cq, qp_type: str, caps: QpCaps) -> tuple[QP, int]:
+        cap = QPCap(max_send_wr=caps.max_send_wr, max_recv_wr=caps.max_recv_wr, max_send_sge=caps.max_sge,
+                    max_recv_sge=caps.max_sge)
+        init = QPInitAttr(qp_type=e.IBV_QPT_RC if qp_type == "rc" else e.IBV_QPT_UD, scq=send_cq.real,
+                          rcq=recv_cq.real, cap=cap, sq_sig_all=0)
+        with device_errors("create QP"):
+            qp = QP(pd, init)
+        return qp, qp.qp_num
+
+    def qp_to_init(self, qp: QP, qp_type: str, access: int, qkey: int) -> None:
+        attr = QPAttr(qp_state=e.IBV_QPS_INIT, port_num=PORT)
+        attr.pkey_index = 0
+        if qp_type == "rc":
+            attr.qp_access_flags = access
+        else:
+            attr.qkey = qkey
+        with device_errors("modify QP to init"):
+            qp.to_init(attr)
+
+    def qp_to_rtr(self, qp: QP, qp_type: str, params: RtrParams | None) -> None:
+        attr = QPAttr(port_num=PORT)
+        if params is not None:
+            route = GlobalRoute(dgid=_gid(params.dgid), sgid_index=params.sgid_index, hop_limit=64)
+            attr.ah_attr = AHAttr(gr=route, is_global=1, port_num=PORT)
+            attr.path_mtu = MTU_ENUM[params.path_mtu]
+            attr.dest_qp_num = params.dest_qpn
+            attr.rq_psn = params.rq_psn
+            attr.max_dest_rd_atomic = params.max_dest_rd_atomic
+            attr.min_rnr_timer = params.min_rnr_timer
+        with device_errors("modify QP to rtr"):
+            qp.to_rtr(attr)
+
+    def qp_to_rts(self, qp: QP, qp_type: str, params: RtsParams) -> None:
+        attr = QPAttr(port_num=PORT)
+        attr.sq_psn = params.sq_psn
+        if qp_type == "rc":
+            attr.timeout = params.timeout
+            attr.retry_cnt = params.retry_cnt
+            attr.rnr_retry = params.rnr_retry
+            attr.max_rd_atomic = params.max_rd_atomic
+        with device_errors("modify QP to rts"):
+            qp.to_rts(attr)
+
+    def qp_to_state(self, qp: QP, state: str) -> None:
+        target = e.IBV_QPS_ERR if state == "err" else e.IBV_QPS_RESET
+        with device_errors(f"modify QP to {state}"):
+            qp.modify(QPAttr(qp_state=target), e.IBV_QP_STATE)
+
+    def query_qp_state(self, qp: QP) -> str:
+        with device_errors("query QP"):
+            attr, _init = qp.query(e.IBV_QP_STATE | e.IBV_QP_CAP)
+        return QP_STATES.get(attr.qp_state, str(attr.qp_state))
+
+    def create_ah(self, pd: PD, dgid: str, sgid_index: int) -> AH:
+        route = GlobalRoute(dgid=_gid(dgid), sgid_index=sgid_index, hop_limit=64)
+        with device_errors("create AH"):
+            return AH(pd, attr=AHAttr(gr=route, is_global=1, port_num=PORT))
+
+    def post_send(self, qp: QP, wr: PhysSend) -> None:
+        try:
+            real = SendWR(wr_id=wr.wr_id, opcode=wr.opcode, num_sge=len(wr.sges), sg=[SGE(*s) for s in wr.sges],
+                          send_flags=e.IBV_SEND_SIGNALED if wr.signaled else 0, imm_data=wr.imm)
+            if wr.ah is not None:
+                real.set_wr_ud(wr.ah, wr.remote_qpn, wr.qkey)
+            elif wr.opcode in (e.IBV_WR_ATOMIC_CMP_AND_SWP, e.IBV_WR_ATOMIC_FETCH_AND_ADD):
+                real.set_wr_atomic(wr.rkey, wr.remote_addr, wr.compare_add, wr.swap)
+            elif wr.opcode not in (e.IBV_WR_SEND, e.IBV_WR_SEND_WITH_IMM):
+                real.set_wr_rdma(wr.rkey, wr.remote_addr)
+            qp.post_send(real)
+        except PyverbsRDMAError as exc:
+            if abs(exc.error_code or 0) == errnos.ENOMEM:
+                raise SendQueueFull("post send: the send queue is full", errnos.ENOMEM) from exc
+            raise DeviceError(f"post send: {exc}", abs(exc.error_code or 0)) from exc
+        except PyverbsError as exc:
+            raise DeviceError(f"post send: {exc}") from exc
+
+    def post_recv(self, qp: QP, wr: PhysRecv) -> None:
+        with device_errors("post recv"):
+            qp.post_recv(RecvWR(wr_id=wr.wr_id, num_sge=len(wr.sges), sg=[SGE(*s) for s in wr.sges]))
+
+    def poll_cq(self, cq: _Cq, max_entries: int) -> list[PhysCompletion]:
+        with device_errors("poll CQ"):
+            npolled, wcs = cq.real.poll(num_entries=max_entries)
+        return [PhysCompletion(wc.wr_id, wc.status, wc.opcode, wc.byte_len, wc.imm_data, wc.qp_num, wc.src_qp,
+                               wc.wc_flags, wc.vendor_err) for wc in wcs[:npolled]]
+
+    def arm_cq(self, cq: _Cq) -> None:
+        with device_errors("arm CQ"):
+            cq.real.req_notify()
+
+    def ack_cq_event(self, cq: _Cq) -> None:
+        try:
+            cq.channel.get_cq_event(cq.real)
+            cq.real.ack_events(1)
+        except PyverbsError:
+            pass  # no event pending: a stale wake-up
+
+    def destroy(self, *objects: Any) -> None:
+        close_quietly(*objects)
+
+    def close(self) -> None:
+        close_quietly(self.ctx)
+
+
+class PyverbsEdge(RnicEdge):
+    def device_names(self) -> list[str]:
+        return device_names()
+
+    def describe(self, name: str) -> DeviceInfo:
+        return describe(name)
+
+    def open(self, name: str) -> PyverbsContext:
+        return PyverbsContext(name)

@@ -1,138 +1,64 @@
-"""One attached guest: its own verbs context, its object tables, its quota, its data-path engine.
+"""One attached guest: its control verbs, checked against its own state and run on its own device context.
 
 Every control verb a guest sends lands in GuestSession.handle(), which checks
-handles, ranges and quotas, then runs the verb through pyverbs in the vRNIC's
-own context. Closing the session destroys everything in dependency order:
-QPs, CQs, MRs, PDs, then the context.
+handles, ranges and quotas (vrnic.core.session_state), then runs the verb on
+the RNIC edge. Peers are reached only through the registry. Closing the session
+destroys everything in dependency order: QPs, CQs, MRs, PDs, then the context.
+The session does not pick its devices, memory or engine: the driver composes it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import fcntl
-import ipaddress
 import logging
-import mmap
 import os
-import secrets
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import pyverbs.enums as e
 from pydantic import ValidationError
-from pyverbs.addr import AH, GID, AHAttr, GlobalRoute
-from pyverbs.cq import CQ, CompChannel
-from pyverbs.mr import MR
-from pyverbs.pd import PD
-from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 
-from vrnic.backend.pyverbs_edge import close_quietly, comp_channel_with_fd, device_errors, open_context
+from vrnic.backend.attachment import PeerCred
+from vrnic.backend.engine import DataPathEngine, EngineHost
+from vrnic.backend.guest_memory import GuestMemory
 from vrnic.backend.registry import Registry, VirtualRnic
+from vrnic.backend.rnic_edge import PORT, DeviceContext, QpCaps, RtrParams, RtsParams
 from vrnic.core import verb_args
-from vrnic.core.handles import HandleTable
-from vrnic.core.quota import QuotaLedger, Resource
-from vrnic.core.rings import CQ_SLOT, RQ_SLOT, SQ_SLOT, Access, Ring, index_words
-from vrnic.core.translate import MrWindow, validate_region
-from vrnic.errors import Conflict, InvalidArgument, NotFound
+from vrnic.core.quota import Resource
+from vrnic.core.rings import CQ_SLOT, RQ_SLOT, SQ_SLOT, Access, Ring, RingFlags
+from vrnic.core.session_state import CqEntry, MrEntry, PdEntry, QpEntry, SessionSnapshot, SessionState
+from vrnic.core.translate import MrWindow
+from vrnic.errors import Conflict, InvalidArgument
 
 log = logging.getLogger(__name__)
 
-REQUIRED_SEALS = fcntl.F_SEAL_SHRINK  # a guest that shrinks its arena would SIGBUS the daemon
-PORT = 1
-MTU_ENUM = {256: e.IBV_MTU_256, 512: e.IBV_MTU_512, 1024: e.IBV_MTU_1024, 2048: e.IBV_MTU_2048,
-            4096: e.IBV_MTU_4096}
-QP_STATES = {e.IBV_QPS_RESET: "reset", e.IBV_QPS_INIT: "init", e.IBV_QPS_RTR: "rtr", e.IBV_QPS_RTS: "rts",
-             e.IBV_QPS_SQD: "sqd", e.IBV_QPS_SQE: "sqe", e.IBV_QPS_ERR: "err"}
-
-
-def _gid(text: str) -> GID:
-    """pyverbs parses only the fully written-out form (8 groups of 4 hex digits)."""
-    return GID(ipaddress.IPv6Address(text).exploded)
-
-
-@dataclass(frozen=True)
-class PeerCred:
-    pid: int
-    uid: int
-    gid: int
-
-
-@dataclass(eq=False)
-class PdState:
-    real: PD
-    users: int = 0  # MRs and QPs on it: a PD in use cannot be deallocated
-
-
-@dataclass(eq=False)
-class CqState:
-    real: CQ
-    channel: CompChannel
-    channel_fd: int | None
-    ring: Ring
-    users: int = 0
-    armed: bool = False
-
-
-@dataclass(eq=False)
-class MrState:
-    real: MR
-    pd: PdState
-    window: MrWindow
-
-
-@dataclass(eq=False)
-class QpState:
-    real: QP
-    vqpn: int
-    qp_type: str
-    pd: PdState
-    send_cq: CqState
-    recv_cq: CqState
-    sq: Ring
-    rq: Ring
-    peer: VirtualRnic | None = None
-    ahs: dict[tuple[str, int], AH] = field(default_factory=dict)
-    pending: list[Any] = field(default_factory=list)  # WRs the NIC refused for lack of room
-    grh_at: dict[int, int] = field(default_factory=dict)  # UD recv wr_id -> address of its GRH
+ENGINE_OPS = frozenset({"create_qp", "create_cq", "destroy_qp", "destroy_cq", "busy_poll"})
 
 
 class GuestSession:
-    def __init__(self, vrnic: VirtualRnic, registry: Registry, arena_fd: int, doorbell_fd: int,
-                 cred: PeerCred, busy_poll: bool = False, notify_fd: int | None = None) -> None:
+    def __init__(self, vrnic: VirtualRnic, registry: Registry, device: DeviceContext, memory: GuestMemory,
+                 cred: PeerCred, doorbell_fd: int, notify_fd: int | None,
+                 engine_factory: Callable[[EngineHost], DataPathEngine],
+                 disconnect: Callable[[], None] = lambda: None) -> None:
         self.vrnic = vrnic
+        self.vrnic_id = vrnic.spec.id
         self.registry = registry
+        self.device = device
+        self.memory = memory
         self.cred = cred
-        self.lock = threading.RLock()
-        self.ledger = QuotaLedger(vrnic.spec.quota)
-        self.pds: HandleTable[PdState] = HandleTable("PD")
-        self.cqs: HandleTable[CqState] = HandleTable("CQ")
-        self.mrs: HandleTable[MrState] = HandleTable("MR")
-        self.qps: HandleTable[QpState] = HandleTable("QP")
-        self.mr_by_vkey: dict[int, MrWindow] = {}
-        self.qp_by_vqpn: dict[int, QpState] = {}
-        self.qp_by_phys: dict[int, QpState] = {}
         self.doorbell_fd = doorbell_fd
-        self.notify_fd = notify_fd  # rung after new completions, so a waiting guest can sleep
-        self.arena_fd = arena_fd
-        self.closed = False
-        seals = fcntl.fcntl(arena_fd, fcntl.F_GET_SEALS)
-        if not seals & REQUIRED_SEALS:
-            raise InvalidArgument("the arena memfd must be sealed against shrinking (F_SEAL_SHRINK)")
-        self.arena_size = os.fstat(arena_fd).st_size
-        if self.arena_size <= 0 or self.arena_size % mmap.PAGESIZE:
-            raise InvalidArgument(f"the arena must be a positive number of pages, not {self.arena_size} bytes")
-        self.arena = mmap.mmap(arena_fd, self.arena_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        anchor = ctypes.c_char.from_buffer(self.arena)
-        self.arena_base = ctypes.addressof(anchor)
-        del anchor  # an exported buffer would keep the mapping from ever closing
-        self.view = memoryview(self.arena)
-        self.words = index_words(self.view)
-        self.ctx = open_context(vrnic.device)
-        from vrnic.backend.engine import SharedRingEngine  # the engine needs the session's types
+        self.notify_fd = notify_fd
+        self.disconnect = disconnect
+        self.lock = threading.RLock()
+        self.state = SessionState(vrnic.spec.quota, memory.size)
+        self._closed = False
+        self.engine = engine_factory(self)
 
-        self.engine = SharedRingEngine(self, busy_poll=busy_poll)
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def start(self) -> None:
         self.engine.start()
 
     # ----- dispatch ----------------------------------------------------------------------------
@@ -147,33 +73,35 @@ class GuestSession:
             where = ".".join(str(p) for p in first.get("loc", ()))
             raise InvalidArgument(f"{op}: {where}: {first['msg']}") from None
         with self.lock:
-            if self.closed:
+            if self._closed:
                 raise Conflict("the session is closed", current_state="detached")
             result: dict[str, Any] = getattr(self, f"op_{op}")(args)
-        if op in ("create_qp", "create_cq", "destroy_qp", "destroy_cq", "busy_poll"):
+        if op in ENGINE_OPS:
             self.engine.wake()
         return result
 
+    def attach_result(self) -> dict[str, Any]:
+        spec = self.vrnic.spec
+        return {"vrnic_id": spec.id, "virtual_gid": spec.virtual_gid, "arena_bytes": self.memory.size,
+                "quota": spec.quota.model_dump()}
+
     # ----- queries -----------------------------------------------------------------------------
     def op_query_device(self, _: verb_args.NoArgs) -> dict[str, Any]:
-        with device_errors("query device"):
-            attr = self.ctx.query_device()
+        attr = self.device.query_device()
         quota = self.vrnic.spec.quota
         # The guest sees the device's limits clipped to its quota, and no physical identifiers.
         return {"max_qp": min(attr.max_qp, quota.max_qps), "max_cq": min(attr.max_cq, quota.max_cqs),
                 "max_mr": min(attr.max_mr, quota.max_mrs), "max_pd": min(attr.max_pd, quota.max_pds),
                 "max_cqe": min(attr.max_cqe, quota.max_cqe), "max_qp_wr": min(attr.max_qp_wr, quota.max_wr),
                 "max_sge": min(attr.max_sge, 4), "max_pinned_bytes": quota.max_pinned_bytes,
-                "arena_bytes": self.arena_size, "atomic_caps": attr.atomic_caps, "phys_port_cnt": 1,
-                "quota_used": self.ledger.used()}
+                "arena_bytes": self.memory.size, "atomic_caps": attr.atomic_caps, "phys_port_cnt": 1,
+                "quota_used": self.state.ledger.used()}
 
     def op_query_port(self, args: verb_args.QueryPort) -> dict[str, Any]:
         if args.port != PORT:
             raise InvalidArgument(f"a vRNIC has one port (1), not {args.port}")
-        with device_errors("query port"):
-            attr = self.ctx.query_port(PORT)
-        return {"state": int(attr.state), "active_mtu": int(attr.active_mtu), "max_mtu": int(attr.max_mtu),
-                "gid_tbl_len": 1}
+        attr = self.device.query_port(PORT)
+        return {"state": attr.state, "active_mtu": attr.active_mtu, "max_mtu": attr.max_mtu, "gid_tbl_len": 1}
 
     def op_query_gid(self, args: verb_args.QueryGid) -> dict[str, Any]:
         if args.port != PORT or args.index != 0:
@@ -181,233 +109,154 @@ class GuestSession:
         return {"gid": self.vrnic.spec.virtual_gid}
 
     # ----- PD ----------------------------------------------------------------------------------
-    def op_alloc_pd(self, _: verb_args.NoArgs) -> dict[str, Any]:
-        self.ledger.charge(Resource.PD)
-        try:
-            with device_errors("alloc PD"):
-                pd = PdState(PD(self.ctx))
-        except BaseException:
-            self.ledger.refund(Resource.PD)
-            raise
-        return {"pd": self.pds.add(pd)}
+    def op_alloc_pd(self, _: verb_args.NoArgs, handle: int | None = None) -> dict[str, Any]:
+        with self.state.ledger.reserve((Resource.PD, 1)):
+            pd = PdEntry(self.device.alloc_pd())
+            try:
+                self.state.add_pd(pd, handle)
+            except BaseException:
+                self.device.destroy(pd.obj)
+                raise
+        return {"pd": pd.handle}
 
     def op_dealloc_pd(self, args: verb_args.PdRef) -> dict[str, Any]:
-        pd = self.pds.get(args.pd)
-        if pd.users:
-            raise Conflict(f"PD {args.pd} still has {pd.users} MR(s)/QP(s)", current_state="in_use")
-        self.pds.pop(args.pd)
-        close_quietly(pd.real)
-        self.ledger.refund(Resource.PD)
+        self.device.destroy(self.state.take_pd(args.pd).obj)
         return {}
 
     # ----- MR ----------------------------------------------------------------------------------
-    def op_reg_mr(self, args: verb_args.RegMr) -> dict[str, Any]:
-        pd = self.pds.get(args.pd)
-        validate_region(args.addr, args.length, self.arena_size, "MR")
+    def op_reg_mr(self, args: verb_args.RegMr, handle: int | None = None, vkey: int | None = None) -> dict[str, Any]:
+        pd = self.state.pds.get(args.pd)
+        self.state.check_region(args.addr, args.length, "MR")
         access = Access(args.access)
         if access & (Access.REMOTE_WRITE | Access.REMOTE_ATOMIC) and not access & Access.LOCAL_WRITE:
             raise InvalidArgument("remote write or atomic access needs LOCAL_WRITE too")
-        self.ledger.charge(Resource.MR)
-        try:
-            self.ledger.charge(Resource.PINNED_BYTES, args.length)
-        except BaseException:
-            self.ledger.refund(Resource.MR)
-            raise
-        try:
-            with device_errors("reg MR"):
-                real = MR(pd.real, args.length, int(access), address=self.arena_base + args.addr)
-        except BaseException:
-            self.ledger.refund(Resource.MR)
-            self.ledger.refund(Resource.PINNED_BYTES, args.length)
-            raise
-        vkey = self._new_vkey()
-        window = MrWindow(vkey=vkey, offset=args.addr, length=args.length, access=access,
-                          phys_lkey=real.lkey, phys_rkey=real.rkey, base=self.arena_base)
-        pd.users += 1
-        handle = self.mrs.add(MrState(real, pd, window))
-        self.mr_by_vkey[vkey] = window
-        return {"mr": handle, "lkey": vkey, "rkey": vkey, "addr": args.addr, "length": args.length}
-
-    def _new_vkey(self) -> int:
-        while True:
-            key = secrets.randbits(32) or 1
-            if key not in self.mr_by_vkey:
-                return key
+        with self.state.ledger.reserve((Resource.MR, 1), (Resource.PINNED_BYTES, args.length)):
+            obj, lkey, rkey = self.device.reg_mr(pd.obj, self.memory.base + args.addr, args.length, int(access))
+            window = MrWindow(vkey=vkey or self.state.new_vkey(), offset=args.addr, length=args.length,
+                              access=access, phys_lkey=lkey, phys_rkey=rkey, base=self.memory.base)
+            mr = MrEntry(window, pd, obj)
+            try:
+                self.state.add_mr(mr, handle)
+            except BaseException:
+                self.device.destroy(obj)
+                raise
+        self.registry.publish_mr(self.vrnic, window)
+        return {"mr": mr.handle, "lkey": window.vkey, "rkey": window.vkey, "addr": args.addr, "length": args.length}
 
     def op_dereg_mr(self, args: verb_args.MrRef) -> dict[str, Any]:
-        mr = self.mrs.pop(args.mr)
-        self.mr_by_vkey.pop(mr.window.vkey, None)
-        close_quietly(mr.real)
-        mr.pd.users -= 1
-        self.ledger.refund(Resource.MR)
-        self.ledger.refund(Resource.PINNED_BYTES, mr.window.length)
+        mr = self.state.take_mr(args.mr)
+        self.registry.withdraw_mr(self.vrnic, mr.window.vkey)
+        self.device.destroy(mr.obj)
         return {}
 
     # ----- CQ ----------------------------------------------------------------------------------
-    def op_create_cq(self, args: verb_args.CreateCq) -> dict[str, Any]:
-        self.ledger.check_cqe(args.cqe)
-        validate_region(args.ring, Ring.bytes_needed(args.cqe, CQ_SLOT.size), self.arena_size, "CQ ring")
-        ring = Ring(self.view, args.ring, args.cqe, CQ_SLOT, self.words)
-        self.ledger.charge(Resource.CQ)
-        channel = real = None
-        try:
-            channel, fd = comp_channel_with_fd(self.ctx)
-            with device_errors("create CQ"):
-                real = CQ(self.ctx, args.cqe, None, channel, 0)
-        except BaseException:
-            close_quietly(real, channel)
-            self.ledger.refund(Resource.CQ)
-            raise
-        ring.reset()
-        return {"cq": self.cqs.add(CqState(real, channel, fd, ring)), "cqe": args.cqe}
+    def _ring(self, offset: int, entries: int, slot_size: int, slot: Any, what: str) -> Ring:
+        self.state.check_region(offset, Ring.bytes_needed(entries, slot_size), what)
+        return Ring(self.memory.view, offset, entries, slot, self.memory.words)
+
+    def op_create_cq(self, args: verb_args.CreateCq, handle: int | None = None) -> dict[str, Any]:
+        self.state.ledger.check_cqe(args.cqe)
+        ring = self._ring(args.ring, args.cqe, CQ_SLOT.size, CQ_SLOT, "CQ ring")
+        with self.state.ledger.reserve((Resource.CQ, 1)):
+            cq = CqEntry(args.cqe, ring, self.device.create_cq(args.cqe))
+            try:
+                self.state.add_cq(cq, handle)
+            except BaseException:
+                self.device.destroy(cq.obj)
+                raise
+        if handle is None:  # a restored CQ keeps what its guest has not polled yet
+            ring.reset()
+        return {"cq": cq.handle, "cqe": args.cqe}
 
     def op_destroy_cq(self, args: verb_args.CqRef) -> dict[str, Any]:
-        cq = self.cqs.get(args.cq)
-        if cq.users:
-            raise Conflict(f"CQ {args.cq} is still used by {cq.users} QP(s)", current_state="in_use")
-        self.cqs.pop(args.cq)
-        close_quietly(cq.real, cq.channel)
-        self.ledger.refund(Resource.CQ)
+        self.device.destroy(self.state.take_cq(args.cq).obj)
         return {}
 
     # ----- QP ----------------------------------------------------------------------------------
-    def op_create_qp(self, args: verb_args.CreateQp) -> dict[str, Any]:
-        pd = self.pds.get(args.pd)
-        send_cq, recv_cq = self.cqs.get(args.send_cq), self.cqs.get(args.recv_cq)
-        self.ledger.check_wr(args.max_send_wr)
-        self.ledger.check_wr(args.max_recv_wr)
-        validate_region(args.sq_ring, Ring.bytes_needed(args.max_send_wr, SQ_SLOT.size), self.arena_size, "SQ ring")
-        validate_region(args.rq_ring, Ring.bytes_needed(args.max_recv_wr, RQ_SLOT.size), self.arena_size, "RQ ring")
-        sq = Ring(self.view, args.sq_ring, args.max_send_wr, SQ_SLOT, self.words)
-        rq = Ring(self.view, args.rq_ring, args.max_recv_wr, RQ_SLOT, self.words)
-        self.ledger.charge(Resource.QP)
-        qp_type = e.IBV_QPT_RC if args.qp_type == "rc" else e.IBV_QPT_UD
-        cap = QPCap(max_send_wr=args.max_send_wr, max_recv_wr=args.max_recv_wr, max_send_sge=args.max_sge,
-                    max_recv_sge=args.max_sge)
-        try:
-            with device_errors("create QP"):
-                real = QP(pd.real, QPInitAttr(qp_type=qp_type, scq=send_cq.real, rcq=recv_cq.real, cap=cap,
-                                              sq_sig_all=0))
-        except BaseException:
-            self.ledger.refund(Resource.QP)
-            raise
-        sq.reset()
-        rq.reset()
-        vqpn = self._new_vqpn()
-        qp = QpState(real, vqpn, args.qp_type, pd, send_cq, recv_cq, sq, rq)
-        pd.users += 1
-        send_cq.users += 1
-        recv_cq.users += 1
-        handle = self.qps.add(qp)
-        self.qp_by_vqpn[vqpn] = qp
-        self.qp_by_phys[real.qp_num] = qp
-        return {"qp": handle, "qpn": vqpn}
-
-    def _new_vqpn(self) -> int:
-        while True:
-            vqpn = secrets.randbelow((1 << 24) - 2) + 2  # 0 and 1 are special QPNs in verbs
-            if vqpn not in self.qp_by_vqpn:
-                return vqpn
+    def op_create_qp(self, args: verb_args.CreateQp, handle: int | None = None,
+                     vqpn: int | None = None) -> dict[str, Any]:
+        state = self.state
+        pd = state.pds.get(args.pd)
+        send_cq, recv_cq = state.cqs.get(args.send_cq), state.cqs.get(args.recv_cq)
+        state.ledger.check_wr(args.max_send_wr)
+        state.ledger.check_wr(args.max_recv_wr)
+        sq = self._ring(args.sq_ring, args.max_send_wr, SQ_SLOT.size, SQ_SLOT, "SQ ring")
+        rq = self._ring(args.rq_ring, args.max_recv_wr, RQ_SLOT.size, RQ_SLOT, "RQ ring")
+        with state.ledger.reserve((Resource.QP, 1)):
+            obj, phys_qpn = self.device.create_qp(pd.obj, send_cq.obj, recv_cq.obj, args.qp_type,
+                                                  QpCaps(args.max_send_wr, args.max_recv_wr, args.max_sge))
+            qp = QpEntry(vqpn or state.new_vqpn(), args.qp_type, phys_qpn, pd, send_cq, recv_cq, sq, rq,
+                         max_sge=args.max_sge, obj=obj)
+            try:
+                state.add_qp(qp, handle)
+            except BaseException:
+                self.device.destroy(obj)
+                raise
+        if handle is None:
+            sq.reset()
+            rq.reset()
+        self.registry.publish_qp(self.vrnic, qp.vqpn, phys_qpn)
+        return {"qp": qp.handle, "qpn": qp.vqpn}
 
     def op_destroy_qp(self, args: verb_args.QpRef) -> dict[str, Any]:
-        qp = self.qps.pop(args.qp)
-        self._destroy_qp(qp)
+        self._destroy_qp(self.state.take_qp(args.qp))
         return {}
 
-    def _destroy_qp(self, qp: QpState) -> None:
-        self.qp_by_vqpn.pop(qp.vqpn, None)
-        self.qp_by_phys.pop(qp.real.qp_num, None)
-        close_quietly(qp.real, *qp.ahs.values())
-        qp.pd.users -= 1
-        qp.send_cq.users -= 1
-        qp.recv_cq.users -= 1
-        self.ledger.refund(Resource.QP)
+    def _destroy_qp(self, qp: QpEntry) -> None:
+        self.registry.withdraw_qp(self.vrnic, qp.vqpn)
+        self.device.destroy(qp.obj, *qp.ahs.values())
 
     def op_query_qp(self, args: verb_args.QpRef) -> dict[str, Any]:
-        qp = self.qps.get(args.qp)
-        with device_errors("query QP"):
-            attr, _init = qp.real.query(e.IBV_QP_STATE | e.IBV_QP_CAP)
-        return {"qpn": qp.vqpn, "state": QP_STATES.get(attr.qp_state, str(attr.qp_state)), "qp_type": qp.qp_type,
-                "connected_to": None if qp.peer is None else qp.peer.spec.virtual_gid}
+        qp = self.state.qps.get(args.qp)
+        return {"qpn": qp.vqpn, "state": self.device.query_qp_state(qp.obj), "qp_type": qp.qp_type,
+                "connected_to": qp.peer_gid}
 
     def op_modify_qp(self, args: verb_args.ModifyQp) -> dict[str, Any]:
-        qp = self.qps.get(args.qp)
-        real = qp.real
+        qp = self.state.qps.get(args.qp)
         # Program order: WRs the guest posted before this call reach the NIC before the transition
         # (a receive posted, then ERR, must be flushed, not lost in the ring).
         self.engine.drain_queues()
-        with device_errors(f"modify QP to {args.state}"):
-            if args.state == "init":
-                attr = QPAttr(qp_state=e.IBV_QPS_INIT, port_num=PORT)
-                attr.pkey_index = 0
-                if qp.qp_type == "rc":
-                    attr.qp_access_flags = args.access
-                else:
-                    attr.qkey = args.qkey
-                real.to_init(attr)
-            elif args.state == "rtr":
-                attr = QPAttr(port_num=PORT)
-                if qp.qp_type == "rc":
-                    peer, phys_qpn = self._resolve(args.remote_gid, args.remote_qpn)
-                    route = GlobalRoute(dgid=_gid(peer.phys_gid), sgid_index=self.vrnic.gid_index, hop_limit=64)
-                    attr.ah_attr = AHAttr(gr=route, is_global=1, port_num=PORT)
-                    attr.path_mtu = MTU_ENUM[args.path_mtu]
-                    attr.dest_qp_num = phys_qpn
-                    attr.rq_psn = args.rq_psn
-                    attr.max_dest_rd_atomic = args.max_dest_rd_atomic
-                    attr.min_rnr_timer = args.min_rnr_timer
-                    qp.peer = peer
-                real.to_rtr(attr)
-            elif args.state == "rts":
-                attr = QPAttr(port_num=PORT)
-                attr.sq_psn = args.sq_psn
-                if qp.qp_type == "rc":
-                    attr.timeout = args.timeout
-                    attr.retry_cnt = args.retry_cnt
-                    attr.rnr_retry = args.rnr_retry
-                    attr.max_rd_atomic = args.max_rd_atomic
-                real.to_rts(attr)
-            else:
-                target = e.IBV_QPS_ERR if args.state == "err" else e.IBV_QPS_RESET
-                real.modify(QPAttr(qp_state=target), e.IBV_QP_STATE)
-                if args.state == "reset":
-                    qp.peer = None
-                    qp.sq.reset()
-                    qp.rq.reset()
-                    qp.pending.clear()
+        if args.state == "init":
+            self.device.qp_to_init(qp.obj, qp.qp_type, args.access, args.qkey)
+            qp.access, qp.qkey = args.access, args.qkey
+        elif args.state == "rtr":
+            params = None
+            if qp.qp_type == "rc":
+                peer, phys_qpn = self._resolve(args.remote_gid, args.remote_qpn)
+                params = RtrParams(dgid=peer.phys_gid, sgid_index=self.vrnic.gid_index, path_mtu=args.path_mtu,
+                                   dest_qpn=phys_qpn, rq_psn=args.rq_psn, max_dest_rd_atomic=args.max_dest_rd_atomic,
+                                   min_rnr_timer=args.min_rnr_timer)
+            self.device.qp_to_rtr(qp.obj, qp.qp_type, params)
+            if qp.qp_type == "rc":
+                qp.peer_id, qp.peer_gid, qp.peer_vqpn = peer.spec.id, args.remote_gid, args.remote_qpn
+        elif args.state == "rts":
+            self.device.qp_to_rts(qp.obj, qp.qp_type, RtsParams(sq_psn=args.sq_psn, timeout=args.timeout,
+                                                                retry_cnt=args.retry_cnt, rnr_retry=args.rnr_retry,
+                                                                max_rd_atomic=args.max_rd_atomic))
+        else:
+            self.device.qp_to_state(qp.obj, args.state)
+            if args.state == "reset":
+                qp.peer_id = qp.peer_gid = qp.peer_vqpn = None
+                qp.sq.reset()
+                qp.rq.reset()
+                qp.pending.clear()
+        qp.state = args.state
         return {"state": args.state}
 
     def _resolve(self, remote_gid: str | None, remote_qpn: int | None) -> tuple[VirtualRnic, int]:
         """Virtual (GID, QPN) of a peer -> the peer vRNIC and its physical QPN (MasQ-style, at connect)."""
         if remote_gid is None or remote_qpn is None:
             raise InvalidArgument("RTR needs remote_gid and remote_qpn (the peer's virtual identity)")
-        peer = self.registry.peer(self.vrnic, remote_gid)
-        session = peer.session
-        target = None if session is None else session.qp_by_vqpn.get(remote_qpn)
-        if target is None:
-            raise NotFound(f"no QP {remote_qpn} on {remote_gid}")
-        return peer, target.real.qp_num
+        return self.registry.peer_qp(self.vrnic, remote_gid, remote_qpn)
 
     def op_connect(self, args: verb_args.Connect) -> dict[str, Any]:
-        qp = self.qps.get(args.qp)
+        qp = self.state.qps.get(args.qp)
         if qp.qp_type != "rc":
             raise InvalidArgument("connect is for RC QPs; UD QPs name their peer per work request")
         for state in ("init", "rtr", "rts"):
             self.op_modify_qp(verb_args.ModifyQp(qp=args.qp, state=state, access=args.access,  # type: ignore[arg-type]
-                                           remote_gid=args.remote_gid, remote_qpn=args.remote_qpn))
+                                                 remote_gid=args.remote_gid, remote_qpn=args.remote_qpn))
         return {"state": "rts"}
-
-    def ud_address(self, qp: QpState, virtual_gid: str, vqpn: int) -> tuple[AH, int]:
-        """Resolve a UD destination named by virtual identity to an address handle and physical QPN."""
-        peer, phys_qpn = self._resolve(virtual_gid, vqpn)
-        key = (peer.phys_gid, phys_qpn)
-        ah = qp.ahs.get(key)
-        if ah is None:
-            route = GlobalRoute(dgid=_gid(peer.phys_gid), sgid_index=self.vrnic.gid_index, hop_limit=64)
-            with device_errors("create AH"):
-                ah = AH(qp.pd.real, attr=AHAttr(gr=route, is_global=1, port_num=PORT))
-            qp.ahs[key] = ah
-        return ah, phys_qpn
 
     def op_busy_poll(self, args: verb_args.BusyPoll) -> dict[str, Any]:
         self.engine.busy_poll = args.enabled
@@ -420,33 +269,96 @@ class GuestSession:
     def op_detach(self, _: verb_args.NoArgs) -> dict[str, Any]:
         return {}
 
+    # ----- the engine's view (EngineHost) -------------------------------------------------------
+    def ud_destination(self, qp: QpEntry, virtual_gid: str, vqpn: int) -> tuple[Any, int]:
+        peer, phys_qpn = self._resolve(virtual_gid, vqpn)
+        key = (peer.phys_gid, phys_qpn)
+        ah = qp.ahs.get(key)
+        if ah is None:
+            ah = qp.ahs[key] = self.device.create_ah(qp.pd.obj, peer.phys_gid, self.vrnic.gid_index)
+        return ah, phys_qpn
+
+    def peer_mrs(self, qp: QpEntry) -> Mapping[int, MrWindow] | None:
+        return None if qp.peer_id is None else self.registry.peer_mrs(qp.peer_id)
+
+    def source_vqpn(self, phys_qpn: int, phys_gid: str | None) -> int:
+        return self.registry.virtual_qpn(self.vrnic, phys_qpn, phys_gid)
+
+    def engine_failed(self) -> None:
+        """Mark every ring failed, wake the guest, end its connection (which closes this session)."""
+        with self.lock:
+            if self._closed:
+                return
+            for _, cq in self.state.cqs.items():
+                with contextlib.suppress(Exception):  # a corrupt ring must not stop the others being marked
+                    cq.ring.set_flag(RingFlags.FAILED)
+            for _, qp in self.state.qps.items():
+                with contextlib.suppress(Exception):
+                    qp.sq.set_flag(RingFlags.FAILED)
+            if self.notify_fd is not None:
+                with contextlib.suppress(OSError):
+                    os.eventfd_write(self.notify_fd, 1)
+        self.disconnect()
+
+    # ----- snapshot and restore -----------------------------------------------------------------
+    def snapshot(self) -> SessionSnapshot:
+        with self.lock:
+            self.engine.drain_queues()
+            return self.state.snapshot()
+
+    def restore(self, snapshot: SessionSnapshot) -> None:
+        """Re-create a snapshot's objects here with the same handles, keys and QPNs (an empty session only).
+
+        RC QPs whose peer is reachable are brought back to the state they were in; others stay in
+        RESET and the guest reconnects them.
+        """
+        if snapshot.memory_bytes != self.memory.size:
+            raise InvalidArgument(f"the snapshot is of {snapshot.memory_bytes} bytes of guest memory, "
+                                  f"this session has {self.memory.size}")
+        with self.lock:
+            if any(len(t) for t in (self.state.pds, self.state.cqs, self.state.mrs, self.state.qps)):
+                raise Conflict("restore needs an empty session", current_state="in_use")
+            for handle in snapshot.pds:
+                self.op_alloc_pd(verb_args.NoArgs(), handle=handle)
+            for m in snapshot.mrs:
+                self.op_reg_mr(verb_args.RegMr(pd=m.pd, addr=m.offset, length=m.length, access=m.access),
+                               handle=m.handle, vkey=m.vkey)
+            for c in snapshot.cqs:
+                self.op_create_cq(verb_args.CreateCq(cqe=c.cqe, ring=c.ring), handle=c.handle)
+            for q in snapshot.qps:
+                self.op_create_qp(verb_args.CreateQp(pd=q.pd, send_cq=q.send_cq, recv_cq=q.recv_cq, qp_type=q.qp_type,
+                                                     max_send_wr=q.max_send_wr, max_recv_wr=q.max_recv_wr,
+                                                     max_sge=q.max_sge, sq_ring=q.sq_ring, rq_ring=q.rq_ring),
+                                  handle=q.handle, vqpn=q.vqpn)
+            for q in snapshot.qps:
+                steps = {"init": 1, "rtr": 2, "rts": 3}.get(q.state, 0)
+                if q.qp_type == "rc" and steps >= 2 and q.peer_gid is None:
+                    steps = 1
+                for state in ("init", "rtr", "rts")[:steps]:
+                    self.op_modify_qp(verb_args.ModifyQp(qp=q.handle, state=state, access=q.access,  # type: ignore[arg-type]
+                                                         qkey=q.qkey, remote_gid=q.peer_gid, remote_qpn=q.peer_vqpn))
+        self.engine.wake()
+
     # ----- teardown ----------------------------------------------------------------------------
     def close(self) -> None:
         """Destroy everything: QPs, CQs, MRs, PDs, then the context. Safe to call twice."""
         with self.lock:
-            if self.closed:
+            if self._closed:
                 return
-            self.closed = True
+            self._closed = True
         self.engine.stop()
         with self.lock:
-            for _, qp in self.qps.items():
+            qps, cqs, mrs, pds = self.state.take_all()
+            for qp in qps:
                 self._destroy_qp(qp)
-            for _, cq in self.cqs.items():
-                close_quietly(cq.real, cq.channel)
-            for _, mr in self.mrs.items():
-                close_quietly(mr.real)
-            for _, pd in self.pds.items():
-                close_quietly(pd.real)
-            close_quietly(self.ctx)
-            self.mr_by_vkey.clear()
-            self.qp_by_vqpn.clear()
-            self.qp_by_phys.clear()
-            self.words.release()
-            self.view.release()
-            self.arena.close()
-            for fd in (self.arena_fd, self.doorbell_fd, self.notify_fd):
-                if fd is None:
-                    continue
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        log.info("vRNIC %s: session of pid %d closed, all objects destroyed", self.vrnic.spec.id, self.cred.pid)
+            self.device.destroy(*(cq.obj for cq in cqs))
+            self.device.destroy(*(mr.obj for mr in mrs))
+            self.device.destroy(*(pd.obj for pd in pds))
+            self.device.close()
+            self.registry.detach(self.vrnic, self)
+            self.memory.close()
+            for fd in (self.doorbell_fd, self.notify_fd):
+                if fd is not None:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+        log.info("vRNIC %s: session of pid %d closed, all objects destroyed", self.vrnic_id, self.cred.pid)

@@ -31,6 +31,15 @@ class HandleTable(Generic[T]):
                     self._objects[handle] = obj
                     return handle
 
+    def put(self, handle: int, obj: T) -> None:
+        """Insert under a known handle (a session restored from a snapshot keeps its guest's handles)."""
+        if handle <= 0 or handle >= 1 << self._bits:
+            raise InvalidArgument(f"{self.kind} handle {handle} is out of range")
+        with self._lock:
+            if handle in self._objects:
+                raise InvalidArgument(f"{self.kind} handle {handle} is already in use")
+            self._objects[handle] = obj
+
     def get(self, handle: object) -> T:
         if not isinstance(handle, int) or isinstance(handle, bool):
             raise InvalidArgument(f"{self.kind} handle must be an integer, not {type(handle).__name__}")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import StrEnum
 
 from vrnic.core.specs import Quota
@@ -45,6 +47,30 @@ class QuotaLedger:
             raise InvalidArgument(f"cannot refund a negative amount of {resource}")
         with self._lock:
             self._used[resource] = max(0, self._used[resource] - amount)
+
+    @contextmanager
+    def reserve(self, *charges: tuple[Resource, int]) -> Iterator[None]:
+        """Charge all of charges or none; refund them if the block raises, keep them if it returns.
+
+            with ledger.reserve((Resource.MR, 1), (Resource.PINNED_BYTES, length)):
+                mr = edge.reg_mr(...)   # a failure here leaves the ledger as it was
+        """
+        taken: list[tuple[Resource, int]] = []
+        try:
+            for resource, amount in charges:
+                self.charge(resource, amount)
+                taken.append((resource, amount))
+            yield
+        except BaseException:
+            for resource, amount in reversed(taken):
+                self.refund(resource, amount)
+            raise
+
+    def restore(self, used: dict[str, int]) -> None:
+        """Set the counts from a snapshot (a session re-created elsewhere); limits are not re-checked."""
+        with self._lock:
+            for resource in Resource:
+                self._used[resource] = max(0, int(used.get(str(resource), 0)))
 
     def check_cqe(self, cqe: int) -> None:
         if cqe < 1:

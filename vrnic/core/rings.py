@@ -27,6 +27,7 @@ MAX_SGE = 4
 class RingFlags(IntFlag):
     OVERFLOW = 1  # the consumer fell behind and completions were lost
     CORRUPT = 2  # the indices made no sense; the queue is dead
+    FAILED = 4  # vrnicd's data path for this session failed; the session is being closed
 
 
 class RingCorrupt(InvalidArgument):

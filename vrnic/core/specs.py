@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from vrnic.errors import NotFound
 
 MiB = 1 << 20
 
@@ -92,3 +95,11 @@ class AttachInfo(BaseModel):
     socket_path: str | None = None  # paravirtual: vrnicd's frontend socket
     token: str | None = None  # paravirtual: one-time attach secret
     extra: dict[str, str] = {}  # mode-specific (sriov: vf index, pci address, mac...)
+
+
+def roce_v2_ipv4_gid(info: DeviceInfo, port: int = 1) -> tuple[int, str]:
+    """(index, GID) of the port's RoCE v2 IPv4-mapped GID: the one routable between hosts."""
+    for entry in next((p.gids for p in info.ports if p.port == port), []):
+        if entry.type == "RoCE v2" and ipaddress.IPv6Address(entry.gid).ipv4_mapped is not None:
+            return entry.index, entry.gid
+    raise NotFound(f"{info.name} port {port} has no RoCE v2 IPv4 GID (is an address set on its netdev?)")

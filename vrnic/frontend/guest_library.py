@@ -221,6 +221,8 @@ class CQ(_Resource):
             raise DeviceError("CQ overflow: completions were lost", errno.EOVERFLOW)
         if self.ring.flags & RingFlags.CORRUPT:
             raise DeviceError("the CQ ring was corrupted; vrnicd stopped it", errno.EIO)
+        if self.ring.flags & RingFlags.FAILED:
+            raise DeviceError("vrnicd's data path for this vRNIC failed; the session is closed", errno.EIO)
         return [unpack_completion(slot) for slot in self.ring.consume(max_entries)]
 
     def wait(self, count: int = 1, timeout: float = 10.0, spin: int = 20) -> list[Completion]:

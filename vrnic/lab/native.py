@@ -18,7 +18,8 @@ from pyverbs.pd import PD
 from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 from pyverbs.wr import SGE, RecvWR, SendWR
 
-from vrnic.backend.pyverbs_edge import describe, roce_v2_ipv4_gid
+from vrnic.backend.pyverbs_edge import describe
+from vrnic.core.specs import roce_v2_ipv4_gid
 from vrnic.errors import DeviceError
 
 ACCESS = (e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ

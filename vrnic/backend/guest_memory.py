@@ -1,0 +1,51 @@
+"""A guest's memory as vrnicd maps it: today a container's sealed memfd arena.
+
+vrnicd maps the same file the guest maps and registers MRs at its own mapping;
+guests address that memory by offset. The file must be sealed against
+shrinking, or a guest could make vrnicd fault (SIGBUS) by truncating it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import mmap
+import os
+
+from vrnic.core.rings import index_words
+from vrnic.errors import InvalidArgument
+
+REQUIRED_SEALS = fcntl.F_SEAL_SHRINK
+
+
+class GuestMemory:
+    """Owns the fd and the mapping; close() unmaps and closes both."""
+
+    def __init__(self, fd: int) -> None:
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError as exc:
+            raise InvalidArgument(f"the arena must be a memfd ({os.strerror(exc.errno or 0)})") from None
+        if not seals & REQUIRED_SEALS:
+            raise InvalidArgument("the arena memfd must be sealed against shrinking (F_SEAL_SHRINK)")
+        size = os.fstat(fd).st_size
+        if size <= 0 or size % mmap.PAGESIZE:
+            raise InvalidArgument(f"the arena must be a positive number of pages, not {size} bytes")
+        self.fd = fd
+        self.size = size
+        self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        anchor = ctypes.c_char.from_buffer(self._map)
+        self.base = ctypes.addressof(anchor)  # where guest offset 0 lives in vrnicd
+        del anchor  # an exported buffer would keep the mapping from ever closing
+        self.view = memoryview(self._map)
+        self.words = index_words(self.view)  # 32-bit view for ring indices
+
+    def close(self) -> None:
+        if self._map.closed:
+            return
+        self.words.release()
+        self.view.release()
+        self._map.close()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)

@@ -1,0 +1,261 @@
+"""A vRNIC session's state as plain data: handles, object tables, quota ledger, identity translations.
+
+No I/O here. Each entry carries the facts about one object (its handle, virtual
+key or QPN, ring offsets, who uses it) plus `obj`, the opaque object the RNIC
+edge returned for it. The session (vrnic.backend.session) pairs every edge call
+with one of the add/take methods below; snapshot() gives everything needed to
+re-create the session elsewhere (live migration), without the edge objects.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from vrnic.core.handles import HandleTable
+from vrnic.core.quota import QuotaLedger, Resource
+from vrnic.core.rings import Ring
+from vrnic.core.specs import Quota
+from vrnic.core.translate import MrWindow, validate_region
+from vrnic.errors import Conflict
+
+VQPN_LIMIT = 1 << 24  # QPNs are 24 bits on the wire
+
+
+@dataclass(eq=False)
+class PdEntry:
+    obj: Any = field(default=None, repr=False)
+    handle: int = 0
+    users: int = 0  # MRs and QPs on it: a PD in use cannot be deallocated
+
+
+@dataclass(eq=False)
+class CqEntry:
+    cqe: int
+    ring: Ring = field(repr=False)
+    obj: Any = field(default=None, repr=False)  # the edge's CQ, with its completion channel
+    handle: int = 0
+    users: int = 0  # QPs using it
+    armed: bool = False  # completion notification requested and not yet delivered
+
+
+@dataclass(eq=False)
+class MrEntry:
+    window: MrWindow
+    pd: PdEntry
+    obj: Any = field(default=None, repr=False)
+    handle: int = 0
+
+
+@dataclass(eq=False)
+class QpEntry:
+    vqpn: int
+    qp_type: str  # "rc" or "ud"
+    phys_qpn: int
+    pd: PdEntry
+    send_cq: CqEntry
+    recv_cq: CqEntry
+    sq: Ring = field(repr=False)
+    rq: Ring = field(repr=False)
+    max_sge: int = 1
+    obj: Any = field(default=None, repr=False)
+    handle: int = 0
+    state: str = "reset"
+    access: int = 0
+    qkey: int = 0
+    peer_id: str | None = None  # the connected peer vRNIC (RC), whose MRs RDMA may name
+    peer_gid: str | None = None  # its virtual identity, as the guest named it
+    peer_vqpn: int | None = None
+    ahs: dict[tuple[str, int], Any] = field(default_factory=dict, repr=False)  # UD address handles
+    pending: list[Any] = field(default_factory=list, repr=False)  # WRs the NIC refused for lack of room
+    grh_at: dict[int, int] = field(default_factory=dict, repr=False)  # UD recv wr_id -> address of its GRH
+
+
+# ----- snapshots: plain, JSON-able records -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MrRecord:
+    handle: int
+    pd: int
+    vkey: int
+    offset: int
+    length: int
+    access: int
+
+
+@dataclass(frozen=True)
+class CqRecord:
+    handle: int
+    cqe: int
+    ring: int  # offset of the guest's CQ ring in its memory
+
+
+@dataclass(frozen=True)
+class QpRecord:
+    handle: int
+    vqpn: int
+    qp_type: str
+    pd: int
+    send_cq: int
+    recv_cq: int
+    sq_ring: int
+    rq_ring: int
+    max_send_wr: int
+    max_recv_wr: int
+    max_sge: int
+    state: str
+    access: int
+    qkey: int
+    peer_gid: str | None
+    peer_vqpn: int | None
+
+
+@dataclass(frozen=True)
+class SessionSnapshot:
+    """Everything a guest can name in its vRNIC, in creation order, and what it has used of its quota."""
+
+    memory_bytes: int
+    pds: tuple[int, ...]
+    mrs: tuple[MrRecord, ...]
+    cqs: tuple[CqRecord, ...]
+    qps: tuple[QpRecord, ...]
+    used: dict[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SessionSnapshot:
+        return cls(memory_bytes=int(data["memory_bytes"]), pds=tuple(int(h) for h in data["pds"]),
+                   mrs=tuple(MrRecord(**m) for m in data["mrs"]), cqs=tuple(CqRecord(**c) for c in data["cqs"]),
+                   qps=tuple(QpRecord(**q) for q in data["qps"]), used=dict(data["used"]))
+
+
+class SessionState:
+    """The tables of one session. Callers hold the session lock; this class only keeps them consistent."""
+
+    def __init__(self, quota: Quota, memory_bytes: int) -> None:
+        self.quota = quota
+        self.memory_bytes = memory_bytes
+        self.ledger = QuotaLedger(quota)
+        self.pds: HandleTable[PdEntry] = HandleTable("PD")
+        self.cqs: HandleTable[CqEntry] = HandleTable("CQ")
+        self.mrs: HandleTable[MrEntry] = HandleTable("MR")
+        self.qps: HandleTable[QpEntry] = HandleTable("QP")
+        self.mr_by_vkey: dict[int, MrWindow] = {}
+        self.qp_by_vqpn: dict[int, QpEntry] = {}
+        self.qp_by_phys: dict[int, QpEntry] = {}
+
+    # ----- identities ----------------------------------------------------------------------------
+    def check_region(self, offset: int, length: int, what: str) -> None:
+        validate_region(offset, length, self.memory_bytes, what)
+
+    def new_vkey(self) -> int:
+        while True:
+            key = secrets.randbits(32) or 1
+            if key not in self.mr_by_vkey:
+                return key
+
+    def new_vqpn(self) -> int:
+        while True:
+            vqpn = secrets.randbelow(VQPN_LIMIT - 2) + 2  # 0 and 1 are special QPNs in verbs
+            if vqpn not in self.qp_by_vqpn:
+                return vqpn
+
+    # ----- PDs -----------------------------------------------------------------------------------
+    def add_pd(self, pd: PdEntry, handle: int | None = None) -> int:
+        pd.handle = self._insert(self.pds, pd, handle)
+        return pd.handle
+
+    def take_pd(self, handle: object) -> PdEntry:
+        pd = self.pds.get(handle)
+        if pd.users:
+            raise Conflict(f"PD {handle} still has {pd.users} MR(s)/QP(s)", current_state="in_use")
+        self.pds.pop(handle)
+        self.ledger.refund(Resource.PD)
+        return pd
+
+    # ----- MRs -----------------------------------------------------------------------------------
+    def add_mr(self, mr: MrEntry, handle: int | None = None) -> int:
+        mr.handle = self._insert(self.mrs, mr, handle)
+        mr.pd.users += 1
+        self.mr_by_vkey[mr.window.vkey] = mr.window
+        return mr.handle
+
+    def take_mr(self, handle: object) -> MrEntry:
+        mr = self.mrs.pop(handle)
+        self._forget_mr(mr)
+        return mr
+
+    def _forget_mr(self, mr: MrEntry) -> None:
+        self.mr_by_vkey.pop(mr.window.vkey, None)
+        mr.pd.users -= 1
+        self.ledger.refund(Resource.MR)
+        self.ledger.refund(Resource.PINNED_BYTES, mr.window.length)
+
+    # ----- CQs -----------------------------------------------------------------------------------
+    def add_cq(self, cq: CqEntry, handle: int | None = None) -> int:
+        cq.handle = self._insert(self.cqs, cq, handle)
+        return cq.handle
+
+    def take_cq(self, handle: object) -> CqEntry:
+        cq = self.cqs.get(handle)
+        if cq.users:
+            raise Conflict(f"CQ {handle} is still used by {cq.users} QP(s)", current_state="in_use")
+        self.cqs.pop(handle)
+        self.ledger.refund(Resource.CQ)
+        return cq
+
+    # ----- QPs -----------------------------------------------------------------------------------
+    def add_qp(self, qp: QpEntry, handle: int | None = None) -> int:
+        qp.handle = self._insert(self.qps, qp, handle)
+        qp.pd.users += 1
+        qp.send_cq.users += 1
+        qp.recv_cq.users += 1
+        self.qp_by_vqpn[qp.vqpn] = qp
+        self.qp_by_phys[qp.phys_qpn] = qp
+        return qp.handle
+
+    def take_qp(self, handle: object) -> QpEntry:
+        qp = self.qps.pop(handle)
+        self._forget_qp(qp)
+        return qp
+
+    def _forget_qp(self, qp: QpEntry) -> None:
+        self.qp_by_vqpn.pop(qp.vqpn, None)
+        self.qp_by_phys.pop(qp.phys_qpn, None)
+        qp.pd.users -= 1
+        qp.send_cq.users -= 1
+        qp.recv_cq.users -= 1
+        self.ledger.refund(Resource.QP)
+
+    # ----- everything ----------------------------------------------------------------------------
+    def take_all(self) -> tuple[list[QpEntry], list[CqEntry], list[MrEntry], list[PdEntry]]:
+        """Empty every table, in the order objects must be destroyed: QPs, CQs, MRs, PDs."""
+        qps = [self.take_qp(h) for h, _ in self.qps.items()]
+        cqs = [self.take_cq(h) for h, _ in self.cqs.items()]
+        mrs = [self.take_mr(h) for h, _ in self.mrs.items()]
+        pds = [self.take_pd(h) for h, _ in self.pds.items()]
+        return qps, cqs, mrs, pds
+
+    def snapshot(self) -> SessionSnapshot:
+        return SessionSnapshot(
+            memory_bytes=self.memory_bytes,
+            pds=tuple(h for h, _ in self.pds.items()),
+            mrs=tuple(MrRecord(h, m.pd.handle, m.window.vkey, m.window.offset, m.window.length, int(m.window.access))
+                      for h, m in self.mrs.items()),
+            cqs=tuple(CqRecord(h, c.cqe, c.ring.offset) for h, c in self.cqs.items()),
+            qps=tuple(QpRecord(h, q.vqpn, q.qp_type, q.pd.handle, q.send_cq.handle, q.recv_cq.handle, q.sq.offset,
+                               q.rq.offset, q.sq.entries, q.rq.entries, q.max_sge, q.state, q.access, q.qkey,
+                               q.peer_gid, q.peer_vqpn)
+                      for h, q in self.qps.items()),
+            used=self.ledger.used())
+
+    @staticmethod
+    def _insert(table: HandleTable[Any], entry: Any, handle: int | None) -> int:
+        if handle is None:
+            return table.add(entry)
+        table.put(handle, entry)
+        return handle
+
