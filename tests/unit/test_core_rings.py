@@ -309,7 +309,7 @@ def test_flags_set_read_and_reset() -> None:
 
 def test_unknown_flag_bits_written_by_a_guest_are_ignored() -> None:
     buf, ring = make_ring(2)
-    struct.pack_into("<I", buf, 128, 0xFFFF_FFF4)
+    struct.pack_into("<I", buf, 128, 0xFFFF_FFF8)
     assert ring.flags == RingFlags(0)
     ring.set_flag(RingFlags.CORRUPT)
     assert ring.flags == RingFlags.CORRUPT

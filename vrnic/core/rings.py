@@ -104,7 +104,7 @@ class Ring:
 
     @property
     def flags(self) -> RingFlags:
-        return RingFlags(self._index(_FLAGS) & 0x3)
+        return RingFlags(self._index(_FLAGS) & 0x7)
 
     def set_flag(self, flag: RingFlags) -> None:
         self._set_index(_FLAGS, self._index(_FLAGS) | flag)
