@@ -9,17 +9,14 @@ completion the guest saw. The kernel tier repeats the important ones on rxe.
 from __future__ import annotations
 
 import ipaddress
-import itertools
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 
 from vrnic.backend.drivers.paravirtual import VerbsDriver
 from vrnic.backend.fake_edge import FakeContext, FakeEdge
-from vrnic.core.specs import AttachInfo, Quota, VrnicSpec
-from vrnic.core.vaddr import make_virtual_gid
+from vrnic.core.specs import AttachInfo
 from vrnic.errors import DeviceError
 from vrnic.frontend import (
     CQ,
@@ -39,32 +36,6 @@ from vrnic.frontend import (
 
 ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ | Access.REMOTE_ATOMIC
 ARENA = 1 << 20
-_serial = itertools.count(1)
-
-
-@pytest.fixture
-def edge() -> FakeEdge:
-    return FakeEdge()
-
-
-@pytest.fixture
-def driver(edge: FakeEdge, tmp_path: Path) -> Iterator[VerbsDriver]:
-    drv = VerbsDriver(socket_path=tmp_path / "vrnicd.sock", edge=edge)
-    yield drv
-    drv.close()
-    assert not edge.live, "objects left on the fake NIC"
-    assert edge.open_contexts == 0, "device contexts left open"
-
-
-@pytest.fixture
-def make_vrnic(driver: VerbsDriver) -> Callable[..., AttachInfo]:
-    def make(tenant: str = "t1", vpc: int = 1, device: str = "fake0", **quota: int) -> AttachInfo:
-        serial = next(_serial)
-        spec = VrnicSpec(id=f"v{serial}", tenant=tenant, vpc_id=vpc, quota=Quota(**quota),
-                         virtual_gid=make_virtual_gid(vpc, serial))
-        return driver.create_vrnic(spec, device)
-
-    return make
 
 
 class Guest:

@@ -19,7 +19,7 @@ import struct
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from vrnic.backend.rnic_edge import (
     PORT,
@@ -42,6 +42,7 @@ from vrnic.errors import DeviceError, NotFound
 WC_GRH = 1
 GRH_BYTES = 40
 _ATOMIC = struct.Struct("<Q")
+_T = TypeVar("_T")
 
 
 @dataclass(eq=False)
@@ -124,7 +125,7 @@ class FakeContext(DeviceContext):
         self.gid = edge.gids[name]
         self.closed = False
 
-    def _new(self, obj: Any) -> Any:
+    def _new(self, obj: _T) -> _T:
         self.edge.live.add(id(obj))
         return obj
 

@@ -254,7 +254,7 @@ class GuestSession:
         if qp.qp_type != "rc":
             raise InvalidArgument("connect is for RC QPs; UD QPs name their peer per work request")
         for state in ("init", "rtr", "rts"):
-            self.op_modify_qp(verb_args.ModifyQp(qp=args.qp, state=state, access=args.access,  # type: ignore[arg-type]
+            self.op_modify_qp(verb_args.ModifyQp(qp=args.qp, state=state, access=args.access,
                                                  remote_gid=args.remote_gid, remote_qpn=args.remote_qpn))
         return {"state": "rts"}
 
@@ -326,10 +326,12 @@ class GuestSession:
             for c in snapshot.cqs:
                 self.op_create_cq(verb_args.CreateCq(cqe=c.cqe, ring=c.ring), handle=c.handle)
             for q in snapshot.qps:
-                self.op_create_qp(verb_args.CreateQp(pd=q.pd, send_cq=q.send_cq, recv_cq=q.recv_cq, qp_type=q.qp_type,
-                                                     max_send_wr=q.max_send_wr, max_recv_wr=q.max_recv_wr,
-                                                     max_sge=q.max_sge, sq_ring=q.sq_ring, rq_ring=q.rq_ring),
-                                  handle=q.handle, vqpn=q.vqpn)
+                # Validated like a guest's request: a snapshot comes from another host.
+                args = verb_args.CreateQp.model_validate(
+                    {"pd": q.pd, "send_cq": q.send_cq, "recv_cq": q.recv_cq, "qp_type": q.qp_type,
+                     "max_send_wr": q.max_send_wr, "max_recv_wr": q.max_recv_wr, "max_sge": q.max_sge,
+                     "sq_ring": q.sq_ring, "rq_ring": q.rq_ring})
+                self.op_create_qp(args, handle=q.handle, vqpn=q.vqpn)
             for q in snapshot.qps:
                 steps = {"init": 1, "rtr": 2, "rts": 3}.get(q.state, 0)
                 if q.qp_type == "rc" and steps >= 2 and q.peer_gid is None:

@@ -1,0 +1,128 @@
+"""The session's state can be snapshotted and re-created elsewhere (what live migration needs), on the fake edge."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import mmap
+import os
+import time
+from collections.abc import Callable
+
+import pytest
+
+from vrnic.backend.attachment import PeerCred
+from vrnic.backend.drivers.paravirtual import VerbsDriver
+from vrnic.backend.fake_edge import FakeEdge
+from vrnic.backend.guest_memory import REQUIRED_SEALS
+from vrnic.backend.session import GuestSession
+from vrnic.core.rings import pack_send
+from vrnic.core.session_state import SessionSnapshot
+from vrnic.core.specs import AttachInfo
+from vrnic.core.verb_args import Attach
+from vrnic.errors import Conflict, InvalidArgument
+from vrnic.frontend import CQ, MR, PD, QP, Access, Context, RecvRequest, SendRequest, WcStatus, WrOpcode
+
+ARENA = 1 << 20
+ME = PeerCred(os.getpid(), os.getuid(), os.getgid())
+
+
+def guest_fds(size: int = ARENA) -> list[int]:
+    memfd = os.memfd_create("guest", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    os.ftruncate(memfd, size)
+    fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, REQUIRED_SEALS)
+    return [memfd, os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)]
+
+
+def session_of(driver: VerbsDriver, info: AttachInfo) -> GuestSession:
+    vrnic = driver.registry.by_token(info.token or "")
+    assert isinstance(vrnic.session, GuestSession)
+    return vrnic.session
+
+
+def test_a_session_restored_from_its_snapshot_keeps_every_guest_visible_name(
+        make_vrnic: Callable[..., AttachInfo], driver: VerbsDriver, edge: FakeEdge) -> None:
+    info_a, info_b = make_vrnic(), make_vrnic(device="fake1")
+    with Context.attach(info_b, ARENA) as cb:
+        pd_b, cq_b = PD(cb), CQ(cb, 16)
+        mr_b = MR(pd_b, 4096, Access.LOCAL_WRITE | Access.REMOTE_WRITE)
+        qp_b = QP(pd_b, cq_b, cq_b)
+        with Context.attach(info_a, ARENA) as ca:
+            pd_a, cq_a = PD(ca), CQ(ca, 16)
+            mr_a = MR(pd_a, 8192, Access.LOCAL_WRITE)
+            qp_a = QP(pd_a, cq_a, cq_a)
+            idle = QP(pd_a, cq_a, cq_a, qp_type="ud")
+            idle.modify("init")
+            qp_a.connect(cb.gid, qp_b.qpn)
+            qp_b.connect(ca.gid, qp_a.qpn)
+            before = session_of(driver, info_a).snapshot()
+            wire = json.dumps(before.to_dict())  # it travels as plain data
+            ca.close()  # the guest leaves this host, its kernel objects go
+
+            session = driver.open_session(Attach(token=info_a.token or ""), guest_fds(), ME)
+            session.restore(SessionSnapshot.from_dict(json.loads(wire)))
+            after = session.snapshot()
+            assert after == before
+            assert {q.handle: q.state for q in after.qps} == {qp_a.handle: "rts", idle.handle: "init"}
+            assert after.used == {"pd": 1, "cq": 1, "qp": 2, "mr": 1, "pinned_bytes": 8192}
+            # The restored QP really is connected: an RDMA WRITE named by the guest's old keys lands in Bob.
+            restored = session.state.qps.get(qp_a.handle)
+            assert restored.peer_gid == cb.gid
+            session.memory.view[mr_a.addr:mr_a.addr + 5] = b"moved"
+            sq_slot = SendRequest(1, WrOpcode.RDMA_WRITE, (mr_a.sge(0, 5),), remote_addr=mr_b.addr, rkey=mr_b.rkey)
+            assert restored.sq.produce(pack_send(sq_slot))
+            session.handle("sync", {})
+            ring = session.state.cqs.get(cq_a.handle).ring
+            deadline = time.monotonic() + 5
+            while ring.count() == 0 and time.monotonic() < deadline:  # the engine moves the completion over
+                time.sleep(0.005)
+            assert ring.count() == 1
+            assert mr_b.read(5) == b"moved"
+            session.close()
+        del pd_a, mr_a, idle
+    assert not edge.live
+
+
+def test_restore_refuses_a_session_in_use_or_of_another_size(make_vrnic: Callable[..., AttachInfo],
+                                                            driver: VerbsDriver) -> None:
+    info = make_vrnic()
+    with Context.attach(info, ARENA) as ctx:
+        PD(ctx)
+        snap = session_of(driver, info).snapshot()
+        with pytest.raises(Conflict):
+            session_of(driver, info).restore(snap)
+    session = driver.open_session(Attach(token=info.token or ""), guest_fds(2 * ARENA), ME)
+    try:
+        with pytest.raises(InvalidArgument, match="bytes of guest memory"):
+            session.restore(snap)
+    finally:
+        session.close()
+
+
+def test_guest_memory_must_be_a_sealed_whole_number_of_pages(make_vrnic: Callable[..., AttachInfo],
+                                                             driver: VerbsDriver, edge: FakeEdge) -> None:
+    info = make_vrnic()
+    unsealed = os.memfd_create("guest", os.MFD_CLOEXEC)
+    os.ftruncate(unsealed, ARENA)
+    with pytest.raises(InvalidArgument, match="sealed"):
+        driver.open_session(Attach(token=info.token or ""), [unsealed, os.eventfd(0)], ME)
+    odd = guest_fds(mmap.PAGESIZE)
+    os.close(odd[0])
+    memfd = os.memfd_create("guest", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    os.ftruncate(memfd, 100)
+    fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, REQUIRED_SEALS)
+    with pytest.raises(InvalidArgument, match="number of pages"):
+        driver.open_session(Attach(token=info.token or ""), [memfd, odd[1]], ME)
+    assert driver.attached_ids() == set()
+    assert edge.open_contexts == 0
+
+
+def test_a_rejected_recv_and_send_complete_with_errors_in_order(make_vrnic: Callable[..., AttachInfo]) -> None:
+    with Context.attach(make_vrnic(), ARENA) as ctx:
+        pd, cq = PD(ctx), CQ(ctx, 16)
+        mr = MR(pd, 4096)
+        qp = QP(pd, cq, cq)
+        qp.modify("init")
+        bad = type(mr.sge())(mr.addr, 8, mr.lkey ^ 0xFFFF)
+        qp.post_recv(RecvRequest(1, (bad,)))
+        assert [(c.wr_id, c.status) for c in cq.wait(1)] == [(1, WcStatus.LOC_PROT_ERR)]
