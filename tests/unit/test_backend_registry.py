@@ -1,0 +1,118 @@
+"""The registry: the only place sessions meet, under one lock and one isolation rule."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from vrnic.backend.registry import Registry, VirtualRnic, reachable
+from vrnic.core.rings import Access
+from vrnic.core.specs import VrnicSpec
+from vrnic.core.translate import MrWindow
+from vrnic.core.vaddr import make_virtual_gid
+from vrnic.errors import Conflict, NotFound
+
+
+class Session:
+    def close(self) -> None:
+        pass
+
+
+def vrnic(serial: int, tenant: str = "t", vpc: int = 1, phys_gid: str = "::ffff:10.0.0.1") -> VirtualRnic:
+    spec = VrnicSpec(id=f"v{serial}", tenant=tenant, vpc_id=vpc, virtual_gid=make_virtual_gid(vpc, serial))
+    return VirtualRnic(spec=spec, device="d", token=f"tok{serial}", phys_gid=phys_gid, gid_index=1)
+
+
+def attached(registry: Registry, *vrnics: VirtualRnic) -> None:
+    for v in vrnics:
+        registry.add(v)
+        registry.attach(v, Session())
+
+
+def test_reachable_means_same_tenant_and_same_vpc() -> None:
+    a = vrnic(1).spec
+    assert reachable(a, vrnic(2).spec)
+    assert not reachable(a, vrnic(3, tenant="other").spec)
+    assert not reachable(a, vrnic(4, vpc=2).spec)
+
+
+def test_a_peer_is_found_only_when_attached_and_reachable() -> None:
+    registry = Registry()
+    a, b, c, d = vrnic(1), vrnic(2), vrnic(3, tenant="other"), vrnic(4, vpc=2)
+    attached(registry, a, c, d)
+    registry.add(b)  # allocated, no guest yet
+    for target in (b, c, d):
+        with pytest.raises(NotFound, match="no reachable vRNIC"):
+            registry.peer(a, target.spec.virtual_gid)
+    registry.attach(b, Session())
+    assert registry.peer(a, b.spec.virtual_gid) is b
+
+
+def test_one_guest_per_vrnic_and_detach_withdraws_everything() -> None:
+    registry = Registry()
+    a, b = vrnic(1), vrnic(2)
+    attached(registry, a, b)
+    with pytest.raises(Conflict):
+        registry.attach(b, Session())
+    registry.publish_qp(b, 77, 1234)
+    window = MrWindow(vkey=9, offset=0, length=64, access=Access.REMOTE_WRITE, phys_lkey=1, phys_rkey=2, base=0)
+    registry.publish_mr(b, window)
+    assert registry.peer_qp(a, b.spec.virtual_gid, 77) == (b, 1234)
+    assert registry.peer_mrs(b.spec.id).get(9) == window
+    assert registry.virtual_qpn(a, 1234, b.phys_gid) == 77
+    registry.detach(b, b.session)  # type: ignore[arg-type]
+    assert registry.attached_ids() == {a.spec.id}
+    assert registry.peer_mrs(b.spec.id).get(9) is None
+    assert registry.virtual_qpn(a, 1234, b.phys_gid) == 0
+
+
+def test_udp_source_lookup_is_narrowed_by_gid_and_isolated() -> None:
+    registry = Registry()
+    a = vrnic(1)
+    b = vrnic(2, phys_gid="::ffff:10.0.0.2")
+    c = vrnic(3, phys_gid="::ffff:10.0.0.3")
+    m = vrnic(4, tenant="mallory", phys_gid="::ffff:10.0.0.4")
+    attached(registry, a, b, c, m)
+    registry.publish_qp(b, 20, 500)
+    registry.publish_qp(c, 30, 500)  # same physical QPN on another device
+    registry.publish_qp(m, 40, 600)
+    assert registry.virtual_qpn(a, 500, b.phys_gid) == 20
+    assert registry.virtual_qpn(a, 500, c.phys_gid) == 30
+    assert registry.virtual_qpn(a, 500, None) == 0  # ambiguous without a GID
+    assert registry.virtual_qpn(a, 600, m.phys_gid) == 0  # another tenant's QPN is never revealed
+    assert registry.virtual_qpn(m, 600, m.phys_gid) == 40
+
+
+def test_lookups_race_with_destroys_without_errors() -> None:
+    """Before the registry owned this index, a QP destroyed mid-lookup raised KeyError in a guest's engine."""
+    registry = Registry()
+    a, b = vrnic(1), vrnic(2, phys_gid="::ffff:10.0.0.2")
+    attached(registry, a, b)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def churn() -> None:
+        while not stop.is_set():
+            for qpn in range(50):
+                registry.publish_qp(b, qpn + 2, 1000 + qpn)
+            for qpn in range(50):
+                registry.withdraw_qp(b, qpn + 2)
+
+    def look() -> None:
+        try:
+            for _ in range(20000):
+                assert registry.virtual_qpn(a, 1000 + _ % 50, None) in (0, _ % 50 + 2)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    writer = threading.Thread(target=churn)
+    readers = [threading.Thread(target=look) for _ in range(2)]
+    writer.start()
+    for r in readers:
+        r.start()
+    for r in readers:
+        r.join()
+    stop.set()
+    writer.join()
+    assert errors == []

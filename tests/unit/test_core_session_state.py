@@ -1,0 +1,102 @@
+"""A session's state as pure data: tables, quota ledger reservations, snapshots."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vrnic.core.quota import QuotaLedger, Resource
+from vrnic.core.rings import CQ_SLOT, RQ_SLOT, SQ_SLOT, Access, Ring
+from vrnic.core.session_state import CqEntry, MrEntry, PdEntry, QpEntry, SessionSnapshot, SessionState
+from vrnic.core.specs import Quota
+from vrnic.core.translate import MrWindow
+from vrnic.errors import Conflict, InvalidArgument, NotFound, QuotaExceeded
+
+MEMORY = bytearray(1 << 16)
+
+
+def ring(offset: int, entries: int, slot: object) -> Ring:
+    return Ring(memoryview(MEMORY), offset, entries, slot)  # type: ignore[arg-type]
+
+
+def populated() -> tuple[SessionState, PdEntry, CqEntry, MrEntry, QpEntry]:
+    state = SessionState(Quota(), len(MEMORY))
+    pd = PdEntry()
+    state.add_pd(pd)
+    cq = CqEntry(8, ring(0, 8, CQ_SLOT))
+    state.add_cq(cq)
+    window = MrWindow(vkey=state.new_vkey(), offset=8192, length=4096, access=Access.LOCAL_WRITE, phys_lkey=5,
+                      phys_rkey=6, base=0)
+    mr = MrEntry(window, pd)
+    state.add_mr(mr)
+    qp = QpEntry(state.new_vqpn(), "rc", 4242, pd, cq, cq, ring(16384, 4, SQ_SLOT), ring(32768, 4, RQ_SLOT))
+    state.add_qp(qp)
+    return state, pd, cq, mr, qp
+
+
+def test_reserve_keeps_charges_on_success_and_refunds_them_on_failure() -> None:
+    ledger = QuotaLedger(Quota(max_mrs=2, max_pinned_bytes=100))
+    with ledger.reserve((Resource.MR, 1), (Resource.PINNED_BYTES, 60)):
+        pass
+    with pytest.raises(RuntimeError), ledger.reserve((Resource.MR, 1), (Resource.PINNED_BYTES, 30)):
+        raise RuntimeError("the device refused")
+    assert ledger.used()["mr"] == 1 and ledger.used()["pinned_bytes"] == 60
+    with pytest.raises(QuotaExceeded), ledger.reserve((Resource.MR, 1), (Resource.PINNED_BYTES, 41)):
+        pytest.fail("the block must not run when a charge is refused")
+    assert ledger.used()["mr"] == 1, "a refused second charge gives back the first"
+
+
+def test_objects_in_use_cannot_be_taken_and_taking_refunds() -> None:
+    state, pd, cq, mr, qp = populated()
+    state.ledger.restore({"pd": 1, "cq": 1, "mr": 1, "qp": 1, "pinned_bytes": 4096})
+    with pytest.raises(Conflict):
+        state.take_pd(pd.handle)
+    with pytest.raises(Conflict):
+        state.take_cq(cq.handle)
+    assert (pd.users, cq.users) == (2, 2)
+    assert state.qp_by_phys[4242] is qp and state.mr_by_vkey[mr.window.vkey] is mr.window
+    state.take_qp(qp.handle)
+    state.take_mr(mr.handle)
+    assert (pd.users, cq.users) == (0, 0)
+    assert not state.qp_by_phys and not state.qp_by_vqpn and not state.mr_by_vkey
+    with pytest.raises(NotFound):
+        state.take_qp(qp.handle)
+    state.take_cq(cq.handle)
+    state.take_pd(pd.handle)
+    assert set(state.ledger.used().values()) == {0}
+
+
+def test_take_all_returns_everything_in_destroy_order() -> None:
+    state, pd, cq, mr, qp = populated()
+    assert state.take_all() == ([qp], [cq], [mr], [pd])
+    assert not any(len(t) for t in (state.pds, state.cqs, state.mrs, state.qps))
+
+
+def test_snapshots_are_plain_data_that_round_trip() -> None:
+    state, pd, cq, mr, qp = populated()
+    qp.state, qp.peer_gid, qp.peer_vqpn = "rts", "fd76:726e:1::2", 99
+    snap = state.snapshot()
+    again = SessionSnapshot.from_dict(json.loads(json.dumps(snap.to_dict())))
+    assert again == snap
+    (q,) = snap.qps
+    assert (q.handle, q.vqpn, q.pd, q.send_cq, q.sq_ring, q.rq_ring, q.state, q.peer_vqpn) == (
+        qp.handle, qp.vqpn, pd.handle, cq.handle, 16384, 32768, "rts", 99)
+    assert snap.mrs[0].vkey == mr.window.vkey and snap.cqs[0].ring == 0
+
+
+def test_restoring_under_known_handles() -> None:
+    state = SessionState(Quota(), len(MEMORY))
+    pd = PdEntry()
+    assert state.add_pd(pd, handle=12345) == 12345 and state.pds.get(12345) is pd
+    with pytest.raises(InvalidArgument):
+        state.add_pd(PdEntry(), handle=12345)
+    with pytest.raises(InvalidArgument):
+        state.add_pd(PdEntry(), handle=0)
+
+
+def test_regions_must_lie_in_guest_memory() -> None:
+    state = SessionState(Quota(), 4096)
+    state.check_region(0, 4096, "MR")
+    with pytest.raises(InvalidArgument):
+        state.check_region(1, 4096, "MR")
