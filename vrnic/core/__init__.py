@@ -1,1 +1,1 @@
-"""Pure logic: models, quotas, virtual addressing, state machines. No I/O in here."""
+"""Pure logic: specs, quotas, session state, virtual addressing, rings, the guest protocol, state machines. No I/O."""

@@ -1,6 +1,6 @@
-"""The control plane's state: SQLAlchemy 2 typed models (SQLite by default, PostgreSQL supported).
+"""The control plane's state: SQLAlchemy 2 typed tables (SQLite by default, PostgreSQL supported).
 
-Schema changes go through Alembic (migrations/); a test fails when these models and the
+Schema changes go through Alembic (migrations/); a test fails when these tables and the
 migrations drift apart.
 """
 
