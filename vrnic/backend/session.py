@@ -219,16 +219,14 @@ class GuestSession:
         if args.state == "init":
             self.device.qp_to_init(qp.obj, qp.qp_type, args.access, args.qkey)
             qp.access, qp.qkey = args.access, args.qkey
+        elif args.state == "rtr" and qp.qp_type == "ud":
+            self.device.qp_to_rtr(qp.obj, qp.qp_type, None)  # UD destinations come per WR
         elif args.state == "rtr":
-            params = None
-            if qp.qp_type == "rc":
-                peer, phys_qpn = self._resolve(args.remote_gid, args.remote_qpn)
-                params = RtrParams(dgid=peer.phys_gid, sgid_index=self.vrnic.gid_index, path_mtu=args.path_mtu,
-                                   dest_qpn=phys_qpn, rq_psn=args.rq_psn, max_dest_rd_atomic=args.max_dest_rd_atomic,
-                                   min_rnr_timer=args.min_rnr_timer)
-            self.device.qp_to_rtr(qp.obj, qp.qp_type, params)
-            if qp.qp_type == "rc":
-                qp.peer_id, qp.peer_gid, qp.peer_vqpn = peer.spec.id, args.remote_gid, args.remote_qpn
+            peer, phys_qpn = self._resolve(args.remote_gid, args.remote_qpn)
+            self.device.qp_to_rtr(qp.obj, qp.qp_type, RtrParams(
+                dgid=peer.phys_gid, sgid_index=self.vrnic.gid_index, path_mtu=args.path_mtu, dest_qpn=phys_qpn,
+                rq_psn=args.rq_psn, max_dest_rd_atomic=args.max_dest_rd_atomic, min_rnr_timer=args.min_rnr_timer))
+            qp.peer_id, qp.peer_gid, qp.peer_vqpn = peer.spec.id, args.remote_gid, args.remote_qpn
         elif args.state == "rts":
             self.device.qp_to_rts(qp.obj, qp.qp_type, RtsParams(sq_psn=args.sq_psn, timeout=args.timeout,
                                                                 retry_cnt=args.retry_cnt, rnr_retry=args.rnr_retry,
