@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from vrnic.core.guest_phys import arena_layout, vm_layout
 from vrnic.core.quota import QuotaLedger, Resource
 from vrnic.core.rings import CQ_SLOT, RQ_SLOT, SQ_SLOT, Access, Ring
 from vrnic.core.session_state import CqEntry, MrEntry, PdEntry, QpEntry, SessionSnapshot, SessionState
@@ -21,16 +22,17 @@ def ring(offset: int, entries: int, slot: object) -> Ring:
 
 
 def populated() -> tuple[SessionState, PdEntry, CqEntry, MrEntry, QpEntry]:
-    state = SessionState(Quota(), len(MEMORY))
+    state = SessionState(Quota(), arena_layout(len(MEMORY)))
     pd = PdEntry()
     state.add_pd(pd)
-    cq = CqEntry(8, ring(0, 8, CQ_SLOT))
+    cq = CqEntry(8, ring(0, 8, CQ_SLOT), 0)
     state.add_cq(cq)
     window = MrWindow(vkey=state.new_vkey(), offset=8192, length=4096, access=Access.LOCAL_WRITE, phys_lkey=5,
                       phys_rkey=6, base=0)
     mr = MrEntry(window, pd)
     state.add_mr(mr)
-    qp = QpEntry(state.new_vqpn(), "rc", 4242, pd, cq, cq, ring(16384, 4, SQ_SLOT), ring(32768, 4, RQ_SLOT))
+    qp = QpEntry(state.new_vqpn(), "rc", 4242, pd, cq, cq, ring(16384, 4, SQ_SLOT), ring(32768, 4, RQ_SLOT),
+                 sq_addr=16384, rq_addr=32768)
     state.add_qp(qp)
     return state, pd, cq, mr, qp
 
@@ -86,7 +88,7 @@ def test_snapshots_are_plain_data_that_round_trip() -> None:
 
 
 def test_restoring_under_known_handles() -> None:
-    state = SessionState(Quota(), len(MEMORY))
+    state = SessionState(Quota(), arena_layout(len(MEMORY)))
     pd = PdEntry()
     assert state.add_pd(pd, handle=12345) == 12345 and state.pds.get(12345) is pd
     with pytest.raises(InvalidArgument):
@@ -96,7 +98,9 @@ def test_restoring_under_known_handles() -> None:
 
 
 def test_regions_must_lie_in_guest_memory() -> None:
-    state = SessionState(Quota(), 4096)
-    state.check_region(0, 4096, "MR")
+    state = SessionState(Quota(), vm_layout(1 << 24))
+    assert state.locate(0x200000, 4096, "MR") == 0x200000
     with pytest.raises(InvalidArgument):
-        state.check_region(1, 4096, "MR")
+        state.locate(0xC0000, 4096, "MR")  # the legacy ROM window is not RAM
+    with pytest.raises(InvalidArgument):
+        state.locate((1 << 24) - 1, 2, "MR")

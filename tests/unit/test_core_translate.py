@@ -12,7 +12,6 @@ from vrnic.core.translate import (
     WrRejected,
     local_sges,
     remote_target,
-    validate_region,
 )
 from vrnic.errors import InvalidArgument
 
@@ -168,16 +167,3 @@ def test_atomic_at_the_last_aligned_word(opcode: WrOpcode) -> None:
 
 def test_unaligned_non_atomic_is_fine() -> None:
     assert remote_target(WrOpcode.RDMA_READ, 8193, 3, 12, PEER) == (PEER_BASE + 8193, 2012)
-
-
-# ----- regions ----------------------------------------------------------------------------------
-
-@pytest.mark.parametrize(("offset", "length"), [(0, 1), (0, 4096), (4095, 1), (1000, 96)])
-def test_regions_inside_the_arena(offset: int, length: int) -> None:
-    validate_region(offset, length, 4096, "MR")
-
-
-@pytest.mark.parametrize(("offset", "length"), [(0, 0), (0, -1), (-1, 10), (4096, 1), (4000, 97), (0, 4097)])
-def test_regions_outside_the_arena_are_refused(offset: int, length: int) -> None:
-    with pytest.raises(InvalidArgument, match=r"CQ ring \[.*outside the guest's 4096-byte arena"):
-        validate_region(offset, length, 4096, "CQ ring")

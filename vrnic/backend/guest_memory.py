@@ -1,8 +1,10 @@
 """A guest's memory as vrnicd maps it: today a container's sealed memfd arena.
 
-vrnicd maps the same file the guest maps and registers MRs at its own mapping;
-guests address that memory by offset. The file must be sealed against
-shrinking, or a guest could make vrnicd fault (SIGBUS) by truncating it.
+vrnicd maps the same file the guest maps and registers MRs at its own mapping.
+Guests name that memory by their own addresses; `layout` says where each lies
+in the file (vrnic.core.guest_phys: arena offsets, or a VM's guest-physical
+addresses). The file must be sealed against shrinking, or a guest could make
+vrnicd fault (SIGBUS) by truncating it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import fcntl
 import mmap
 import os
 
+from vrnic.core.guest_phys import MemoryLayout, arena_layout
 from vrnic.core.rings import index_words
 from vrnic.errors import InvalidArgument
 
@@ -22,7 +25,7 @@ REQUIRED_SEALS = fcntl.F_SEAL_SHRINK
 class GuestMemory:
     """Owns the fd and the mapping; close() unmaps and closes both."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, layout: MemoryLayout | None = None) -> None:
         try:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         except OSError as exc:
@@ -32,8 +35,11 @@ class GuestMemory:
         size = os.fstat(fd).st_size
         if size <= 0 or size % mmap.PAGESIZE:
             raise InvalidArgument(f"the arena must be a positive number of pages, not {size} bytes")
+        if layout is not None and layout.file_bytes > size:
+            raise InvalidArgument(f"the guest's memory layout needs {layout.file_bytes} bytes, the file has {size}")
         self.fd = fd
         self.size = size
+        self.layout = layout or arena_layout(size)
         self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         anchor = ctypes.c_char.from_buffer(self._map)
         self.base = ctypes.addressof(anchor)  # where guest offset 0 lives in vrnicd

@@ -50,7 +50,7 @@ class GuestSession:
         self.notify_fd = notify_fd
         self.disconnect = disconnect
         self.lock = threading.RLock()
-        self.state = SessionState(vrnic.spec.quota, memory.size)
+        self.state = SessionState(vrnic.spec.quota, memory.layout)
         self._closed = False
         self.engine = engine_factory(self)
 
@@ -126,14 +126,16 @@ class GuestSession:
     # ----- MR ----------------------------------------------------------------------------------
     def op_reg_mr(self, args: verb_args.RegMr, handle: int | None = None, vkey: int | None = None) -> dict[str, Any]:
         pd = self.state.pds.get(args.pd)
-        self.state.check_region(args.addr, args.length, "MR")
+        at = self.state.locate(args.addr, args.length, "MR")
         access = Access(args.access)
         if access & (Access.REMOTE_WRITE | Access.REMOTE_ATOMIC) and not access & Access.LOCAL_WRITE:
             raise InvalidArgument("remote write or atomic access needs LOCAL_WRITE too")
+        # WRs name the MR by guest address; base turns such an address into vrnicd's (one contiguous piece).
+        base = self.memory.base + at - args.addr
         with self.state.ledger.reserve((Resource.MR, 1), (Resource.PINNED_BYTES, args.length)):
-            obj, lkey, rkey = self.device.reg_mr(pd.obj, self.memory.base + args.addr, args.length, int(access))
+            obj, lkey, rkey = self.device.reg_mr(pd.obj, base + args.addr, args.length, int(access))
             window = MrWindow(vkey=vkey or self.state.new_vkey(), offset=args.addr, length=args.length,
-                              access=access, phys_lkey=lkey, phys_rkey=rkey, base=self.memory.base)
+                              access=access, phys_lkey=lkey, phys_rkey=rkey, base=base)
             mr = MrEntry(window, pd, obj)
             try:
                 self.state.add_mr(mr, handle)
@@ -150,15 +152,15 @@ class GuestSession:
         return {}
 
     # ----- CQ ----------------------------------------------------------------------------------
-    def _ring(self, offset: int, entries: int, slot_size: int, slot: Any, what: str) -> Ring:
-        self.state.check_region(offset, Ring.bytes_needed(entries, slot_size), what)
-        return Ring(self.memory.view, offset, entries, slot, self.memory.words)
+    def _ring(self, address: int, entries: int, slot_size: int, slot: Any, what: str) -> Ring:
+        at = self.state.locate(address, Ring.bytes_needed(entries, slot_size), what)
+        return Ring(self.memory.view, at, entries, slot, self.memory.words)
 
     def op_create_cq(self, args: verb_args.CreateCq, handle: int | None = None) -> dict[str, Any]:
         self.state.ledger.check_cqe(args.cqe)
         ring = self._ring(args.ring, args.cqe, CQ_SLOT.size, CQ_SLOT, "CQ ring")
         with self.state.ledger.reserve((Resource.CQ, 1)):
-            cq = CqEntry(args.cqe, ring, self.device.create_cq(args.cqe))
+            cq = CqEntry(args.cqe, ring, args.ring, self.device.create_cq(args.cqe))
             try:
                 self.state.add_cq(cq, handle)
             except BaseException:
@@ -186,7 +188,7 @@ class GuestSession:
             obj, phys_qpn = self.device.create_qp(pd.obj, send_cq.obj, recv_cq.obj, args.qp_type,
                                                   QpCaps(args.max_send_wr, args.max_recv_wr, args.max_sge))
             qp = QpEntry(vqpn or state.new_vqpn(), args.qp_type, phys_qpn, pd, send_cq, recv_cq, sq, rq,
-                         max_sge=args.max_sge, obj=obj)
+                         max_sge=args.max_sge, sq_addr=args.sq_ring, rq_addr=args.rq_ring, obj=obj)
             try:
                 state.add_qp(qp, handle)
             except BaseException:

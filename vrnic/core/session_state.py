@@ -13,11 +13,12 @@ import secrets
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from vrnic.core.guest_phys import MemoryLayout
 from vrnic.core.handles import HandleTable
 from vrnic.core.quota import QuotaLedger, Resource
 from vrnic.core.rings import Ring
 from vrnic.core.specs import Quota
-from vrnic.core.translate import MrWindow, validate_region
+from vrnic.core.translate import MrWindow
 from vrnic.errors import Conflict
 
 VQPN_LIMIT = 1 << 24  # QPNs are 24 bits on the wire
@@ -34,6 +35,7 @@ class PdEntry:
 class CqEntry:
     cqe: int
     ring: Ring = field(repr=False)
+    ring_addr: int = 0  # where the guest put the ring, in its own addresses
     obj: Any = field(default=None, repr=False)  # the edge's CQ, with its completion channel
     handle: int = 0
     users: int = 0  # QPs using it
@@ -59,6 +61,8 @@ class QpEntry:
     sq: Ring = field(repr=False)
     rq: Ring = field(repr=False)
     max_sge: int = 1
+    sq_addr: int = 0  # where the guest put its rings, in its own addresses
+    rq_addr: int = 0
     obj: Any = field(default=None, repr=False)
     handle: int = 0
     state: str = "reset"
@@ -88,7 +92,7 @@ class MrRecord:
 class CqRecord:
     handle: int
     cqe: int
-    ring: int  # offset of the guest's CQ ring in its memory
+    ring: int  # address of the guest's CQ ring in its memory
 
 
 @dataclass(frozen=True)
@@ -135,9 +139,10 @@ class SessionSnapshot:
 class SessionState:
     """The tables of one session. Callers hold the session lock; this class only keeps them consistent."""
 
-    def __init__(self, quota: Quota, memory_bytes: int) -> None:
+    def __init__(self, quota: Quota, layout: MemoryLayout) -> None:
         self.quota = quota
-        self.memory_bytes = memory_bytes
+        self.layout = layout
+        self.memory_bytes = layout.file_bytes
         self.ledger = QuotaLedger(quota)
         self.pds: HandleTable[PdEntry] = HandleTable("PD")
         self.cqs: HandleTable[CqEntry] = HandleTable("CQ")
@@ -148,8 +153,9 @@ class SessionState:
         self.qp_by_phys: dict[int, QpEntry] = {}
 
     # ----- identities ----------------------------------------------------------------------------
-    def check_region(self, offset: int, length: int, what: str) -> None:
-        validate_region(offset, length, self.memory_bytes, what)
+    def locate(self, address: int, length: int, what: str) -> int:
+        """The offset in the memory file of a guest range; InvalidArgument unless it is all guest RAM."""
+        return self.layout.locate(address, length, what)
 
     def new_vkey(self) -> int:
         while True:
@@ -245,9 +251,9 @@ class SessionState:
             pds=tuple(h for h, _ in self.pds.items()),
             mrs=tuple(MrRecord(h, m.pd.handle, m.window.vkey, m.window.offset, m.window.length, int(m.window.access))
                       for h, m in self.mrs.items()),
-            cqs=tuple(CqRecord(h, c.cqe, c.ring.offset) for h, c in self.cqs.items()),
-            qps=tuple(QpRecord(h, q.vqpn, q.qp_type, q.pd.handle, q.send_cq.handle, q.recv_cq.handle, q.sq.offset,
-                               q.rq.offset, q.sq.entries, q.rq.entries, q.max_sge, q.state, q.access, q.qkey,
+            cqs=tuple(CqRecord(h, c.cqe, c.ring_addr) for h, c in self.cqs.items()),
+            qps=tuple(QpRecord(h, q.vqpn, q.qp_type, q.pd.handle, q.send_cq.handle, q.recv_cq.handle, q.sq_addr,
+                               q.rq_addr, q.sq.entries, q.rq.entries, q.max_sge, q.state, q.access, q.qkey,
                                q.peer_gid, q.peer_vqpn)
                       for h, q in self.qps.items()),
             used=self.ledger.used())

@@ -81,8 +81,3 @@ def remote_target(opcode: WrOpcode, addr: int, length: int, rkey: int,
         raise WrRejected(WcStatus.REM_ACCESS_ERR, f"the peer's MR does not allow {REMOTE_ACCESS[opcode].name}")
     return mr.base + addr, mr.phys_rkey
 
-
-def validate_region(offset: int, length: int, arena_size: int, what: str) -> None:
-    """A range must lie inside the guest's own arena (MRs, rings)."""
-    if length <= 0 or offset < 0 or offset + length > arena_size:
-        raise InvalidArgument(f"{what} [{offset}, +{length}) is outside the guest's {arena_size}-byte arena")
