@@ -81,6 +81,11 @@ class Registry:
         with self._lock:
             return set(self._by_id)
 
+    def attached_ids(self) -> set[str]:
+        """The vRNICs whose guest has a session open now."""
+        with self._lock:
+            return {v.spec.id for v in self._by_id.values() if v.session is not None}
+
     def on_device(self, device: str) -> int:
         with self._lock:
             return sum(1 for v in self._by_id.values() if v.device == device)

@@ -60,6 +60,9 @@ class VerbsDriver(RnicDriver):
     def vrnic_ids(self) -> set[str]:
         return self.registry.ids()
 
+    def attached_ids(self) -> set[str]:
+        return self.registry.attached_ids()
+
     def load(self, device: str) -> int:
         return self.registry.on_device(device)
 
