@@ -66,6 +66,6 @@ class MemoryKernel(SriovSysfs, VfNetlink):
 
 def sriov_driver(engine: Engine, host_name: str, kernel: MemoryKernel) -> SriovDriver:
     """The daemon's wiring (vrnic.daemon.build_sriov_driver) over the in-memory kernel."""
-    manager = SriovManager(kernel, kernel, DbVfStateStore(engine, host_name), on_event=DbVfEventLog(engine),
-                           eswitch_mode=lambda kind, bus: "legacy")
-    return SriovDriver(manager=manager, reconcile_interval=None, release_on_close=False)
+    store = DbVfStateStore(engine, host_name)
+    manager = SriovManager(kernel, kernel, store, on_event=DbVfEventLog(store), eswitch_mode=lambda kind, bus: "legacy")
+    return SriovDriver(manager=manager, release_on_close=False)

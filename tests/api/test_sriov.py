@@ -23,7 +23,8 @@ from vrnic.config import DaemonSettings
 from vrnic.core.specs import VrnicMode
 from vrnic.daemon import serve_in_thread
 from vrnic.db.tables import Host, SriovVf, Tenant, Vrnic
-from vrnic.db.vf_store import DbVfEventLog, DbVfStateStore, bound_to
+from vrnic.db.unit_of_work import Database
+from vrnic.db.vf_store import DbVfEventLog, DbVfStateStore
 from vrnic.errors import NotFound
 from vrnic.sriov.vf_types import CLEAN_VF, Allocation, EventKind, LinkState, VfAddress, VfConfig, VfEvent
 
@@ -109,26 +110,30 @@ def test_store_round_trips_allocations_linked_to_vrnic_rows(migrated: Engine) ->
         store.put(Allocation("vr-9", "red", VfAddress(PF, 1), CLEAN_VF))
 
 
-def test_bound_writes_commit_or_roll_back_with_the_callers_transaction(migrated: Engine) -> None:
-    store, events = DbVfStateStore(migrated, HOST), DbVfEventLog(migrated)
+def test_writes_in_a_unit_of_work_commit_or_roll_back_with_it(migrated: Engine) -> None:
+    store = DbVfStateStore(migrated, HOST)
+    events, db = DbVfEventLog(store), Database(migrated)
     _vrnic_row(migrated, "vr-1")
     allocation = Allocation("vr-1", "red", VfAddress(PF, 1), VfConfig(mac="02:00:00:00:00:01", vlan=100))
-    with pytest.raises(RuntimeError), migrated.begin() as c, bound_to(c, "tenant:red"):
+    seen_by_undo: list[Allocation | None] = []
+    with pytest.raises(RuntimeError), store.working_in(lambda: db.write("tenant:red")) as uow:
         store.put(allocation)
         events(VfEvent(EventKind.ALLOCATED, PF, 1, "vr-1", {"vlan": "100"}))
-        assert store.get("vr-1") == allocation  # visible inside the transaction
+        assert store.get("vr-1") == allocation and store.list() == [allocation]  # visible inside its transaction
+        with migrated.execution_options(vrnic_read_only=True).connect() as other:  # and only there
+            assert other.execute(text("SELECT count(*) FROM sriov_vfs")).scalar() == 0
+        uow.on_failure(lambda: seen_by_undo.append(store.get("vr-1")))
         raise RuntimeError("the vRNIC row could not be committed")
+    # The undo (which resets the VF in the control plane) still found the allocation after the rollback.
+    assert seen_by_undo == [allocation]
     with migrated.connect() as c:
         assert c.execute(text("SELECT count(*) FROM events WHERE action = 'vf_allocated'")).scalar() == 0
         assert c.execute(text("SELECT count(*) FROM sriov_vfs")).scalar() == 0
-    # Not in the database, but this process still knows it until released: the VF was configured, and the
-    # release that undoes it needs the allocation to reset it (meanwhile nobody else gets that VF).
-    assert store.get("vr-1") == allocation and store.list() == [allocation]
-    store.delete("vr-1")
-    assert store.get("vr-1") is None and store.list() == []
-    with migrated.begin() as c, bound_to(c, "tenant:red"):
+    assert store.get("vr-1") is None and store.list() == []  # nothing outlives the unit of work
+    with store.working_in(lambda: db.write("tenant:red")):
         store.put(allocation)
         events(VfEvent(EventKind.ALLOCATED, PF, 1, "vr-1", {"vlan": "100"}))
+    assert store.get("vr-1") == allocation
     with migrated.connect() as c:
         row = c.execute(text("SELECT actor, subject, tenant_id, detail FROM events WHERE action = 'vf_allocated'")
                         ).one()
@@ -136,10 +141,27 @@ def test_bound_writes_commit_or_roll_back_with_the_callers_transaction(migrated:
     assert (row[0], row[1], row[2]) == ("tenant:red", f"vf/{PF}/1", red)
     detail = row[3] if isinstance(row[3], dict) else json.loads(row[3])
     assert detail == {"vlan": "100", "vrnic_id": "vr-1"}
-    events(VfEvent(EventKind.NUM_VFS_CHANGED, PF, None, None, {"from": "4", "to": "2"}))  # unbound: the daemon's
+    events(VfEvent(EventKind.NUM_VFS_CHANGED, PF, None, None, {"from": "4", "to": "2"}))  # no unit of work: daemon's
     with migrated.connect() as c:
         assert c.execute(text("SELECT actor, subject, tenant_id FROM events WHERE action = 'pf_num_vfs_changed'")
                          ).one() == ("daemon", f"pf/{PF}", None)
+
+
+def test_other_threads_wait_for_the_store_while_a_unit_of_work_holds_it(migrated: Engine) -> None:
+    import threading
+
+    store, db = DbVfStateStore(migrated, HOST), Database(migrated)
+    _vrnic_row(migrated, "vr-1")
+    allocation = Allocation("vr-1", "red", VfAddress(PF, 1), VfConfig(mac="02:00:00:00:00:01", vlan=100))
+    seen: list[list[Allocation]] = []
+    reader = threading.Thread(target=lambda: seen.append(store.list()))
+    with store.working_in(lambda: db.write("tenant:red")):
+        store.put(allocation)
+        reader.start()
+        reader.join(0.3)
+        assert reader.is_alive() and seen == []  # it may not read through (or around) this transaction
+    reader.join(5)
+    assert seen == [[allocation]]  # it read what had committed
 
 
 # -- REST ----------------------------------------------------------------------------------------
@@ -350,7 +372,7 @@ def test_daemon_builds_the_sriov_driver_on_the_database(settings: DaemonSettings
         driver = backend.driver(VrnicMode.SRIOV)
         assert isinstance(driver, SriovDriver)
         assert isinstance(driver.manager.store, DbVfStateStore) and driver.manager.store.host_name == HOST
-        assert driver._reconciler is None and not driver._release_on_close  # the API runs the passes
+        assert not driver._release_on_close  # desired state outlives the process
     finally:
         backend.close()
     refused = build_backend(wired.model_copy(update={"sriov_driver_options": {"no_such_option": 1}}))
@@ -361,16 +383,16 @@ def test_daemon_builds_the_sriov_driver_on_the_database(settings: DaemonSettings
 def test_a_vf_configured_for_an_allocation_that_failed_to_commit_is_reset(api: TestClient, tenant: Any,
                                                                           kernel: MemoryKernel,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from vrnic.api.controlplane import ControlPlane
+    from vrnic.api import vrnics
 
     red = tenant("red", 100)
-    real = ControlPlane._vrnic_out
+    real = vrnics.vrnic_out
 
     def fail_once(*args: Any, **kwargs: Any) -> Any:
-        monkeypatch.setattr(ControlPlane, "_vrnic_out", real)
+        monkeypatch.setattr(vrnics, "vrnic_out", real)
         raise RuntimeError("the database went away after the VF was configured")
 
-    monkeypatch.setattr(ControlPlane, "_vrnic_out", fail_once)
+    monkeypatch.setattr(vrnics, "vrnic_out", fail_once)
     with pytest.raises(RuntimeError):
         api.post("/api/v1/vrnics", headers=red, json={"mode": "sriov"})
     assert kernel.vfs[0] == CLEAN_VF  # the allocation rolled back, and so did the VF

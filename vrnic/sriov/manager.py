@@ -139,6 +139,11 @@ class SriovManager:
     def allocations(self, pf: str | None = None) -> list[Allocation]:
         return [a for a in self.store.list() if pf is None or a.address.pf == pf]
 
+    def attached_ids(self) -> set[str]:
+        """The vRNICs whose VF netdev vrnicd moved into a container's netns: the one attachment it sees. A VF
+        given to a VM (hostdev) is attached by libvirt, which vrnicd does not observe."""
+        return {a.vrnic_id for a in self.store.list() if a.netns is not None and not a.vanished}
+
     def allocation(self, vrnic_id: str) -> Allocation:
         found = self.store.get(vrnic_id)
         if found is None:
@@ -395,36 +400,3 @@ class SriovManager:
             self._on_event(event)
         return event
 
-
-class PeriodicReconciler:
-    """Runs manager.reconcile() once at start and then every interval seconds on a daemon thread
-    (what the daemon starts next to the API). A failing pass is logged and retried on the next tick."""
-
-    def __init__(self, manager: SriovManager, interval: float = 30.0) -> None:
-        self.manager = manager
-        self.interval = interval
-        self.passes = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._run, name="vrnic-sriov-reconcile", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def _run(self) -> None:
-        while True:
-            try:
-                self.manager.reconcile()
-            except VrnicError as e:
-                log.error("SR-IOV reconcile pass failed: %s", e)
-            self.passes += 1
-            if self._stop.wait(self.interval):
-                return
