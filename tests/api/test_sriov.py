@@ -401,6 +401,27 @@ def test_a_vf_configured_for_an_allocation_that_failed_to_commit_is_reset(api: T
     assert again["attach"]["extra"]["vf_index"] == "0" and kernel.vfs[0].vlan == 100
 
 
+def test_a_vf_configured_for_an_allocation_whose_commit_failed_is_reset(api: TestClient, tenant: Any,
+                                                                       kernel: MemoryKernel,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from sqlalchemy.orm import Session
+
+    red = tenant("red", 100)
+    assert api.get("/api/v1/vrnics", headers=red).status_code == 200  # the token is known: no read to commit
+    real = Session.commit
+
+    def fail_once(self: Session) -> None:
+        monkeypatch.setattr(Session, "commit", real)
+        raise ConnectionError("the database went away at COMMIT, after the VF was configured")
+
+    monkeypatch.setattr(Session, "commit", fail_once)
+    with pytest.raises(ConnectionError):
+        api.post("/api/v1/vrnics", headers=red, json={"mode": "sriov"})
+    assert kernel.vfs[0] == CLEAN_VF  # the undo found the allocation the failed transaction wrote
+    assert api.get(f"/api/v1/sriov/pfs/{PF}").json()["free_vfs"] == 4
+    assert api.get("/api/v1/vrnics", headers=red).json()["items"] == []
+
+
 def test_concurrent_sriov_allocations_get_distinct_vfs(migrated: Engine, sriov_settings: DaemonSettings,
                                                        sriov_backend: BackendService, kernel: MemoryKernel) -> None:
     import concurrent.futures

@@ -16,7 +16,7 @@ from vrnic.sriov.netlink import VfNetlink
 from vrnic.sriov.plan import VfOp
 from vrnic.sriov.store import InMemoryVfStateStore
 from vrnic.sriov.sysfs import PfSysfs, SriovSysfs, VfSysfs
-from vrnic.sriov.vf_types import CLEAN_VF, EventKind, PfKind, VfConfig, VfRequest
+from vrnic.sriov.vf_types import CLEAN_VF, EventKind, PfKind, VfConfig, VfEvent, VfRequest
 
 
 class MemorySysfs(SriovSysfs):
@@ -56,31 +56,39 @@ class MemoryNetlink(VfNetlink):
 
 
 @pytest.fixture
-def parts() -> tuple[SriovManager, MemorySysfs, MemoryNetlink]:
+def emitted() -> list[VfEvent]:
+    """What the parts' manager emitted (its on_event)."""
+    return []
+
+
+@pytest.fixture
+def parts(emitted: list[VfEvent]) -> tuple[SriovManager, MemorySysfs, MemoryNetlink]:
     sysfs = MemorySysfs()
     netlink = MemoryNetlink(sysfs)
-    manager = SriovManager(sysfs, netlink, InMemoryVfStateStore(), eswitch_mode=lambda kind, bus: "legacy")
+    manager = SriovManager(sysfs, netlink, InMemoryVfStateStore(), on_event=emitted.append,
+                           eswitch_mode=lambda kind, bus: "legacy")
     return manager, sysfs, netlink
 
 
-def test_allocate_confirms_and_release_resets(parts: tuple[SriovManager, MemorySysfs, MemoryNetlink]) -> None:
+def test_allocate_confirms_and_release_resets(parts: tuple[SriovManager, MemorySysfs, MemoryNetlink],
+                                              emitted: list[VfEvent]) -> None:
     manager, _, netlink = parts
     a = manager.allocate("v1", "red", "eth0", VfRequest(vlan=100, max_tx_rate=1000, min_tx_rate=100))
     assert netlink.vfs[0] == a.config and a.config.spoofchk and not a.config.trust
     assert manager.discover()[0].vfs[0].config == a.config
     manager.release("v1")
     assert netlink.vfs[0] == CLEAN_VF and manager.allocations() == []
-    assert [e.kind for e in manager.events] == [EventKind.ALLOCATED, EventKind.RELEASED]
-    assert manager.events.maxlen == 1000
+    assert [e.kind for e in emitted] == [EventKind.ALLOCATED, EventKind.RELEASED]
 
 
-def test_refused_op_rolls_back_everything(parts: tuple[SriovManager, MemorySysfs, MemoryNetlink]) -> None:
+def test_refused_op_rolls_back_everything(parts: tuple[SriovManager, MemorySysfs, MemoryNetlink],
+                                          emitted: list[VfEvent]) -> None:
     manager, _, netlink = parts
     netlink.refuse = "rate"  # MAC and VLAN went in before the kernel refused the rates
     with pytest.raises(DeviceError, match="refused rate"):
         manager.allocate("v1", "red", "eth0", VfRequest(vlan=100, max_tx_rate=1000))
     assert netlink.vfs[0] == CLEAN_VF
-    assert manager.allocations() == [] and not manager.events
+    assert manager.allocations() == [] and not emitted
 
 
 def test_bad_input_touches_nothing(parts: tuple[SriovManager, MemorySysfs, MemoryNetlink]) -> None:

@@ -145,8 +145,9 @@ async def list_vrnics(cp: CP, who: Caller, cursor: Cursor = None, limit: Limit =
                       ) -> Page[VrnicOut]:
     """vRNICs, oldest first; `state` attached/detached is what vrnicd observes, not what a client said."""
     page, stale = await run_in_threadpool(cp.vrnics.list_vrnics, who, cursor, limit, state=state, tenant=tenant)
-    if stale:  # an observed attach or detach: into the database and the audit log
+    if stale:  # an observed attach or detach: into the database and the audit log, then the filter sees it
         await cp.write(cp.vrnics.record_observed)
+        page, _ = await run_in_threadpool(cp.vrnics.list_vrnics, who, cursor, limit, state=state, tenant=tenant)
     return page
 
 

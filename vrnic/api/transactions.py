@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from fastapi.concurrency import run_in_threadpool
 
-from vrnic.db.unit_of_work import DAEMON_ACTOR, Database, UnitOfWork
+from vrnic.db.unit_of_work import Database, UnitOfWork
 from vrnic.db.vf_store import DbVfStateStore
 
 T = TypeVar("T")
@@ -36,8 +36,8 @@ class Transactions:
             return store.working_in(lambda: self.db.write(actor))
         return self.db.write(actor)
 
-    def read(self, actor: str = DAEMON_ACTOR) -> AbstractContextManager[UnitOfWork]:
-        return self.db.read(actor)
+    def read(self) -> AbstractContextManager[UnitOfWork]:
+        return self.db.read()
 
     async def run_write(self, operation: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a state-changing operation off the event loop (PostgreSQL: on the shared thread pool)."""

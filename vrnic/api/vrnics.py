@@ -174,7 +174,7 @@ class Vrnics:
                 if principal.is_operator:
                     find_tenant(uow.session, tenant)  # an unknown tenant is a 404 for the operator
                 query = query.where(Tenant.name == tenant)
-            # the state filter sees the stored state: a vRNIC whose observation changed is persisted below
+            # the state filter sees the stored state (the route persists a changed observation, then asks again)
             if state is not None:
                 query = query.where(Vrnic.state == state.value)
             rows = uow.session.execute(request.window(query, Vrnic.serial)).tuples()
@@ -195,7 +195,9 @@ class Vrnics:
         with self.tx.write(DAEMON_ACTOR) as uow:
             differing = select(Vrnic).where(Vrnic.host_id == self.inventory.host_id, or_(
                 and_(Vrnic.state == VrnicState.ATTACHED.value, Vrnic.public_id.not_in(attached)),
-                and_(Vrnic.state.in_(_ATTACHABLE), Vrnic.public_id.in_(attached)))).with_for_update()
+                and_(Vrnic.state.in_(_ATTACHABLE), Vrnic.public_id.in_(attached))))
+            # one lock order for every writer (PostgreSQL), so two of these cannot deadlock
+            differing = differing.order_by(Vrnic.serial).with_for_update()
             rows = list(uow.session.scalars(differing))
             return sum(self._take_in_observation(uow, row, attached) for row in rows)
 

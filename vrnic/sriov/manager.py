@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -92,8 +91,6 @@ class SriovManager:
         self._eswitch_mode = eswitch_mode or devlink.eswitch_mode
         self._rdma: RdmaNetns = rdma or _RdmaTool()
         self._lock = threading.RLock()
-        # the latest events (the API persists every one through on_event)
-        self.events: deque[VfEvent] = deque(maxlen=1000)
         self._reported_dirty: set[VfAddress] = set()  # unowned dirty VFs are reported once, not every pass
 
     def close(self) -> None:
@@ -105,9 +102,6 @@ class SriovManager:
         """Every SR-IOV PF with its VFs: sysfs for the topology, netlink for the VF settings, devlink for
         the eswitch mode."""
         return [self._describe(pf) for pf in self.sysfs.pfs()]
-
-    def pf(self, name: str) -> PfInfo:
-        return self._describe(self.sysfs.pf(name))
 
     def _describe(self, pf: PfSysfs) -> PfInfo:
         observed = self.netlink.read_vfs(pf.name)
@@ -395,7 +389,6 @@ class SriovManager:
 
     def _emit(self, event: VfEvent) -> VfEvent:
         log.info("%s", event)
-        self.events.append(event)
         if self._on_event is not None:
             self._on_event(event)
         return event
