@@ -205,6 +205,30 @@ def test_tenant_allocates_a_vf_through_the_pool_and_sees_only_its_own(api: TestC
     assert actions == ["tenant.create", "vf_allocated", "vrnic.allocate", "vf_released", "vrnic.release"]
 
 
+def test_a_vf_moved_into_a_container_is_observed_as_attached(api: TestClient, tenant: Any,
+                                                            sriov_backend: BackendService, kernel: MemoryKernel
+                                                            ) -> None:
+    from vrnic.backend.drivers.sriov import SriovDriver
+
+    red = tenant("red", 100)
+    vid = api.post("/api/v1/vrnics", headers=red, json={"mode": "sriov"}).json()["id"]
+    url = f"/api/v1/vrnics/{vid}"
+    driver = sriov_backend.driver(VrnicMode.SRIOV)
+    assert isinstance(driver, SriovDriver)
+    assert api.get(url, headers=red).json()["state"] == "allocated"  # a VM's hostdev would not show either
+    moved = driver.manager.attach_container(vid, "ctr1", require_rdma=False)
+    assert kernel.netns == {moved.netdev: "ctr1"}
+    assert api.get(url, headers=red).json()["state"] == "attached"
+    refused = api.delete(url, headers=red)
+    assert refused.status_code == 409 and refused.json()["current_state"] == "attached"
+    driver.manager.detach_container(vid)
+    assert api.get(url, headers=red).json()["state"] == "detached"
+    actions = [(e["action"], e["actor"]) for e in
+               api.get("/api/v1/events", headers=red, params={"subject": f"vrnic/{vid}"}).json()["items"]]
+    assert actions == [("vrnic.allocate", "tenant:red"), ("vrnic.attach", "daemon"), ("vrnic.detach", "daemon")]
+    assert api.delete(url, headers=red).json()["state"] == "released" and kernel.vfs[0] == CLEAN_VF
+
+
 def test_operator_lists_pfs_and_vfs_and_the_count_change_is_refused_while_allocated(
         api: TestClient, tenant: Any, kernel: MemoryKernel) -> None:
     red = tenant("red", 100)

@@ -7,9 +7,13 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi.testclient import TestClient
+from sqlalchemy import Engine
 
+from vrnic.api.app import create_app
+from vrnic.backend.driver import load_driver
 from vrnic.backend.drivers.fake import FakeDriver
 from vrnic.backend.service import BackendService
+from vrnic.config import DaemonSettings
 from vrnic.core.specs import VrnicMode
 from vrnic.core.vaddr import parse_virtual_gid
 
@@ -241,3 +245,21 @@ def test_tenants_tokens_devices_hosts(client: TestClient, make_tenant: Callable[
     assert client.get("/api/v1/tenants/acme").status_code == 404
     assert client.get("/api/v1/events", params={"action": "tenant.delete"}).json()["items"][0]["subject"] == \
         "tenant/acme"
+
+
+def test_after_a_restart_vrnics_whose_guests_went_with_the_old_process_are_detached(
+        client: TestClient, backend: BackendService, make_tenant: Callable[..., Tenant], migrated: Engine,
+        settings: DaemonSettings) -> None:
+    acme = make_tenant("acme")
+    vid = _allocate(client, acme)["id"]
+    _fake(backend).guest_attached(vid)
+    assert client.get(f"/api/v1/vrnics/{vid}").json()["state"] == "attached"  # recorded
+    restarted = BackendService({VrnicMode.PARAVIRTUAL: load_driver("fake")})  # a new process holds nothing
+    try:
+        app = create_app(settings, restarted, engine=migrated)
+        with TestClient(app, headers=dict(client.headers)) as again:
+            assert _history(again, vid)[-1] == ("vrnic.detach", "daemon")  # at startup, before any read
+            released = again.delete(f"/api/v1/vrnics/{vid}", headers=_as(acme))  # no force needed
+            assert released.status_code == 200 and released.json()["state"] == "released"
+    finally:
+        restarted.close()

@@ -49,6 +49,10 @@ def create_app(settings: DaemonSettings, backend: BackendService, *, engine: Eng
         # Off the event loop: drivers may block, and pyroute2 (the SR-IOV driver's netlink) cannot run its own
         # loop inside a thread whose loop is already running.
         await run_in_threadpool(cp.inventory.register_host)
+        # e.g. vRNICs recorded attached before a restart, whose guests are gone with the old process
+        changed = await cp.write(cp.vrnics.record_observed)
+        if changed:
+            log.info("attach state of %d vRNIC(s) changed while the daemon was down", changed)
         orphans = cp.vrnics.orphaned()
         if orphans:
             log.warning("%d live vRNIC(s) in the database have no backend state on this host "
