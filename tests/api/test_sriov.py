@@ -147,21 +147,31 @@ def test_writes_in_a_unit_of_work_commit_or_roll_back_with_it(migrated: Engine) 
                          ).one() == ("daemon", f"pf/{PF}", None)
 
 
-def test_other_threads_wait_for_the_store_while_a_unit_of_work_holds_it(migrated: Engine) -> None:
+def test_only_the_unit_of_works_thread_writes_through_it_and_the_next_one_waits(migrated: Engine) -> None:
     import threading
 
     store, db = DbVfStateStore(migrated, HOST), Database(migrated)
     _vrnic_row(migrated, "vr-1")
     allocation = Allocation("vr-1", "red", VfAddress(PF, 1), VfConfig(mac="02:00:00:00:00:01", vlan=100))
     seen: list[list[Allocation]] = []
+    next_began = threading.Event()
+
+    def next_unit_of_work() -> None:
+        with store.working_in(lambda: db.write("tenant:blue")):
+            next_began.set()
+            seen.append(store.list())
+
     reader = threading.Thread(target=lambda: seen.append(store.list()))
+    writer = threading.Thread(target=next_unit_of_work)
     with store.working_in(lambda: db.write("tenant:red")):
         store.put(allocation)
         reader.start()
-        reader.join(0.3)
-        assert reader.is_alive() and seen == []  # it may not read through (or around) this transaction
-    reader.join(5)
-    assert seen == [[allocation]]  # it read what had committed
+        reader.join(5)
+        assert seen == [[]]  # another thread reads what has committed, without waiting
+        writer.start()
+        assert not next_began.wait(0.3)  # the next unit of work waits until this one has committed
+    writer.join(5)
+    assert seen == [[], [allocation]]  # and then sees the VF as taken
 
 
 # -- REST ----------------------------------------------------------------------------------------

@@ -7,10 +7,11 @@ these rows with netlink.
 The control plane calls the backend inside its own write transaction (SQLite has one writer, so a second
 connection would wait for it forever). It hands that unit of work to the store explicitly
 (`store.working_in(...)`): until it has committed or rolled back, the store and the event log write through
-it (the vRNIC row, its VF's desired state and the events commit or roll back together) and other threads
-wait for the store. So a concurrent allocation only ever sees committed VFs (no two transactions hand out one
-VF), and the undo of a failed unit of work still finds the allocation it has to reset. Outside a unit of
-work (tests, tools, read-only views) each call runs in a short transaction of its own.
+it in that thread (the vRNIC row, its VF's desired state and the events commit or roll back together), and
+the next unit of work waits for the store. So an allocation only ever sees committed VFs (no two
+transactions hand out one VF), and the undo of a failed unit of work still finds the allocation it has to
+reset. Other callers (read-only views, tests, tools) run each call in a short transaction of their own
+and see what has committed.
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ class DbVfStateStore:
         self.host_name = host_name
         self._reader = engine.execution_options(vrnic_read_only=True)
         self._host_id: int | None = None
-        # Held by the thread whose unit of work the store is working in (re-entrant: its own calls pass).
-        self._lock = threading.RLock()
+        self._one_at_a_time = threading.Lock()  # units of work take turns, from before they begin to the end
         self._uow: UnitOfWork | None = None
+        self._owner: int | None = None  # the thread running it: only its calls go through it
         # What that unit of work wrote: if its commit fails, the undo finds the allocation here.
         self._written: dict[str, Allocation] = {}
 
@@ -57,29 +58,37 @@ class DbVfStateStore:
         """Take the store, then begin() a unit of work; the store writes through it until it has committed
         or rolled back (its undo actions included). The store is taken first: the same lock order for
         every writer."""
-        with self._lock:
+        with self._one_at_a_time:
             try:
                 with begin() as uow:
-                    self._uow, self._written = uow, {}
+                    self._uow, self._written, self._owner = uow, {}, threading.get_ident()
                     yield uow
             finally:
-                self._uow, self._written = None, {}
+                self._owner, self._uow, self._written = None, None, {}
+
+    def _mine(self) -> UnitOfWork | None:
+        """The unit of work the calling thread runs the store in, if any."""
+        uow = self._uow
+        return uow if self._owner == threading.get_ident() else None
 
     @property
     def actor(self) -> str:
         """Who the current writes are for: the unit of work's actor, else the daemon."""
-        with self._lock:
-            return self._uow.actor if self._uow is not None else DAEMON_ACTOR
+        uow = self._mine()
+        return uow.actor if uow is not None else DAEMON_ACTOR
 
     @contextmanager
     def connection(self, write: bool) -> Iterator[tuple[Connection, bool]]:
         """(a connection, whether it is the unit of work's)."""
-        with self._lock:
-            if self._uow is not None:
-                yield self._uow.connection, True
-                return
-            with (self.engine if write else self._reader).begin() as connection:
-                yield connection, False
+        uow = self._mine()
+        if uow is not None:
+            yield uow.connection, True
+            return
+        with (self.engine if write else self._reader).begin() as connection:
+            yield connection, False
+
+    def _written_here(self) -> dict[str, Allocation]:
+        return self._written if self._mine() is not None else {}
 
     def _host(self, connection: Connection, required: bool) -> int | None:
         if self._host_id is None:
@@ -93,7 +102,7 @@ class DbVfStateStore:
             host = self._host(connection, required=False)
             stored = {} if host is None else {a.vrnic_id: a for a in map(_allocation, connection.execute(
                 _ALLOCATIONS.where(SriovVf.host_id == host).order_by(SriovVf.pf, SriovVf.vf_index, SriovVf.id)))}
-            for vrnic_id, allocation in self._written.items():
+            for vrnic_id, allocation in self._written_here().items():
                 stored.setdefault(vrnic_id, allocation)
         return _ordered(stored.values())
 
@@ -102,7 +111,7 @@ class DbVfStateStore:
             host = self._host(connection, required=False)
             row = None if host is None else connection.execute(
                 _ALLOCATIONS.where(SriovVf.host_id == host, Vrnic.public_id == vrnic_id)).first()
-            return _allocation(row) if row is not None else self._written.get(vrnic_id)
+            return _allocation(row) if row is not None else self._written_here().get(vrnic_id)
 
     def put(self, allocation: Allocation) -> None:
         with self.connection(write=True) as (connection, in_unit_of_work):
@@ -121,7 +130,7 @@ class DbVfStateStore:
         with self.connection(write=True) as (connection, _):
             serial = select(Vrnic.serial).where(Vrnic.public_id == vrnic_id).scalar_subquery()
             connection.execute(delete(SriovVf).where(SriovVf.vrnic_serial == serial))
-            self._written.pop(vrnic_id, None)
+            self._written_here().pop(vrnic_id, None)
 
 
 class DbVfEventLog:
