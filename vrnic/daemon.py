@@ -76,9 +76,9 @@ def build_sriov_driver(settings: DaemonSettings, options: dict[str, Any]) -> Rni
     if "reconcile_interval" in options:
         log.warning("sriov driver option reconcile_interval is ignored: set VRNIC_SRIOV_RECONCILE_INTERVAL")
     engine = make_engine(settings.database)
-    manager = SriovManager(store=DbVfStateStore(engine, settings.host_name), on_event=DbVfEventLog(engine))
-    return SriovDriver(manager=manager, reconcile_interval=None,
-                       release_on_close=bool(options.get("release_on_close", False)))
+    store = DbVfStateStore(engine, settings.host_name)
+    manager = SriovManager(store=store, on_event=DbVfEventLog(store))
+    return SriovDriver(manager=manager, release_on_close=bool(options.get("release_on_close", False)))
 
 
 def with_operator_token(settings: DaemonSettings) -> DaemonSettings:

@@ -30,6 +30,7 @@ class MemoryKernel(SriovSysfs, VfNetlink):
     def __init__(self, num_vfs: int = 4, total: int = 8) -> None:
         self.num_vfs, self.total = num_vfs, total
         self.vfs: dict[int, VfConfig] = {i: CLEAN_VF for i in range(total)}
+        self.netns: dict[str, str] = {}  # VF netdev -> the namespace it was moved into
         self.lock = threading.Lock()
 
     # sysfs
@@ -55,6 +56,15 @@ class MemoryKernel(SriovSysfs, VfNetlink):
             for op in ops:
                 self.vfs[vf] = replace(self.vfs[vf], **op.values())  # type: ignore[arg-type]
 
+    def move_to_netns(self, ifname: str, netns: str) -> None:
+        with self.lock:
+            self.netns[ifname] = netns
+
+    def return_from_netns(self, ifname: str, netns: str) -> None:
+        with self.lock:
+            if self.netns.pop(ifname, None) != netns:
+                raise DeviceError(f"{ifname} is not in netns {netns}", errno.ENODEV)
+
     def tamper(self, vf: int, **changes: object) -> None:
         """A change behind vrnic's back."""
         with self.lock:
@@ -66,6 +76,6 @@ class MemoryKernel(SriovSysfs, VfNetlink):
 
 def sriov_driver(engine: Engine, host_name: str, kernel: MemoryKernel) -> SriovDriver:
     """The daemon's wiring (vrnic.daemon.build_sriov_driver) over the in-memory kernel."""
-    manager = SriovManager(kernel, kernel, DbVfStateStore(engine, host_name), on_event=DbVfEventLog(engine),
-                           eswitch_mode=lambda kind, bus: "legacy")
-    return SriovDriver(manager=manager, reconcile_interval=None, release_on_close=False)
+    store = DbVfStateStore(engine, host_name)
+    manager = SriovManager(kernel, kernel, store, on_event=DbVfEventLog(store), eswitch_mode=lambda kind, bus: "legacy")
+    return SriovDriver(manager=manager, release_on_close=False)

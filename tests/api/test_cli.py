@@ -11,9 +11,11 @@ from sqlalchemy import Engine
 from typer.testing import CliRunner
 
 from vrnic.api.app import create_app
+from vrnic.backend.drivers.fake import FakeDriver
 from vrnic.backend.service import BackendService
 from vrnic.cli.main import app as cli
 from vrnic.config import DaemonSettings
+from vrnic.core.specs import VrnicMode
 from vrnic.daemon import serve_in_thread
 
 
@@ -55,11 +57,17 @@ def test_operator_and_tenant_workflow(run, backend: BackendService) -> None:  # 
     assert code == 0 and {d["name"] for d in json.loads(out)} == {"fake0", "fake1"}
     code, out, _ = run("hosts", "list")
     assert code == 0 and "test-host" in out
-    code, out, _ = run("vrnics", "attach", vrnic["id"], "--json", token=tenant["token"])
+    code, _, _ = run("vrnics", "attach", vrnic["id"], token=tenant["token"])
+    assert code == 2  # no such command: vrnicd observes attachment, nobody reports it
+    guest = backend.driver(VrnicMode.PARAVIRTUAL)
+    assert isinstance(guest, FakeDriver)
+    guest.guest_attached(vrnic["id"])
+    code, out, _ = run("vrnics", "show", vrnic["id"], "--json", token=tenant["token"])
     assert code == 0 and json.loads(out)["state"] == "attached"
     code, _, err = run("vrnics", "release", vrnic["id"], token=tenant["token"])
-    assert code == 1 and "detach it first" in err and "(current state: attached)" in err
-    code, out, _ = run("vrnics", "detach", vrnic["id"], token=tenant["token"])
+    assert code == 1 and "disconnect the guest first" in err and "(current state: attached)" in err
+    guest.guest_detached(vrnic["id"])
+    code, out, _ = run("vrnics", "show", vrnic["id"], token=tenant["token"])
     assert code == 0 and "detached" in out
     code, out, _ = run("vrnics", "release", vrnic["id"], token=tenant["token"])
     assert code == 0 and f"released {vrnic['id']}" in out

@@ -23,7 +23,8 @@ from vrnic.config import DaemonSettings
 from vrnic.core.specs import VrnicMode
 from vrnic.daemon import serve_in_thread
 from vrnic.db.tables import Host, SriovVf, Tenant, Vrnic
-from vrnic.db.vf_store import DbVfEventLog, DbVfStateStore, bound_to
+from vrnic.db.unit_of_work import Database
+from vrnic.db.vf_store import DbVfEventLog, DbVfStateStore
 from vrnic.errors import NotFound
 from vrnic.sriov.vf_types import CLEAN_VF, Allocation, EventKind, LinkState, VfAddress, VfConfig, VfEvent
 
@@ -109,26 +110,30 @@ def test_store_round_trips_allocations_linked_to_vrnic_rows(migrated: Engine) ->
         store.put(Allocation("vr-9", "red", VfAddress(PF, 1), CLEAN_VF))
 
 
-def test_bound_writes_commit_or_roll_back_with_the_callers_transaction(migrated: Engine) -> None:
-    store, events = DbVfStateStore(migrated, HOST), DbVfEventLog(migrated)
+def test_writes_in_a_unit_of_work_commit_or_roll_back_with_it(migrated: Engine) -> None:
+    store = DbVfStateStore(migrated, HOST)
+    events, db = DbVfEventLog(store), Database(migrated)
     _vrnic_row(migrated, "vr-1")
     allocation = Allocation("vr-1", "red", VfAddress(PF, 1), VfConfig(mac="02:00:00:00:00:01", vlan=100))
-    with pytest.raises(RuntimeError), migrated.begin() as c, bound_to(c, "tenant:red"):
+    seen_by_undo: list[Allocation | None] = []
+    with pytest.raises(RuntimeError), store.working_in(lambda: db.write("tenant:red")) as uow:
         store.put(allocation)
         events(VfEvent(EventKind.ALLOCATED, PF, 1, "vr-1", {"vlan": "100"}))
-        assert store.get("vr-1") == allocation  # visible inside the transaction
+        assert store.get("vr-1") == allocation and store.list() == [allocation]  # visible inside its transaction
+        with migrated.execution_options(vrnic_read_only=True).connect() as other:  # and only there
+            assert other.execute(text("SELECT count(*) FROM sriov_vfs")).scalar() == 0
+        uow.on_failure(lambda: seen_by_undo.append(store.get("vr-1")))
         raise RuntimeError("the vRNIC row could not be committed")
+    # The undo (which resets the VF in the control plane) still found the allocation after the rollback.
+    assert seen_by_undo == [allocation]
     with migrated.connect() as c:
         assert c.execute(text("SELECT count(*) FROM events WHERE action = 'vf_allocated'")).scalar() == 0
         assert c.execute(text("SELECT count(*) FROM sriov_vfs")).scalar() == 0
-    # Not in the database, but this process still knows it until released: the VF was configured, and the
-    # release that undoes it needs the allocation to reset it (meanwhile nobody else gets that VF).
-    assert store.get("vr-1") == allocation and store.list() == [allocation]
-    store.delete("vr-1")
-    assert store.get("vr-1") is None and store.list() == []
-    with migrated.begin() as c, bound_to(c, "tenant:red"):
+    assert store.get("vr-1") is None and store.list() == []  # nothing outlives the unit of work
+    with store.working_in(lambda: db.write("tenant:red")):
         store.put(allocation)
         events(VfEvent(EventKind.ALLOCATED, PF, 1, "vr-1", {"vlan": "100"}))
+    assert store.get("vr-1") == allocation
     with migrated.connect() as c:
         row = c.execute(text("SELECT actor, subject, tenant_id, detail FROM events WHERE action = 'vf_allocated'")
                         ).one()
@@ -136,10 +141,37 @@ def test_bound_writes_commit_or_roll_back_with_the_callers_transaction(migrated:
     assert (row[0], row[1], row[2]) == ("tenant:red", f"vf/{PF}/1", red)
     detail = row[3] if isinstance(row[3], dict) else json.loads(row[3])
     assert detail == {"vlan": "100", "vrnic_id": "vr-1"}
-    events(VfEvent(EventKind.NUM_VFS_CHANGED, PF, None, None, {"from": "4", "to": "2"}))  # unbound: the daemon's
+    events(VfEvent(EventKind.NUM_VFS_CHANGED, PF, None, None, {"from": "4", "to": "2"}))  # no unit of work: daemon's
     with migrated.connect() as c:
         assert c.execute(text("SELECT actor, subject, tenant_id FROM events WHERE action = 'pf_num_vfs_changed'")
                          ).one() == ("daemon", f"pf/{PF}", None)
+
+
+def test_only_the_unit_of_works_thread_writes_through_it_and_the_next_one_waits(migrated: Engine) -> None:
+    import threading
+
+    store, db = DbVfStateStore(migrated, HOST), Database(migrated)
+    _vrnic_row(migrated, "vr-1")
+    allocation = Allocation("vr-1", "red", VfAddress(PF, 1), VfConfig(mac="02:00:00:00:00:01", vlan=100))
+    seen: list[list[Allocation]] = []
+    next_began = threading.Event()
+
+    def next_unit_of_work() -> None:
+        with store.working_in(lambda: db.write("tenant:blue")):
+            next_began.set()
+            seen.append(store.list())
+
+    reader = threading.Thread(target=lambda: seen.append(store.list()))
+    writer = threading.Thread(target=next_unit_of_work)
+    with store.working_in(lambda: db.write("tenant:red")):
+        store.put(allocation)
+        reader.start()
+        reader.join(5)
+        assert seen == [[]]  # another thread reads what has committed, without waiting
+        writer.start()
+        assert not next_began.wait(0.3)  # the next unit of work waits until this one has committed
+    writer.join(5)
+    assert seen == [[], [allocation]]  # and then sees the VF as taken
 
 
 # -- REST ----------------------------------------------------------------------------------------
@@ -181,6 +213,30 @@ def test_tenant_allocates_a_vf_through_the_pool_and_sees_only_its_own(api: TestC
     assert api.get(f"/api/v1/vrnics/{vrnic['id']}/vf", headers=red).json()["current_state"] == "released"
     actions = [e["action"] for e in api.get("/api/v1/events", headers=red).json()["items"]]
     assert actions == ["tenant.create", "vf_allocated", "vrnic.allocate", "vf_released", "vrnic.release"]
+
+
+def test_a_vf_moved_into_a_container_is_observed_as_attached(api: TestClient, tenant: Any,
+                                                            sriov_backend: BackendService, kernel: MemoryKernel
+                                                            ) -> None:
+    from vrnic.backend.drivers.sriov import SriovDriver
+
+    red = tenant("red", 100)
+    vid = api.post("/api/v1/vrnics", headers=red, json={"mode": "sriov"}).json()["id"]
+    url = f"/api/v1/vrnics/{vid}"
+    driver = sriov_backend.driver(VrnicMode.SRIOV)
+    assert isinstance(driver, SriovDriver)
+    assert api.get(url, headers=red).json()["state"] == "allocated"  # a VM's hostdev would not show either
+    moved = driver.manager.attach_container(vid, "ctr1", require_rdma=False)
+    assert kernel.netns == {moved.netdev: "ctr1"}
+    assert api.get(url, headers=red).json()["state"] == "attached"
+    refused = api.delete(url, headers=red)
+    assert refused.status_code == 409 and refused.json()["current_state"] == "attached"
+    driver.manager.detach_container(vid)
+    assert api.get(url, headers=red).json()["state"] == "detached"
+    actions = [(e["action"], e["actor"]) for e in
+               api.get("/api/v1/events", headers=red, params={"subject": f"vrnic/{vid}"}).json()["items"]]
+    assert actions == [("vrnic.allocate", "tenant:red"), ("vrnic.attach", "daemon"), ("vrnic.detach", "daemon")]
+    assert api.delete(url, headers=red).json()["state"] == "released" and kernel.vfs[0] == CLEAN_VF
 
 
 def test_operator_lists_pfs_and_vfs_and_the_count_change_is_refused_while_allocated(
@@ -350,7 +406,7 @@ def test_daemon_builds_the_sriov_driver_on_the_database(settings: DaemonSettings
         driver = backend.driver(VrnicMode.SRIOV)
         assert isinstance(driver, SriovDriver)
         assert isinstance(driver.manager.store, DbVfStateStore) and driver.manager.store.host_name == HOST
-        assert driver._reconciler is None and not driver._release_on_close  # the API runs the passes
+        assert not driver._release_on_close  # desired state outlives the process
     finally:
         backend.close()
     refused = build_backend(wired.model_copy(update={"sriov_driver_options": {"no_such_option": 1}}))
@@ -361,22 +417,43 @@ def test_daemon_builds_the_sriov_driver_on_the_database(settings: DaemonSettings
 def test_a_vf_configured_for_an_allocation_that_failed_to_commit_is_reset(api: TestClient, tenant: Any,
                                                                           kernel: MemoryKernel,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from vrnic.api.controlplane import ControlPlane
+    from vrnic.api import vrnics
 
     red = tenant("red", 100)
-    real = ControlPlane._vrnic_out
+    real = vrnics.vrnic_out
 
     def fail_once(*args: Any, **kwargs: Any) -> Any:
-        monkeypatch.setattr(ControlPlane, "_vrnic_out", real)
+        monkeypatch.setattr(vrnics, "vrnic_out", real)
         raise RuntimeError("the database went away after the VF was configured")
 
-    monkeypatch.setattr(ControlPlane, "_vrnic_out", fail_once)
+    monkeypatch.setattr(vrnics, "vrnic_out", fail_once)
     with pytest.raises(RuntimeError):
         api.post("/api/v1/vrnics", headers=red, json={"mode": "sriov"})
     assert kernel.vfs[0] == CLEAN_VF  # the allocation rolled back, and so did the VF
     assert api.get(f"/api/v1/sriov/pfs/{PF}").json()["free_vfs"] == 4
     again = api.post("/api/v1/vrnics", headers=red, json={"mode": "sriov"}).json()
     assert again["attach"]["extra"]["vf_index"] == "0" and kernel.vfs[0].vlan == 100
+
+
+def test_a_vf_configured_for_an_allocation_whose_commit_failed_is_reset(api: TestClient, tenant: Any,
+                                                                       kernel: MemoryKernel,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from sqlalchemy.orm import Session
+
+    red = tenant("red", 100)
+    assert api.get("/api/v1/vrnics", headers=red).status_code == 200  # the token is known: no read to commit
+    real = Session.commit
+
+    def fail_once(self: Session) -> None:
+        monkeypatch.setattr(Session, "commit", real)
+        raise ConnectionError("the database went away at COMMIT, after the VF was configured")
+
+    monkeypatch.setattr(Session, "commit", fail_once)
+    with pytest.raises(ConnectionError):
+        api.post("/api/v1/vrnics", headers=red, json={"mode": "sriov"})
+    assert kernel.vfs[0] == CLEAN_VF  # the undo found the allocation the failed transaction wrote
+    assert api.get(f"/api/v1/sriov/pfs/{PF}").json()["free_vfs"] == 4
+    assert api.get("/api/v1/vrnics", headers=red).json()["items"] == []
 
 
 def test_concurrent_sriov_allocations_get_distinct_vfs(migrated: Engine, sriov_settings: DaemonSettings,

@@ -7,8 +7,14 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi.testclient import TestClient
+from sqlalchemy import Engine
 
+from vrnic.api.app import create_app
+from vrnic.backend.driver import load_driver
+from vrnic.backend.drivers.fake import FakeDriver
 from vrnic.backend.service import BackendService
+from vrnic.config import DaemonSettings
+from vrnic.core.specs import VrnicMode
 from vrnic.core.vaddr import parse_virtual_gid
 
 Tenant = dict[str, str]
@@ -72,26 +78,66 @@ def test_release_tears_down_backend_state_and_keeps_the_record(client: TestClien
     assert problem["type"] == "urn:vrnic:problem:conflict" and problem["instance"].endswith(vrnic["id"])
 
 
-def test_lifecycle_over_rest_and_illegal_transitions_are_409_with_the_state(
+def _fake(backend: BackendService) -> FakeDriver:
+    driver = backend.driver(VrnicMode.PARAVIRTUAL)
+    assert isinstance(driver, FakeDriver)
+    return driver
+
+
+def _history(client: TestClient, vid: str) -> list[tuple[str, str]]:
+    events = client.get("/api/v1/events", params={"subject": f"vrnic/{vid}"}).json()["items"]
+    return [(e["action"], e["actor"]) for e in events]
+
+
+def test_attach_state_is_what_vrnicd_observes_and_is_recorded_once(
         client: TestClient, backend: BackendService, make_tenant: Callable[..., Tenant]) -> None:
     acme = make_tenant("acme")
     vid = _allocate(client, acme)["id"]
     url = f"/api/v1/vrnics/{vid}"
-    detach = client.post(f"{url}/detach", headers=_as(acme))
-    assert detach.status_code == 409 and detach.json()["current_state"] == "allocated"
-    assert client.post(f"{url}/attach", headers=_as(acme)).json()["state"] == "attached"
+    for said in ("attach", "detach"):  # a client cannot claim a state any more
+        assert client.post(f"{url}/{said}", headers=_as(acme)).status_code == 404
+    assert client.get(url, headers=_as(acme)).json()["state"] == "allocated"
+    _fake(backend).guest_attached(vid)
+    assert client.get(url, headers=_as(acme)).json()["state"] == "attached"
+    assert client.get(url, headers=_as(acme)).json()["state"] == "attached"  # read twice, recorded once
+    assert _history(client, vid) == [("vrnic.allocate", "tenant:acme"), ("vrnic.attach", "daemon")]
+    # persisted: the stored state (what the state filter sees) follows the observation
+    attached = client.get("/api/v1/vrnics", params={"state": "attached"}).json()["items"]
+    assert [v["id"] for v in attached] == [vid]
+    _fake(backend).guest_detached(vid)
+    listed = client.get("/api/v1/vrnics", headers=_as(acme)).json()["items"]
+    assert [(v["id"], v["state"]) for v in listed] == [(vid, "detached")]
+    assert _history(client, vid)[-1] == ("vrnic.detach", "daemon")
+    assert client.get("/api/v1/vrnics", params={"state": "detached"}).json()["items"][0]["id"] == vid
+
+
+def test_release_follows_the_observed_state_and_works_from_every_state(
+        client: TestClient, backend: BackendService, make_tenant: Callable[..., Tenant]) -> None:
+    acme = make_tenant("acme")
+    fake = _fake(backend)
+    vid = _allocate(client, acme)["id"]
+    url = f"/api/v1/vrnics/{vid}"
+    fake.guest_attached(vid)  # nobody read it since: release observes it itself
     refused = client.delete(url, headers=_as(acme))
     assert refused.status_code == 409 and refused.json()["current_state"] == "attached"
-    assert "detach it first" in refused.json()["detail"]
+    assert "disconnect the guest first" in refused.json()["detail"]
     assert vid in backend.vrnic_ids()  # nothing half-applied
-    forced_by_tenant = client.delete(url, params={"force": True}, headers=_as(acme))
-    assert forced_by_tenant.status_code == 403
-    assert client.post(f"{url}/detach", headers=_as(acme)).json()["state"] == "detached"
-    assert client.post(f"{url}/attach", headers=_as(acme)).json()["state"] == "attached"
-    assert client.delete(url, params={"force": True}).json()["state"] == "released"  # the operator may force
+    assert client.delete(url, params={"force": True}, headers=_as(acme)).status_code == 403  # force: operator's
+    fake.guest_detached(vid)
+    released = client.delete(url, headers=_as(acme))
+    assert released.status_code == 200 and released.json()["state"] == "released"
     assert vid not in backend.vrnic_ids()
-    actions = [e["action"] for e in client.get("/api/v1/events", params={"subject": f"vrnic/{vid}"}).json()["items"]]
-    assert actions == ["vrnic.allocate", "vrnic.attach", "vrnic.detach", "vrnic.attach", "vrnic.release"]
+    assert _history(client, vid) == [("vrnic.allocate", "tenant:acme"), ("vrnic.attach", "daemon"),
+                                     ("vrnic.detach", "daemon"), ("vrnic.release", "tenant:acme")]
+    # allocated (never attached) and attached (the operator forces) release too
+    never = _allocate(client, acme)["id"]
+    assert client.delete(f"/api/v1/vrnics/{never}", headers=_as(acme)).json()["state"] == "released"
+    busy = _allocate(client, acme)["id"]
+    fake.guest_attached(busy)
+    forced = client.delete(f"/api/v1/vrnics/{busy}", params={"force": True})
+    assert forced.status_code == 200 and forced.json()["state"] == "released"
+    assert [a for a, _ in _history(client, busy)] == ["vrnic.allocate", "vrnic.attach", "vrnic.release"]
+    assert backend.vrnic_ids() == set() and backend.attached_vrnics() == set()
 
 
 def test_idempotency_key_makes_retries_safe(client: TestClient, backend: BackendService,
@@ -199,3 +245,21 @@ def test_tenants_tokens_devices_hosts(client: TestClient, make_tenant: Callable[
     assert client.get("/api/v1/tenants/acme").status_code == 404
     assert client.get("/api/v1/events", params={"action": "tenant.delete"}).json()["items"][0]["subject"] == \
         "tenant/acme"
+
+
+def test_after_a_restart_vrnics_whose_guests_went_with_the_old_process_are_detached(
+        client: TestClient, backend: BackendService, make_tenant: Callable[..., Tenant], migrated: Engine,
+        settings: DaemonSettings) -> None:
+    acme = make_tenant("acme")
+    vid = _allocate(client, acme)["id"]
+    _fake(backend).guest_attached(vid)
+    assert client.get(f"/api/v1/vrnics/{vid}").json()["state"] == "attached"  # recorded
+    restarted = BackendService({VrnicMode.PARAVIRTUAL: load_driver("fake")})  # a new process holds nothing
+    try:
+        app = create_app(settings, restarted, engine=migrated)
+        with TestClient(app, headers=dict(client.headers)) as again:
+            assert _history(again, vid)[-1] == ("vrnic.detach", "daemon")  # at startup, before any read
+            released = again.delete(f"/api/v1/vrnics/{vid}", headers=_as(acme))  # no force needed
+            assert released.status_code == 200 and released.json()["state"] == "released"
+    finally:
+        restarted.close()

@@ -241,3 +241,56 @@ def test_close_releases_every_driver() -> None:
     assert service.vrnic_ids() == set()
     with pytest.raises(NotFound):
         service.release_vrnic("v1")
+
+
+# ----- the attach state vrnicd observes ---------------------------------------------------------
+
+def test_attached_vrnics_is_what_the_drivers_observe() -> None:
+    fake, other = FakeDriver(), FakeVfDriver()
+    service = BackendService({PV: fake, SRIOV: other})
+    service.create_vrnic(spec(1))
+    service.create_vrnic(spec(2))
+    service.create_vrnic(spec(3, SRIOV))
+    assert service.attached_vrnics() == set()
+    fake.guest_attached("v1")
+    other.guest_attached("v3")
+    assert service.attached_vrnics() == {"v1", "v3"}
+    fake.guest_detached("v1")
+    fake.guest_detached("v1")  # a guest that is gone already: nothing to do
+    assert service.attached_vrnics() == {"v3"}
+    service.release_vrnic("v3")  # released: nothing left to be attached to
+    assert service.attached_vrnics() == set()
+    with pytest.raises(NotFound):
+        fake.guest_attached("v9")
+
+
+def test_a_driver_that_cannot_observe_reports_nobody_attached() -> None:
+    class Blind(RnicDriver):
+        name: ClassVar[str] = "blind"
+        modes: ClassVar[frozenset[VrnicMode]] = frozenset({PV})
+
+        def devices(self) -> list[DeviceInfo]:
+            return []
+
+        def create_vrnic(self, spec: VrnicSpec, device: str) -> AttachInfo:
+            raise NotSupported("blind")
+
+        def release_vrnic(self, vrnic_id: str) -> None:
+            raise NotFound(vrnic_id)
+
+        def vrnic_ids(self) -> set[str]:
+            return {"v1"}
+
+    assert Blind().attached_ids() == set()
+    assert BackendService({PV: Blind()}).attached_vrnics() == set()
+
+
+def test_registry_attached_ids_are_the_vrnics_with_a_session() -> None:
+    from vrnic.backend.registry import Registry, VirtualRnic
+
+    registry = Registry()
+    for n in (1, 2):
+        registry.add(VirtualRnic(spec=spec(n), device="rxe0", token=f"t{n}", phys_gid="::1", gid_index=1))
+    assert registry.attached_ids() == set()
+    registry.by_token("t2").session = object()  # type: ignore[assignment]
+    assert registry.attached_ids() == {"v2"}

@@ -13,6 +13,7 @@ from vrnic.core.lifecycle import (
     check_vrnic_count,
     holds_backend_state,
     next_state,
+    observed_state,
 )
 from vrnic.errors import Conflict, QuotaExceeded
 
@@ -49,7 +50,7 @@ def test_the_full_lifecycle_with_a_reattach() -> None:
 
 
 def test_releasing_an_attached_vrnic_needs_force_and_says_so() -> None:
-    with pytest.raises(Conflict, match="detach it first"):
+    with pytest.raises(Conflict, match="disconnect the guest first"):
         next_state(S.ATTACHED, A.RELEASE)
     assert next_state(S.ATTACHED, A.RELEASE, force=True) is S.RELEASED
 
@@ -60,6 +61,27 @@ def test_force_never_revives_or_widens_anything_else() -> None:
     assert caught.value.current_state == "released"
     with pytest.raises(Conflict):
         next_state(S.ALLOCATED, A.DETACH, force=True)
+
+
+@pytest.mark.parametrize(("state", "attached", "expected"), [
+    (S.ALLOCATED, False, S.ALLOCATED), (S.ALLOCATED, True, S.ATTACHED),
+    (S.ATTACHED, True, S.ATTACHED), (S.ATTACHED, False, S.DETACHED),
+    (S.DETACHED, False, S.DETACHED), (S.DETACHED, True, S.ATTACHED),
+    (S.RELEASED, True, S.RELEASED), (S.RELEASED, False, S.RELEASED),
+])
+def test_the_observed_attachment_decides_attached_and_detached(state: S, attached: bool, expected: S) -> None:
+    assert observed_state(state, attached) is expected
+    if expected is not state:  # only legal transitions happen by observation
+        action = A.ATTACH if attached else A.DETACH
+        assert next_state(state, action) is expected
+
+
+def test_release_works_from_every_live_state_attached_only_by_force() -> None:
+    for state in (S.ALLOCATED, S.DETACHED):
+        assert next_state(state, A.RELEASE) is S.RELEASED
+    with pytest.raises(Conflict, match="disconnect the guest first"):
+        next_state(S.ATTACHED, A.RELEASE)
+    assert next_state(S.ATTACHED, A.RELEASE, force=True) is S.RELEASED
 
 
 def test_only_released_holds_no_backend_state() -> None:

@@ -16,7 +16,7 @@ from vrnic.sriov.netlink import VfNetlink
 from vrnic.sriov.plan import VfOp
 from vrnic.sriov.store import InMemoryVfStateStore
 from vrnic.sriov.sysfs import PfSysfs, SriovSysfs, VfSysfs
-from vrnic.sriov.vf_types import CLEAN_VF, EventKind, PfKind, VfConfig, VfRequest
+from vrnic.sriov.vf_types import CLEAN_VF, EventKind, PfKind, VfConfig, VfEvent, VfRequest
 
 
 class MemorySysfs(SriovSysfs):
@@ -56,31 +56,39 @@ class MemoryNetlink(VfNetlink):
 
 
 @pytest.fixture
-def parts() -> tuple[SriovManager, MemorySysfs, MemoryNetlink]:
+def emitted() -> list[VfEvent]:
+    """What the parts' manager emitted (its on_event)."""
+    return []
+
+
+@pytest.fixture
+def parts(emitted: list[VfEvent]) -> tuple[SriovManager, MemorySysfs, MemoryNetlink]:
     sysfs = MemorySysfs()
     netlink = MemoryNetlink(sysfs)
-    manager = SriovManager(sysfs, netlink, InMemoryVfStateStore(), eswitch_mode=lambda kind, bus: "legacy")
+    manager = SriovManager(sysfs, netlink, InMemoryVfStateStore(), on_event=emitted.append,
+                           eswitch_mode=lambda kind, bus: "legacy")
     return manager, sysfs, netlink
 
 
-def test_allocate_confirms_and_release_resets(parts: tuple[SriovManager, MemorySysfs, MemoryNetlink]) -> None:
+def test_allocate_confirms_and_release_resets(parts: tuple[SriovManager, MemorySysfs, MemoryNetlink],
+                                              emitted: list[VfEvent]) -> None:
     manager, _, netlink = parts
     a = manager.allocate("v1", "red", "eth0", VfRequest(vlan=100, max_tx_rate=1000, min_tx_rate=100))
     assert netlink.vfs[0] == a.config and a.config.spoofchk and not a.config.trust
     assert manager.discover()[0].vfs[0].config == a.config
     manager.release("v1")
     assert netlink.vfs[0] == CLEAN_VF and manager.allocations() == []
-    assert [e.kind for e in manager.events] == [EventKind.ALLOCATED, EventKind.RELEASED]
-    assert manager.events.maxlen == 1000
+    assert [e.kind for e in emitted] == [EventKind.ALLOCATED, EventKind.RELEASED]
 
 
-def test_refused_op_rolls_back_everything(parts: tuple[SriovManager, MemorySysfs, MemoryNetlink]) -> None:
+def test_refused_op_rolls_back_everything(parts: tuple[SriovManager, MemorySysfs, MemoryNetlink],
+                                          emitted: list[VfEvent]) -> None:
     manager, _, netlink = parts
     netlink.refuse = "rate"  # MAC and VLAN went in before the kernel refused the rates
     with pytest.raises(DeviceError, match="refused rate"):
         manager.allocate("v1", "red", "eth0", VfRequest(vlan=100, max_tx_rate=1000))
     assert netlink.vfs[0] == CLEAN_VF
-    assert manager.allocations() == [] and not manager.events
+    assert manager.allocations() == [] and not emitted
 
 
 def test_bad_input_touches_nothing(parts: tuple[SriovManager, MemorySysfs, MemoryNetlink]) -> None:
@@ -142,23 +150,6 @@ def test_attach_without_vf_netdev_is_refused_clearly(parts: tuple[SriovManager, 
         manager.vm_interface("v1")
 
 
-def test_periodic_reconciler_repairs_on_its_own(parts: tuple[SriovManager, MemorySysfs, MemoryNetlink]) -> None:
-    import time
-
-    from vrnic.sriov.manager import PeriodicReconciler
-
-    manager, _, netlink = parts
-    a = manager.allocate("v1", "red", "eth0", VfRequest(vlan=100))
-    netlink.vfs[0] = replace(a.config, vlan=1)
-    reconciler = PeriodicReconciler(manager, interval=0.01)
-    reconciler.start()
-    deadline = time.monotonic() + 5
-    while netlink.vfs[0] != a.config and time.monotonic() < deadline:
-        time.sleep(0.01)
-    reconciler.stop()
-    assert netlink.vfs[0] == a.config and reconciler.passes >= 1
-
-
 class PciSysfs(MemorySysfs):
     def pfs(self) -> list[PfSysfs]:
         return [PfSysfs("ens1f0", PfKind.PCI, "0000:3b:00.0", "mlx5_core", self.num_vfs, 8, "mlx5_0",
@@ -218,9 +209,14 @@ def test_pci_vf_container_attach_and_vm_xml() -> None:
     assert netlink.where["ens1f0v1"] == "ctr" and rdma.where["mlx5_3"] == "ctr"
     with pytest.raises(Conflict, match="already in netns ctr"):
         manager.attach_container("v1", "other")
+    # what vrnicd observes as attached: the VFs it moved into a container (a VM's hostdev it cannot see)
+    assert manager.attached_ids() == {"v0", "v1"}
+    manager.detach_container("v0")
+    assert manager.attached_ids() == {"v1"}
     manager.release("v1")  # release brings both back before resetting the VF
     assert netlink.where["ens1f0v1"] is None and rdma.where["mlx5_3"] is None
     assert netlink.vfs[1] == CLEAN_VF
+    assert manager.attached_ids() == set()
 
 
 def test_inventory_and_driver_close_resets_with_in_memory_store(
@@ -243,7 +239,7 @@ def test_driver_keeps_vfs_on_close_with_a_persistent_store(
     from vrnic.backend.drivers.sriov import SriovDriver
 
     manager, _, netlink = parts
-    driver = SriovDriver(manager, reconcile_interval=60, release_on_close=False)
+    driver = SriovDriver(manager, release_on_close=False)
     a = manager.allocate("v1", "red", "eth0", VfRequest(vlan=100))
     driver.close()
     assert netlink.vfs[0] == a.config

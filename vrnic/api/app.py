@@ -48,20 +48,24 @@ def create_app(settings: DaemonSettings, backend: BackendService, *, engine: Eng
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # Off the event loop: drivers may block, and pyroute2 (the SR-IOV driver's netlink) cannot run its own
         # loop inside a thread whose loop is already running.
-        await run_in_threadpool(cp.register_host)
-        orphans = cp.orphaned_vrnics()
+        await run_in_threadpool(cp.inventory.register_host)
+        # e.g. vRNICs recorded attached before a restart, whose guests are gone with the old process
+        changed = await cp.write(cp.vrnics.record_observed)
+        if changed:
+            log.info("attach state of %d vRNIC(s) changed while the daemon was down", changed)
+        orphans = cp.vrnics.orphaned()
         if orphans:
             log.warning("%d live vRNIC(s) in the database have no backend state on this host "
                         "(released on DELETE): %s", len(orphans), ", ".join(orphans[:5]))
         reconciler: asyncio.Task[None] | None = None
         if backend.has_mode(VrnicMode.SRIOV):
             try:
-                done = await cp.write(cp.sriov_reconcile)
+                done = await cp.write(cp.sriov.reconcile_as_daemon)
                 log.info("SR-IOV reconcile at startup: %d correction(s)", len(done.events))
             except VrnicError as exc:
                 log.error("SR-IOV reconcile at startup failed: %s", exc)
             if settings.sriov_reconcile_interval > 0:
-                reconciler = asyncio.create_task(cp.reconcile_sriov_periodically(settings.sriov_reconcile_interval))
+                reconciler = asyncio.create_task(cp.sriov.reconcile_periodically(settings.sriov_reconcile_interval))
         yield
         if reconciler is not None:
             reconciler.cancel()

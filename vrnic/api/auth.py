@@ -7,28 +7,50 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
+from enum import StrEnum
+
+from vrnic.errors import PermissionDenied
 
 TENANT_TOKEN_PREFIX = "vrt_"
 _CACHE_SECONDS = 30.0  # other processes' revocations (PostgreSQL, several API servers) take this long
 
 
+class Role(StrEnum):
+    OPERATOR = "operator"
+    TENANT = "tenant"
+
+
 @dataclass(frozen=True)
 class Principal:
-    """Who is calling: the operator, or one tenant."""
+    """Who is calling: the operator (OPERATOR), or one tenant (Principal.tenant). The role is always
+    explicit: nobody is the operator by omission."""
 
+    role: Role
     tenant_id: int | None = None
     tenant_name: str | None = None
 
+    def __post_init__(self) -> None:
+        if (self.role is Role.TENANT) != (self.tenant_id is not None and self.tenant_name is not None):
+            raise ValueError("a tenant principal has a tenant id and name, the operator neither")
+
+    @classmethod
+    def tenant(cls, tenant_id: int, tenant_name: str) -> Principal:
+        return cls(Role.TENANT, tenant_id, tenant_name)
+
     @property
     def is_operator(self) -> bool:
-        return self.tenant_id is None
+        return self.role is Role.OPERATOR
 
     @property
     def actor(self) -> str:
         return "operator" if self.is_operator else f"tenant:{self.tenant_name}"
 
+    def require_operator(self) -> None:
+        if not self.is_operator:
+            raise PermissionDenied("only the operator may do this")
 
-OPERATOR = Principal()
+
+OPERATOR = Principal(Role.OPERATOR)
 
 
 def new_tenant_token() -> str:

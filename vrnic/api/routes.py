@@ -1,4 +1,4 @@
-"""REST routes under /api/v1: thin adapters from HTTP to ControlPlane."""
+"""REST routes under /api/v1: thin adapters from HTTP to the ControlPlane's parts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from vrnic.api.auth import Principal
-from vrnic.api.controlplane import MAX_PAGE, ControlPlane
+from vrnic.api.controlplane import ControlPlane
+from vrnic.api.pagination import MAX_PAGE
 from vrnic.api.problems import RESPONSES
 from vrnic.api.schemas import (
     DeviceOut,
@@ -30,7 +31,7 @@ from vrnic.api.schemas import (
     VrnicCreate,
     VrnicOut,
 )
-from vrnic.core.lifecycle import VrnicAction, VrnicState
+from vrnic.core.lifecycle import VrnicState
 
 bearer = HTTPBearer(auto_error=False, description="the operator token, or a tenant's token")
 
@@ -46,8 +47,8 @@ async def caller(request: Request,
                  credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Principal:
     cp = await control_plane(request)
     token = credentials.credentials if credentials else None
-    known = cp.cached_principal(token)
-    return known if known is not None else await run_in_threadpool(cp.authenticate, token)
+    known = cp.tenants.cached_principal(token)
+    return known if known is not None else await run_in_threadpool(cp.tenants.authenticate, token)
 
 
 CP = Annotated[ControlPlane, Depends(control_plane)]
@@ -76,45 +77,45 @@ def health(cp: CP) -> dict[str, str]:
 @router.post("/tenants", status_code=status.HTTP_201_CREATED, tags=["tenants"])
 async def create_tenant(body: TenantCreate, cp: CP, who: Caller, response: Response) -> TenantCreated:
     """Create a tenant; the response carries its first token, shown only here."""
-    created = await cp.write(cp.create_tenant, who, body)
+    created = await cp.write(cp.tenants.create_tenant, who, body)
     response.headers["Location"] = f"/api/v1/tenants/{created.name}"
     return created
 
 
 @router.get("/tenants", tags=["tenants"])
 def list_tenants(cp: CP, who: Caller, cursor: Cursor = None, limit: Limit = 50) -> Page[TenantOut]:
-    return cp.list_tenants(who, cursor, limit)
+    return cp.tenants.list_tenants(who, cursor, limit)
 
 
 @router.get("/tenants/{name}", tags=["tenants"])
 def get_tenant(name: TenantPath, cp: CP, who: Caller) -> TenantOut:
-    return cp.get_tenant(who, name)
+    return cp.tenants.get_tenant(who, name)
 
 
 @router.patch("/tenants/{name}", tags=["tenants"])
 async def update_tenant(name: TenantPath, body: TenantUpdate, cp: CP, who: Caller) -> TenantOut:
-    return await cp.write(cp.update_tenant, who, name, body)
+    return await cp.write(cp.tenants.update_tenant, who, name, body)
 
 
 @router.delete("/tenants/{name}", status_code=status.HTTP_204_NO_CONTENT, tags=["tenants"])
 async def delete_tenant(name: TenantPath, cp: CP, who: Caller) -> None:
     """Delete a tenant with no live vRNICs (its released vRNICs and tokens go with it)."""
-    await cp.write(cp.delete_tenant, who, name)
+    await cp.write(cp.tenants.delete_tenant, who, name)
 
 
 @router.post("/tenants/{name}/tokens", status_code=status.HTTP_201_CREATED, tags=["tenants"])
 async def issue_token(name: TenantPath, cp: CP, who: Caller) -> TokenIssued:
-    return await cp.write(cp.issue_token, who, name)
+    return await cp.write(cp.tenants.issue_token, who, name)
 
 
 @router.get("/tenants/{name}/tokens", tags=["tenants"])
 def list_tokens(name: TenantPath, cp: CP, who: Caller) -> list[TokenOut]:
-    return cp.list_tokens(who, name)
+    return cp.tenants.list_tokens(who, name)
 
 
 @router.delete("/tenants/{name}/tokens/{token_id}", tags=["tenants"])
 async def revoke_token(name: TenantPath, token_id: BigId, cp: CP, who: Caller) -> TokenOut:
-    return await cp.write(cp.revoke_token, who, name, token_id)
+    return await cp.write(cp.tenants.revoke_token, who, name, token_id)
 
 
 # -- vRNICs ---------------------------------------------------------------------------------------
@@ -130,7 +131,7 @@ async def allocate_vrnic(body: VrnicCreate, cp: CP, who: Caller, response: Respo
     The attach token is in this response only. Retrying with the same Idempotency-Key returns the
     same vRNIC (status 200, header Idempotent-Replayed: true) instead of allocating another.
     """
-    out, replayed = await cp.write(cp.allocate, who, body, idempotency_key)
+    out, replayed = await cp.write(cp.vrnics.allocate, who, body, idempotency_key)
     response.headers["Location"] = f"/api/v1/vrnics/{out.id}"
     if replayed:
         response.status_code = status.HTTP_200_OK
@@ -139,57 +140,55 @@ async def allocate_vrnic(body: VrnicCreate, cp: CP, who: Caller, response: Respo
 
 
 @router.get("/vrnics", tags=["vrnics"])
-def list_vrnics(cp: CP, who: Caller, cursor: Cursor = None, limit: Limit = 50, state: VrnicState | None = None,
-                tenant: Annotated[str | None, Query(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")] = None
-                ) -> Page[VrnicOut]:
-    return cp.list_vrnics(who, cursor, limit, state=state, tenant=tenant)
+async def list_vrnics(cp: CP, who: Caller, cursor: Cursor = None, limit: Limit = 50, state: VrnicState | None = None,
+                      tenant: Annotated[str | None, Query(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")] = None
+                      ) -> Page[VrnicOut]:
+    """vRNICs, oldest first; `state` attached/detached is what vrnicd observes, not what a client said."""
+    page, stale = await run_in_threadpool(cp.vrnics.list_vrnics, who, cursor, limit, state=state, tenant=tenant)
+    if stale:  # an observed attach or detach: into the database and the audit log, then the filter sees it
+        await cp.write(cp.vrnics.record_observed)
+        page, _ = await run_in_threadpool(cp.vrnics.list_vrnics, who, cursor, limit, state=state, tenant=tenant)
+    return page
 
 
 @router.get("/vrnics/{vrnic_id}", tags=["vrnics"])
-def get_vrnic(vrnic_id: VrnicPath, cp: CP, who: Caller) -> VrnicOut:
-    return cp.get_vrnic(who, vrnic_id)
+async def get_vrnic(vrnic_id: VrnicPath, cp: CP, who: Caller) -> VrnicOut:
+    """A vRNIC; its state attached/detached is what vrnicd observes now."""
+    out, stale = await run_in_threadpool(cp.vrnics.get_vrnic, who, vrnic_id)
+    if stale:
+        await cp.write(cp.vrnics.record_observed)
+    return out
 
 
 @router.delete("/vrnics/{vrnic_id}", tags=["vrnics"])
 async def release_vrnic(vrnic_id: VrnicPath, cp: CP, who: Caller,
-                        force: Annotated[bool, Query(description="operator: release even if attached")] = False
+                        force: Annotated[bool, Query(description="operator: release even while a guest is "
+                                                                 "attached")] = False
                         ) -> VrnicOut:
     """Release: tear down the backend state; the record stays, in state released."""
-    return await cp.write(cp.release, who, vrnic_id, force=force)
-
-
-@router.post("/vrnics/{vrnic_id}/attach", tags=["vrnics"])
-async def attach_vrnic(vrnic_id: VrnicPath, cp: CP, who: Caller) -> VrnicOut:
-    """Record that a frontend attached."""
-    return await cp.write(cp.transition, who, vrnic_id, VrnicAction.ATTACH)
-
-
-@router.post("/vrnics/{vrnic_id}/detach", tags=["vrnics"])
-async def detach_vrnic(vrnic_id: VrnicPath, cp: CP, who: Caller) -> VrnicOut:
-    """Record that the frontend went away."""
-    return await cp.write(cp.transition, who, vrnic_id, VrnicAction.DETACH)
+    return await cp.write(cp.vrnics.release, who, vrnic_id, force=force)
 
 
 # -- devices, hosts (operator only), events -------------------------------------------------------
 
 @router.get("/devices", tags=["devices"])
 def list_devices(cp: CP, who: Caller, cursor: Cursor = None, limit: Limit = 50) -> Page[DeviceOut]:
-    return cp.list_devices(who, cursor, limit)
+    return cp.inventory.list_devices(who, cursor, limit)
 
 
 @router.get("/devices/{device_id}", tags=["devices"])
 def get_device(device_id: BigId, cp: CP, who: Caller) -> DeviceOut:
-    return cp.get_device(who, device_id)
+    return cp.inventory.get_device(who, device_id)
 
 
 @router.get("/hosts", tags=["hosts"])
 def list_hosts(cp: CP, who: Caller, cursor: Cursor = None, limit: Limit = 50) -> Page[HostOut]:
-    return cp.list_hosts(who, cursor, limit)
+    return cp.inventory.list_hosts(who, cursor, limit)
 
 
 @router.get("/hosts/{name}", tags=["hosts"])
 def get_host(name: Annotated[str, Path(max_length=255, pattern=Printable)], cp: CP, who: Caller) -> HostOut:
-    return cp.get_host(who, name)
+    return cp.inventory.get_host(who, name)
 
 
 @router.get("/events", tags=["events"])
@@ -197,7 +196,7 @@ def list_events(cp: CP, who: Caller, cursor: Cursor = None, limit: Limit = 50,
                 subject: Annotated[str | None, Query(max_length=80, pattern=Printable)] = None,
                 action: Annotated[str | None, Query(max_length=40, pattern=Printable)] = None) -> Page[EventOut]:
     """The audit log, oldest first; a tenant sees only events about itself."""
-    return cp.list_events(who, cursor, limit, subject=subject, action=action)
+    return cp.inventory.list_events(who, cursor, limit, subject=subject, action=action)
 
 
 # -- SR-IOV: PFs and VFs (operator only), a vRNIC's VF (its tenant too) ---------------------------
@@ -205,38 +204,38 @@ def list_events(cp: CP, who: Caller, cursor: Cursor = None, limit: Limit = 50,
 @router.get("/sriov/pfs", tags=["sriov"])
 def list_sriov_pfs(cp: CP, who: Caller, cursor: Cursor = None, limit: Limit = 50) -> Page[SriovPfOut]:
     """SR-IOV capable PFs of this host: VF totals and count, driver, eswitch mode, allocated and free VFs."""
-    return cp.sriov_pfs(who, cursor, limit)
+    return cp.sriov.list_pfs(who, cursor, limit)
 
 
 @router.get("/sriov/pfs/{pf}", tags=["sriov"])
 def get_sriov_pf(pf: PfPath, cp: CP, who: Caller) -> SriovPfOut:
-    return cp.sriov_pf(who, pf)
+    return cp.sriov.get_pf(who, pf)
 
 
 @router.get("/sriov/pfs/{pf}/vfs", tags=["sriov"])
 def list_sriov_vfs(pf: PfPath, cp: CP, who: Caller, cursor: Cursor = None, limit: Limit = 50) -> Page[SriovVfOut]:
     """A PF's VFs: the settings the kernel reports, and who holds each (with the desired settings)."""
-    return cp.sriov_vfs(who, pf, cursor, limit)
+    return cp.sriov.list_vfs(who, pf, cursor, limit)
 
 
 @router.put("/sriov/pfs/{pf}/num-vfs", tags=["sriov"])
 async def set_sriov_num_vfs(pf: PfPath, body: NumVfsChange, cp: CP, who: Caller) -> NumVfsChanged:
     """Set the VF count. Refused (409, naming the allocations) while VFs are allocated, unless `force`:
     then it goes through zero, re-applies every surviving VF's configuration and marks vanished vRNICs."""
-    return await cp.write(cp.sriov_set_num_vfs, who, pf, body)
+    return await cp.write(cp.sriov.set_num_vfs, who, pf, body)
 
 
 @router.post("/sriov/reconcile", tags=["sriov"])
 async def reconcile_sriov(cp: CP, who: Caller) -> ReconcileOut:
     """Compare desired VF state (database) with the kernel's now and restore what drifted (each correction
     is also an event). The daemon does this at startup and periodically."""
-    return await cp.write(cp.sriov_reconcile, who)
+    return await cp.write(cp.sriov.reconcile, who)
 
 
 @router.get("/vrnics/{vrnic_id}/vf", tags=["vrnics", "sriov"])
 def get_vrnic_vf(vrnic_id: VrnicPath, cp: CP, who: Caller) -> SriovVfOut:
     """The VF behind an SR-IOV vRNIC: desired and observed settings, netns, vanished."""
-    return cp.vrnic_vf(who, vrnic_id)
+    return cp.sriov.vrnic_vf(who, vrnic_id)
 
 
 @router.get("/vrnics/{vrnic_id}/hostdev", tags=["vrnics", "sriov"], response_class=Response,
@@ -246,4 +245,4 @@ def get_vrnic_hostdev(vrnic_id: VrnicPath, cp: CP, who: Caller,
                       alias: Annotated[str | None, Query(pattern=r"^ua-[A-Za-z0-9_-]{1,60}$",
                                                          description="libvirt user alias")] = None) -> Response:
     """The libvirt device XML that gives the vRNIC's VF to a VM (needs a PCI VF)."""
-    return Response(cp.vrnic_hostdev_xml(who, vrnic_id, alias), media_type="application/xml")
+    return Response(cp.sriov.vrnic_hostdev_xml(who, vrnic_id, alias), media_type="application/xml")

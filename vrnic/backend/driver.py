@@ -36,6 +36,10 @@ class RnicDriver(ABC):
     def vrnic_ids(self) -> set[str]:
         """The vRNICs that exist in the backend now (observed state, for reconciliation)."""
 
+    def attached_ids(self) -> set[str]:
+        """The vRNICs a guest is attached to now, as the backend observes it (none, if it cannot tell)."""
+        return set()
+
     def load(self, device: str) -> int:
         """How many vRNICs sit on device (for placement)."""
         return 0

@@ -80,6 +80,10 @@ class BackendService:
     def vrnic_ids(self) -> set[str]:
         return {i for d in self._drivers.values() for i in d.vrnic_ids()}
 
+    def attached_vrnics(self) -> set[str]:
+        """The vRNICs a guest is attached to now, as the drivers observe it."""
+        return {i for d in self._drivers.values() for i in d.attached_ids()}
+
     def close(self) -> None:
         for driver in self._drivers.values():
             driver.close()

@@ -10,7 +10,8 @@ from vrnic.cli.client import AllOpt, CursorOpt, JsonFlag, LimitOpt, api, parse_p
 from vrnic.core.lifecycle import VrnicState
 from vrnic.core.specs import VrnicMode
 
-app = typer.Typer(help="vRNICs: allocate, list, show, release (and record attach/detach).", no_args_is_help=True)
+app = typer.Typer(help="vRNICs: allocate, list, show, release (attach state is what vrnicd observes).",
+                  no_args_is_help=True)
 
 COLUMNS = ["id", "tenant", "mode", "state", "host", "device", "virtual_gid", "created_at"]
 
@@ -66,7 +67,7 @@ def show_(vrnic_id: str, as_json: JsonFlag = False) -> None:
 
 @app.command()
 def release(vrnic_id: str,
-            force: Annotated[bool, typer.Option(help="Operator: release even while attached.")] = False,
+            force: Annotated[bool, typer.Option(help="Operator: release even while a guest is attached.")] = False,
             as_json: JsonFlag = False) -> None:
     """Release a vRNIC: its backend state is torn down."""
     with api() as client:
@@ -76,18 +77,3 @@ def release(vrnic_id: str,
     else:
         typer.echo(f"released {vrnic['id']} (was on {vrnic['device']})")
 
-
-@app.command()
-def attach(vrnic_id: str, as_json: JsonFlag = False) -> None:
-    """Record that a frontend attached (state allocated/detached -> attached)."""
-    with api() as client:
-        vrnic = client.request("POST", f"/vrnics/{vrnic_id}/attach")
-    show_fields(vrnic if as_json else _flat(vrnic), as_json)
-
-
-@app.command()
-def detach(vrnic_id: str, as_json: JsonFlag = False) -> None:
-    """Record that the frontend went away (state attached -> detached)."""
-    with api() as client:
-        vrnic = client.request("POST", f"/vrnics/{vrnic_id}/detach")
-    show_fields(vrnic if as_json else _flat(vrnic), as_json)

@@ -1,7 +1,9 @@
 """The vRNIC state machine: allocated -> attached -> detached -> released, as pure functions.
 
-The control plane asks these functions for the next state before it changes anything,
-so an illegal request is refused (Conflict, carrying the current state) with nothing applied.
+Attach and detach are what vrnicd observes (a guest connected, or went away), never what a client says;
+release is the one action a client asks for. The control plane asks these functions for the next state
+before it changes anything, so an illegal request is refused (Conflict, carrying the current state) with
+nothing applied.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ class VrnicState(StrEnum):
 
 
 class VrnicAction(StrEnum):
-    ATTACH = "attach"
-    DETACH = "detach"
-    RELEASE = "release"
+    ATTACH = "attach"  # observed: a guest frontend connected
+    DETACH = "detach"  # observed: the frontend went away
+    RELEASE = "release"  # asked for by a client
 
 
 _TRANSITIONS: dict[tuple[VrnicState, VrnicAction], VrnicState] = {
@@ -35,7 +37,8 @@ _TRANSITIONS: dict[tuple[VrnicState, VrnicAction], VrnicState] = {
 # Why each refused request is refused, so the 409 tells the caller what to do instead.
 _HINTS: dict[tuple[VrnicState, VrnicAction], str] = {
     (VrnicState.ATTACHED, VrnicAction.ATTACH): "it is already attached",
-    (VrnicState.ATTACHED, VrnicAction.RELEASE): "it is attached: detach it first, or release with force",
+    (VrnicState.ATTACHED, VrnicAction.RELEASE): "its guest is attached: disconnect the guest first, or have the "
+                                               "operator release with force",
     (VrnicState.ALLOCATED, VrnicAction.DETACH): "it was never attached",
     (VrnicState.DETACHED, VrnicAction.DETACH): "it is already detached",
 }
@@ -60,6 +63,16 @@ def next_state(state: VrnicState, action: VrnicAction, *, force: bool = False) -
         reason = "it is released" if state is VrnicState.RELEASED else _HINTS.get((state, action), "")
         raise Conflict(f"cannot {action} a vRNIC in state {state}" + (f": {reason}" if reason else ""),
                        current_state=str(state)) from None
+
+
+def observed_state(state: VrnicState, attached: bool) -> VrnicState:
+    """The state once vrnicd's observation (a guest attached or not) is taken in; a released vRNIC and one
+    whose observation matches its state stay as they are."""
+    if state is VrnicState.RELEASED:
+        return state
+    if attached:
+        return state if state is VrnicState.ATTACHED else next_state(state, VrnicAction.ATTACH)
+    return next_state(state, VrnicAction.DETACH) if state is VrnicState.ATTACHED else state
 
 
 def holds_backend_state(state: VrnicState) -> bool:

@@ -5,74 +5,32 @@ row (vrnic_serial; the vRNIC's public id and tenant come from the join). Reconci
 these rows with netlink.
 
 The control plane calls the backend inside its own write transaction (SQLite has one writer, so a second
-connection would wait for it forever). Within `bound_to(connection, actor)` the store and the event log
-write through that connection instead: the vRNIC row, its VF's desired state and the events commit or roll
-back together. Outside it (tests, tools) each call runs in a short transaction of its own.
+connection would wait for it forever). It hands that unit of work to the store explicitly
+(`store.working_in(...)`): until it has committed or rolled back, the store and the event log write through
+it in that thread (the vRNIC row, its VF's desired state and the events commit or roll back together), and
+the next unit of work waits for the store. So an allocation only ever sees committed VFs (no two
+transactions hand out one VF), and the undo of a failed unit of work still finds the allocation it has to
+reset. Other callers (read-only views, tests, tools) run each call in a short transaction of their own
+and see what has committed.
 """
 
 from __future__ import annotations
 
-import builtins
 import logging
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, cast
 
 from sqlalchemy import Connection, Engine, Row, Table, delete, insert, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
 from vrnic.db.tables import Event, Host, SriovVf, Tenant, Vrnic, utcnow
+from vrnic.db.unit_of_work import DAEMON_ACTOR, UnitOfWork
 from vrnic.errors import NotFound
 from vrnic.sriov.vf_types import Allocation, LinkState, VfAddress, VfConfig, VfEvent
 
 log = logging.getLogger(__name__)
-
-DAEMON_ACTOR = "daemon"
-
-
-@dataclass(frozen=True)
-class _Binding:
-    connection: Connection
-    actor: str
-
-
-_binding: ContextVar[_Binding | None] = ContextVar("vrnic_sriov_db_binding", default=None)
-
-
-@contextmanager
-def bound_to(connection: Connection, actor: str) -> Iterator[None]:
-    """SR-IOV state and events written in this block (this thread) go through connection's transaction;
-    events are attributed to actor ("operator", "tenant:<name>", "daemon")."""
-    token = _binding.set(_Binding(connection, actor))
-    try:
-        yield
-    finally:
-        _binding.reset(token)
-
-
-def _bound(engine: Engine) -> _Binding | None:
-    binding = _binding.get()
-    if binding is not None and binding.connection.engine.url == engine.url:
-        return binding
-    return None
-
-
-class _Database:
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-        self._reader = engine.execution_options(vrnic_read_only=True)
-
-    @contextmanager
-    def connection(self, write: bool) -> Iterator[Connection]:
-        binding = _bound(self._engine)
-        if binding is not None:
-            yield binding.connection
-            return
-        with (self._engine if write else self._reader).begin() as connection:
-            yield connection
 
 
 SRIOV_VFS = cast(Table, SriovVf.__table__)
@@ -81,21 +39,56 @@ _ALLOCATIONS = (select(SRIOV_VFS, Vrnic.public_id, Tenant.name.label("tenant_nam
                 .join(Tenant, Tenant.id == Vrnic.tenant_id))
 
 
-class DbVfStateStore(_Database):
-    """VfStateStore on sriov_vfs for the host named host_name (registered by the API at startup).
-
-    Allocations written inside a caller's transaction stay visible to this process until a committed read
-    shows them (or they are deleted): other transactions must not hand out that VF meanwhile (PostgreSQL runs
-    allocations concurrently), and if the caller's transaction rolls back after the VF was configured, the
-    release that undoes it must still find the allocation to reset the VF.
-    """
+class DbVfStateStore:
+    """VfStateStore on sriov_vfs for the host named host_name (registered by the API at startup)."""
 
     def __init__(self, engine: Engine, host_name: str) -> None:
-        super().__init__(engine)
+        self.engine = engine
         self.host_name = host_name
+        self._reader = engine.execution_options(vrnic_read_only=True)
         self._host_id: int | None = None
-        self._unsettled: dict[str, Allocation] = {}
-        self._lock = threading.Lock()
+        self._one_at_a_time = threading.Lock()  # units of work take turns, from before they begin to the end
+        self._uow: UnitOfWork | None = None
+        self._owner: int | None = None  # the thread running it: only its calls go through it
+        # What that unit of work wrote: if its commit fails, the undo finds the allocation here.
+        self._written: dict[str, Allocation] = {}
+
+    @contextmanager
+    def working_in(self, begin: Callable[[], AbstractContextManager[UnitOfWork]]) -> Iterator[UnitOfWork]:
+        """Take the store, then begin() a unit of work; the store writes through it until it has committed
+        or rolled back (its undo actions included). The store is taken first: the same lock order for
+        every writer."""
+        with self._one_at_a_time:
+            try:
+                with begin() as uow:
+                    self._uow, self._written, self._owner = uow, {}, threading.get_ident()
+                    yield uow
+            finally:
+                self._owner, self._uow, self._written = None, None, {}
+
+    def _mine(self) -> UnitOfWork | None:
+        """The unit of work the calling thread runs the store in, if any."""
+        uow = self._uow
+        return uow if self._owner == threading.get_ident() else None
+
+    @property
+    def actor(self) -> str:
+        """Who the current writes are for: the unit of work's actor, else the daemon."""
+        uow = self._mine()
+        return uow.actor if uow is not None else DAEMON_ACTOR
+
+    @contextmanager
+    def connection(self, write: bool) -> Iterator[tuple[Connection, bool]]:
+        """(a connection, whether it is the unit of work's)."""
+        uow = self._mine()
+        if uow is not None:
+            yield uow.connection, True
+            return
+        with (self.engine if write else self._reader).begin() as connection:
+            yield connection, False
+
+    def _written_here(self) -> dict[str, Allocation]:
+        return self._written if self._mine() is not None else {}
 
     def _host(self, connection: Connection, required: bool) -> int | None:
         if self._host_id is None:
@@ -105,33 +98,23 @@ class DbVfStateStore(_Database):
         return self._host_id
 
     def list(self) -> list[Allocation]:
-        with self.connection(write=False) as connection:
+        with self.connection(write=False) as (connection, _):
             host = self._host(connection, required=False)
-            stored = [] if host is None else [_allocation(row) for row in connection.execute(
-                _ALLOCATIONS.where(SriovVf.host_id == host).order_by(SriovVf.pf, SriovVf.vf_index, SriovVf.id))]
-        return self._with_unsettled({a.vrnic_id: a for a in stored}, committed=_bound(self._engine) is None)
+            stored = {} if host is None else {a.vrnic_id: a for a in map(_allocation, connection.execute(
+                _ALLOCATIONS.where(SriovVf.host_id == host).order_by(SriovVf.pf, SriovVf.vf_index, SriovVf.id)))}
+            for vrnic_id, allocation in self._written_here().items():
+                stored.setdefault(vrnic_id, allocation)
+        return _ordered(stored.values())
 
     def get(self, vrnic_id: str) -> Allocation | None:
-        with self.connection(write=False) as connection:
+        with self.connection(write=False) as (connection, _):
             host = self._host(connection, required=False)
             row = None if host is None else connection.execute(
                 _ALLOCATIONS.where(SriovVf.host_id == host, Vrnic.public_id == vrnic_id)).first()
-        found = {vrnic_id: _allocation(row)} if row is not None else {}
-        return next(iter(self._with_unsettled(found, _bound(self._engine) is None, only=vrnic_id)), None)
-
-    def _with_unsettled(self, stored: dict[str, Allocation], committed: bool, only: str | None = None
-                        ) -> builtins.list[Allocation]:
-        with self._lock:
-            if committed:  # what a committed read shows has settled
-                for vrnic_id in stored:
-                    self._unsettled.pop(vrnic_id, None)
-            for vrnic_id, allocation in self._unsettled.items():
-                if vrnic_id not in stored and (only is None or vrnic_id == only):
-                    stored[vrnic_id] = allocation
-        return sorted(stored.values(), key=lambda a: (a.address.pf, a.address.index, a.vanished))
+            return _allocation(row) if row is not None else self._written_here().get(vrnic_id)
 
     def put(self, allocation: Allocation) -> None:
-        with self.connection(write=True) as connection:
+        with self.connection(write=True) as (connection, in_unit_of_work):
             host = self._host(connection, required=True)
             serial = connection.scalar(select(Vrnic.serial).where(Vrnic.public_id == allocation.vrnic_id))
             if serial is None:
@@ -140,40 +123,43 @@ class DbVfStateStore(_Database):
             updated = connection.execute(update(SriovVf).where(SriovVf.vrnic_serial == serial), values)
             if updated.rowcount == 0:
                 connection.execute(insert(SriovVf), values | {"vrnic_serial": serial})
-        with self._lock:
-            if _bound(self._engine) is not None:
-                self._unsettled[allocation.vrnic_id] = allocation
-            else:
-                self._unsettled.pop(allocation.vrnic_id, None)
+            if in_unit_of_work:
+                self._written[allocation.vrnic_id] = allocation
 
     def delete(self, vrnic_id: str) -> None:
-        with self.connection(write=True) as connection:
+        with self.connection(write=True) as (connection, _):
             serial = select(Vrnic.serial).where(Vrnic.public_id == vrnic_id).scalar_subquery()
             connection.execute(delete(SriovVf).where(SriovVf.vrnic_serial == serial))
-        with self._lock:
-            self._unsettled.pop(vrnic_id, None)
+            self._written_here().pop(vrnic_id, None)
 
 
-class DbVfEventLog(_Database):
+class DbVfEventLog:
     """The SriovManager's on_event: each VfEvent becomes an Event row (action = the kind, subject
-    vf/<pf>/<index> or pf/<pf>), visible to the vRNIC's tenant when it concerns one. Never raises: a failed
-    audit write is logged, and the VF operation that caused it goes on."""
+    vf/<pf>/<index> or pf/<pf>), visible to the vRNIC's tenant when it concerns one, written through the
+    store's unit of work when it has one. Never raises: a failed audit write is logged, and the VF operation
+    that caused it goes on."""
+
+    def __init__(self, store: DbVfStateStore) -> None:
+        self.store = store
 
     def __call__(self, event: VfEvent) -> None:
-        binding = _bound(self._engine)
-        actor = binding.actor if binding is not None else DAEMON_ACTOR
         subject = f"vf/{event.pf}/{event.vf}" if event.vf is not None else f"pf/{event.pf}"
         detail: dict[str, Any] = dict(event.detail)
         if event.vrnic_id is not None:
             detail["vrnic_id"] = event.vrnic_id
         try:
-            with self.connection(write=True) as connection, _savepoint(connection, binding is not None):
+            with self.store.connection(write=True) as (connection, nested), _savepoint(connection, nested):
                 tenant_id = connection.scalar(select(Vrnic.tenant_id).where(Vrnic.public_id == event.vrnic_id)) \
                     if event.vrnic_id is not None else None
-                connection.execute(insert(Event), {"at": utcnow(), "actor": actor, "action": str(event.kind)[:40],
-                                                   "subject": subject[:80], "tenant_id": tenant_id, "detail": detail})
+                connection.execute(insert(Event), {"at": utcnow(), "actor": self.store.actor,
+                                                   "action": str(event.kind)[:40], "subject": subject[:80],
+                                                   "tenant_id": tenant_id, "detail": detail})
         except SQLAlchemyError as exc:
             log.error("could not record SR-IOV event %s: %s", event, exc)
+
+
+def _ordered(allocations: Iterable[Allocation]) -> list[Allocation]:
+    return sorted(allocations, key=lambda a: (a.address.pf, a.address.index, a.vanished))
 
 
 @contextmanager

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -92,8 +91,6 @@ class SriovManager:
         self._eswitch_mode = eswitch_mode or devlink.eswitch_mode
         self._rdma: RdmaNetns = rdma or _RdmaTool()
         self._lock = threading.RLock()
-        # the latest events (the API persists every one through on_event)
-        self.events: deque[VfEvent] = deque(maxlen=1000)
         self._reported_dirty: set[VfAddress] = set()  # unowned dirty VFs are reported once, not every pass
 
     def close(self) -> None:
@@ -105,9 +102,6 @@ class SriovManager:
         """Every SR-IOV PF with its VFs: sysfs for the topology, netlink for the VF settings, devlink for
         the eswitch mode."""
         return [self._describe(pf) for pf in self.sysfs.pfs()]
-
-    def pf(self, name: str) -> PfInfo:
-        return self._describe(self.sysfs.pf(name))
 
     def _describe(self, pf: PfSysfs) -> PfInfo:
         observed = self.netlink.read_vfs(pf.name)
@@ -138,6 +132,11 @@ class SriovManager:
 
     def allocations(self, pf: str | None = None) -> list[Allocation]:
         return [a for a in self.store.list() if pf is None or a.address.pf == pf]
+
+    def attached_ids(self) -> set[str]:
+        """The vRNICs whose VF netdev vrnicd moved into a container's netns: the one attachment it sees. A VF
+        given to a VM (hostdev) is attached by libvirt, which vrnicd does not observe."""
+        return {a.vrnic_id for a in self.store.list() if a.netns is not None and not a.vanished}
 
     def allocation(self, vrnic_id: str) -> Allocation:
         found = self.store.get(vrnic_id)
@@ -390,41 +389,7 @@ class SriovManager:
 
     def _emit(self, event: VfEvent) -> VfEvent:
         log.info("%s", event)
-        self.events.append(event)
         if self._on_event is not None:
             self._on_event(event)
         return event
 
-
-class PeriodicReconciler:
-    """Runs manager.reconcile() once at start and then every interval seconds on a daemon thread
-    (what the daemon starts next to the API). A failing pass is logged and retried on the next tick."""
-
-    def __init__(self, manager: SriovManager, interval: float = 30.0) -> None:
-        self.manager = manager
-        self.interval = interval
-        self.passes = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._run, name="vrnic-sriov-reconcile", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def _run(self) -> None:
-        while True:
-            try:
-                self.manager.reconcile()
-            except VrnicError as e:
-                log.error("SR-IOV reconcile pass failed: %s", e)
-            self.passes += 1
-            if self._stop.wait(self.interval):
-                return

@@ -28,6 +28,7 @@ class FakeDriver(RnicDriver):
         ]
         self._socket_path = socket_path
         self._vrnics: dict[str, str] = {}  # vrnic id -> device
+        self._attached: set[str] = set()  # what a real driver would observe: a guest holding a session
         self._lock = threading.Lock()
 
     def devices(self) -> list[DeviceInfo]:
@@ -47,10 +48,27 @@ class FakeDriver(RnicDriver):
         with self._lock:
             if self._vrnics.pop(vrnic_id, None) is None:
                 raise NotFound(f"no vRNIC {vrnic_id} in the backend")
+            self._attached.discard(vrnic_id)
 
     def vrnic_ids(self) -> set[str]:
         with self._lock:
             return set(self._vrnics)
+
+    def attached_ids(self) -> set[str]:
+        with self._lock:
+            return set(self._attached)
+
+    def guest_attached(self, vrnic_id: str) -> None:
+        """Tests: a guest attached to the vRNIC (what the verbs driver sees as a session opening)."""
+        with self._lock:
+            if vrnic_id not in self._vrnics:
+                raise NotFound(f"no vRNIC {vrnic_id} in the backend")
+            self._attached.add(vrnic_id)
+
+    def guest_detached(self, vrnic_id: str) -> None:
+        """Tests: the guest went away."""
+        with self._lock:
+            self._attached.discard(vrnic_id)
 
     def load(self, device: str) -> int:
         with self._lock:

@@ -16,7 +16,7 @@ from typing import ClassVar
 from vrnic.backend.driver import RnicDriver
 from vrnic.core.specs import AttachInfo, DeviceInfo, VrnicMode, VrnicSpec
 from vrnic.errors import InvalidArgument
-from vrnic.sriov.manager import PeriodicReconciler, SriovManager
+from vrnic.sriov.manager import SriovManager
 from vrnic.sriov.store import InMemoryVfStateStore
 from vrnic.sriov.vf_types import MAX_VLAN, Allocation, PfInfo, PfKind, VfRequest
 
@@ -36,19 +36,14 @@ class SriovDriver(RnicDriver):
     name: ClassVar[str] = "sriov"
     modes: ClassVar[frozenset[VrnicMode]] = frozenset({VrnicMode.SRIOV})
 
-    def __init__(self, manager: SriovManager | None = None, reconcile_interval: float | None = None,
-                 release_on_close: bool | None = None) -> None:
-        """reconcile_interval: seconds between reconcile passes (one runs at once); None: no background pass.
-        release_on_close: reset every VF at close(); by default only when desired state is not persisted
-        (the in-memory store), since otherwise a restart would forget VFs still carrying tenants' settings."""
+    def __init__(self, manager: SriovManager | None = None, release_on_close: bool | None = None) -> None:
+        """release_on_close: reset every VF at close(); by default only when desired state is not persisted
+        (the in-memory store), since otherwise a restart would forget VFs still carrying tenants' settings.
+        Reconcile passes are the API's (at startup and periodically, inside its units of work)."""
         self.manager = manager or SriovManager()
         if release_on_close is None:
             release_on_close = isinstance(self.manager.store, InMemoryVfStateStore)
         self._release_on_close = release_on_close
-        self._reconciler: PeriodicReconciler | None = None
-        if reconcile_interval is not None:
-            self._reconciler = PeriodicReconciler(self.manager, reconcile_interval)
-            self._reconciler.start()
 
     def devices(self) -> list[DeviceInfo]:
         return [self._device(pf) for pf in self.manager.discover()]
@@ -88,14 +83,15 @@ class SriovDriver(RnicDriver):
     def vrnic_ids(self) -> set[str]:
         return {a.vrnic_id for a in self.manager.allocations()}
 
+    def attached_ids(self) -> set[str]:
+        return self.manager.attached_ids()
+
     def load(self, device: str) -> int:
         return len(self.manager.allocations(device))
 
     def close(self) -> None:
         """With a persistent store, shutdown leaves tenants' VFs configured (guests depend on them) and the
         next start reconciles them; with the in-memory store every VF is reset, so nothing leaks."""
-        if self._reconciler is not None:
-            self._reconciler.stop()
         if self._release_on_close:
             super().close()
         self.manager.close()
