@@ -51,6 +51,13 @@ class DaemonSettings(BaseSettings):
     paravirtual_driver_options: dict[str, Any] = {}
     sriov_driver: str | None = "sriov"
     sriov_driver_options: dict[str, Any] = {}
+    # The guest channel (paravirtual mode): who may connect, and how much idle clients may hold.
+    channel_socket_mode: int = Field(0o660, ge=0, le=0o777)  # e.g. VRNIC_CHANNEL_SOCKET_MODE=432 (0o660)
+    channel_socket_group: str | None = None  # a group name or number; unset: vrnicd's own group
+    channel_attach_deadline_s: float = Field(5.0, gt=0)
+    channel_max_pending_per_uid: int = Field(32, ge=1)
+    channel_max_pending_total: int = Field(256, ge=1)
+    channel_max_sessions: int = Field(1024, ge=1)
     sriov_reconcile_interval: float = Field(30.0, ge=0)  # seconds between SR-IOV reconcile passes; 0: startup only
     log_level: str = "info"
 

@@ -7,6 +7,7 @@ The API reaches the backend only through BackendService, built here from drivers
 from __future__ import annotations
 
 import gc
+import grp
 import logging
 import os
 import secrets
@@ -20,11 +21,12 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from pydantic import SecretStr
 
+from vrnic.backend.channel import ChannelLimits
 from vrnic.backend.driver import RnicDriver, load_driver
 from vrnic.backend.service import BackendService
 from vrnic.config import DaemonSettings
 from vrnic.core.specs import VrnicMode
-from vrnic.errors import VrnicError
+from vrnic.errors import InvalidArgument, VrnicError
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -41,6 +43,8 @@ def build_backend(settings: DaemonSettings) -> BackendService:
         if not name:
             log.info("mode %s: disabled (no driver configured)", mode)
             continue
+        if mode is VrnicMode.PARAVIRTUAL and name == "verbs":
+            options = {"channel": channel_limits(settings), **options}
         try:
             driver = build_sriov_driver(settings, options) if mode is VrnicMode.SRIOV and name == "sriov" \
                 else load_driver(name, **options)
@@ -56,6 +60,26 @@ def build_backend(settings: DaemonSettings) -> BackendService:
                  ", ".join(d.name for d in driver.devices()) or "none")
         drivers[mode] = driver
     return BackendService(drivers)
+
+
+def channel_limits(settings: DaemonSettings) -> ChannelLimits:
+    """The guest channel's socket permissions and caps from the settings; an unknown group is an error."""
+    return ChannelLimits(attach_deadline_s=settings.channel_attach_deadline_s,
+                         max_pending_per_uid=settings.channel_max_pending_per_uid,
+                         max_pending_total=settings.channel_max_pending_total,
+                         max_sessions=settings.channel_max_sessions, socket_mode=settings.channel_socket_mode,
+                         socket_gid=group_id(settings.channel_socket_group))
+
+
+def group_id(group: str | None) -> int | None:
+    if group is None:
+        return None
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise InvalidArgument(f"no group {group!r} for the guest channel's socket") from None
 
 
 def build_sriov_driver(settings: DaemonSettings, options: dict[str, Any]) -> RnicDriver:

@@ -1,10 +1,22 @@
-"""The frontend channel: a Unix-domain socket guests attach through.
+"""The guest channel: a Unix-domain socket guests attach through, hardened against idle and hostile clients.
 
-One thread per connection. The first message must be `attach` with the attach
-token and two file descriptors (SCM_RIGHTS): the guest's sealed memfd arena and
-its doorbell eventfd. A framing error ends the connection (the stream cannot be
-trusted after it); a bad request only fails that request. When the connection
-ends for any reason (detach, crash, kill -9) the session is destroyed.
+Connections that have not attached yet cost no thread: one selector thread
+accepts them, reads their first request, and drops them at the attach deadline.
+The first request must be `attach` with the attach token and two or three file
+descriptors (SCM_RIGHTS): the guest's sealed memfd arena, its doorbell eventfd
+and optionally a completion-notify eventfd. Only an attached guest gets a thread
+of its own, and there is at most one guest per vRNIC, under a total cap.
+
+Pending connections are capped per uid and in total. When a cap is reached the
+oldest pending connection of that uid (or, for the total cap, the oldest of
+all) is dropped, never the newcomer: idle connections cannot starve a guest
+that is about to attach, because a real guest sends its attach at once.
+
+A framing error ends the connection (the stream cannot be trusted after it); a
+bad request only fails that request. Errors that are not VrnicErrors reach the
+guest as "internal error (ref ...)" with the details in the log under that ref.
+When the connection ends for any reason (detach, crash, kill -9) the session is
+closed.
 """
 
 from __future__ import annotations
@@ -12,9 +24,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
+import selectors
 import socket
 import struct
+import tempfile
 import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +40,7 @@ from pydantic import ValidationError
 
 from vrnic.backend.attachment import AttachedSession, PeerCred, SessionOpener
 from vrnic.core import verb_args
-from vrnic.core.proto import FrameDecoder, ProtocolError, encode, parse_request, reply_error, reply_ok
+from vrnic.core.proto import FrameDecoder, ProtocolError, Request, encode, parse_request, reply_error, reply_ok
 from vrnic.errors import Conflict, InvalidArgument, VrnicError
 
 log = logging.getLogger(__name__)
@@ -32,121 +50,306 @@ MAX_FDS = 3
 _UCRED = struct.Struct("3i")
 
 
+@dataclass(frozen=True)
+class ChannelLimits:
+    attach_deadline_s: float = 5.0  # a connection that has not attached by then is closed
+    max_pending_per_uid: int = 32  # connections not attached yet, per local uid
+    max_pending_total: int = 256
+    max_sessions: int = 1024  # attached guests (each has one thread)
+    socket_mode: int = 0o660
+    socket_uid: int | None = None  # None: vrnicd's own
+    socket_gid: int | None = None
+
+
+def internal_error(exc: BaseException, what: str) -> VrnicError:
+    """A generic error for the guest; the details go to the log under the same reference."""
+    ref = secrets.token_hex(4)
+    log.error("%s failed (ref %s)", what, ref, exc_info=exc)
+    return VrnicError(f"internal error (ref {ref})")
+
+
+@dataclass(eq=False)
+class _Pending:
+    conn: socket.socket
+    cred: PeerCred
+    deadline: float
+    decoder: FrameDecoder = field(default_factory=FrameDecoder)
+
+
 class ChannelServer:
-    def __init__(self, path: Path, open_session: SessionOpener, mode: int = 0o666) -> None:
+    def __init__(self, path: Path, open_session: SessionOpener, limits: ChannelLimits | None = None) -> None:
         self.path = path
         self.open_session = open_session
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.unlink(missing_ok=True)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(str(path))
-        os.chmod(path, mode)  # guests authenticate with their token, not with file permissions
-        self.sock.listen(64)
-        self._stopping = False
-        self._connections: set[socket.socket] = set()
+        self.limits = limits or ChannelLimits()
+        self.sock = _bind(path, self.limits)
+        self.sock.setblocking(False)
+        self.sock.listen(128)
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._pending: OrderedDict[socket.socket, _Pending] = OrderedDict()  # oldest first
+        self._sessions: dict[socket.socket, threading.Thread] = {}
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._accept_loop, name="vrnic-channel", daemon=True)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="vrnic-channel", daemon=True)
 
     def start(self) -> None:
+        self._selector.register(self.sock, selectors.EVENT_READ, "listen")
+        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._thread.start()
 
     def stop(self) -> None:
-        self._stopping = True
+        """Close every connection, end every session, join every thread. Idempotent."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
         with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
+            os.write(self._wake_w, b"x")
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
         with self._lock:
-            for conn in list(self._connections):
-                with contextlib.suppress(OSError):
-                    conn.shutdown(socket.SHUT_RDWR)
-        self._thread.join(timeout=5)
+            sessions = dict(self._sessions)
+        for conn in sessions:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        for thread in sessions.values():
+            thread.join(timeout=10)
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
         self.path.unlink(missing_ok=True)
 
-    def _accept_loop(self) -> None:
-        while not self._stopping:
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def sessions(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    # ----- the selector thread: connections not attached yet ----------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                now = time.monotonic()
+                first = next(iter(self._pending.values()), None)  # the oldest has the nearest deadline
+                timeout = None if first is None else max(0.0, first.deadline - now)
+                for key, _ in self._selector.select(timeout):
+                    if key.data == "listen":
+                        self._accept()
+                    elif key.data == "wake":
+                        with contextlib.suppress(OSError):
+                            os.read(self._wake_r, 64)
+                    else:
+                        self._read_pending(key.fileobj)  # type: ignore[arg-type]
+                self._expire(time.monotonic())
+        finally:
+            for conn in list(self._pending):
+                self._drop(conn)
+            self._selector.close()
+            self.sock.close()
+
+    def _accept(self) -> None:
+        while True:
             try:
                 conn, _ = self.sock.accept()
-            except OSError:
+            except (BlockingIOError, InterruptedError):
                 return
-            with self._lock:
-                self._connections.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="vrnic-guest", daemon=True).start()
+            except OSError as exc:  # EMFILE and friends: keep serving those already here
+                log.warning("guest channel: accept failed: %s", exc)
+                return
+            pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            cred = PeerCred(pid, uid, gid)
+            self._make_room(uid)
+            conn.setblocking(False)
+            self._pending[conn] = _Pending(conn, cred, time.monotonic() + self.limits.attach_deadline_s)
+            self._selector.register(conn, selectors.EVENT_READ, "guest")
 
-    def _serve(self, conn: socket.socket) -> None:
-        pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-        cred = PeerCred(pid, uid, gid)
-        decoder = FrameDecoder()
+    def _make_room(self, uid: int) -> None:
+        """Drop the oldest pending connections until the newcomer fits under both caps."""
+        same_uid = [c for c, p in self._pending.items() if p.cred.uid == uid]
+        while len(same_uid) >= self.limits.max_pending_per_uid:
+            victim = same_uid.pop(0)
+            log.info("guest channel: uid %d has %d connections waiting to attach; dropping the oldest", uid,
+                     self.limits.max_pending_per_uid)
+            self._drop(victim)
+        while len(self._pending) >= self.limits.max_pending_total:
+            self._drop(next(iter(self._pending)))
+
+    def _expire(self, now: float) -> None:
+        for conn, pending in list(self._pending.items()):
+            if pending.deadline > now:
+                break  # ordered by arrival, so by deadline
+            self._drop(conn)
+
+    def _drop(self, conn: socket.socket) -> None:
+        self._pending.pop(conn, None)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(conn)
+        conn.close()
+
+    def _read_pending(self, conn: socket.socket) -> None:
+        pending = self._pending.get(conn)
+        if pending is None:
+            return
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(conn, RECV_BYTES, MAX_FDS)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(conn)
+            return
+        if not data:
+            _close_fds(fds)
+            self._drop(conn)
+            return
+        try:
+            messages = pending.decoder.feed(data)
+        except ProtocolError as exc:
+            _close_fds(fds)
+            _send(conn, reply_error(0, exc))
+            self._drop(conn)
+            return
+        for index, message in enumerate(messages):
+            request_id = message.get("id", 0) if isinstance(message.get("id"), int) else 0
+            try:
+                request = parse_request(message)
+                args = _attach_args(request)
+                if len(fds) not in (2, 3):
+                    raise InvalidArgument("attach needs two file descriptors: the arena memfd and the doorbell "
+                                          "eventfd (and optionally a completion-notify eventfd)")
+            except VrnicError as exc:
+                _send(conn, reply_error(request_id, exc))
+                continue
+            # Attached from here on: the connection leaves the selector for a thread of its own.
+            self._pending.pop(conn, None)
+            self._selector.unregister(conn)
+            self._start_session(conn, pending, request, args, fds, messages[index + 1:])
+            return
+        _close_fds(fds)  # descriptors that came with something other than an attach
+
+    def _start_session(self, conn: socket.socket, pending: _Pending, request: Request, args: verb_args.Attach,
+                       fds: list[int], backlog: list[dict[str, Any]]) -> None:
+        with self._lock:
+            if len(self._sessions) >= self.limits.max_sessions:
+                full = True
+            else:
+                full = False
+                thread = threading.Thread(target=self._serve, name="vrnic-guest", daemon=True,
+                                          args=(conn, pending, request, args, fds, backlog))
+                self._sessions[conn] = thread
+        if full:
+            _close_fds(fds)
+            _send(conn, reply_error(request.id, Conflict(f"vrnicd serves {self.limits.max_sessions} guests at most",
+                                                         current_state="busy")))
+            conn.close()
+            return
+        thread.start()
+
+    # ----- one thread per attached guest ------------------------------------------------------
+    def _serve(self, conn: socket.socket, pending: _Pending, request: Request, args: verb_args.Attach,
+               fds: list[int], backlog: list[dict[str, Any]]) -> None:
         session: AttachedSession | None = None
         try:
-            while True:
+            conn.setblocking(True)
+
+            def disconnect() -> None:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+
+            try:
+                session = self.open_session(args, fds, pending.cred, disconnect)
+            except VrnicError as exc:
+                _send(conn, reply_error(request.id, exc))
+                return
+            except Exception as exc:  # the opener closed the fds; the guest learns nothing internal
+                _send(conn, reply_error(request.id, internal_error(exc, "attach")))
+                return
+            log.info("vRNIC %s attached by pid %d uid %d", session.vrnic_id, pending.cred.pid, pending.cred.uid)
+            _send(conn, reply_ok(request.id, session.attach_result()))
+            if self._serve_messages(conn, session, backlog):
+                return
+            while not self._stopping.is_set():
                 try:
-                    data, fds, _flags, _addr = socket.recv_fds(conn, RECV_BYTES, MAX_FDS)
+                    data, extra_fds, _flags, _addr = socket.recv_fds(conn, RECV_BYTES, MAX_FDS)
                 except OSError:
                     return
+                _close_fds(extra_fds)  # an attached guest has nothing more to hand over
                 if not data:
                     return
                 try:
-                    messages = decoder.feed(data)
+                    messages = pending.decoder.feed(data)
                 except ProtocolError as exc:
-                    self._send(conn, reply_error(0, exc))
+                    _send(conn, reply_error(0, exc))
                     return
-                for message in messages:
-                    request_id = message.get("id", 0) if isinstance(message.get("id"), int) else 0
-                    try:
-                        request = parse_request(message)
-                        if session is None:
-                            owned, fds = fds, []  # _attach owns them now: it keeps or closes every one
-                            session = self._attach(request.op, request.args, owned, cred, conn)
-                            self._send(conn, reply_ok(request.id, session.attach_result()))
-                            continue
-                        if request.op == "attach":
-                            raise Conflict("already attached", current_state="attached")
-                        if request.op == "detach":  # tear down before replying, so a re-attach finds it free
-                            session.close()
-                            self._send(conn, reply_ok(request.id))
-                            return
-                        result = session.handle(request.op, request.args)
-                        self._send(conn, reply_ok(request.id, result))
-                    except VrnicError as exc:
-                        self._send(conn, reply_error(request_id, exc))
-                    except Exception as exc:  # a daemon bug must fail one request, not the daemon
-                        log.exception("request %s failed", message.get("op"))
-                        self._send(conn, reply_error(request_id, VrnicError(f"internal error: {exc}")))
-                for fd in fds:  # descriptors nobody asked for
-                    os.close(fd)
+                if self._serve_messages(conn, session, messages):
+                    return
         finally:
             if session is not None:
                 session.close()
-            with self._lock:
-                self._connections.discard(conn)
             conn.close()
-
-    def _attach(self, op: str, raw: dict[str, Any], fds: list[int], cred: PeerCred,
-                conn: socket.socket) -> AttachedSession:
-        try:
-            if op != "attach":
-                raise InvalidArgument("the first request must be attach")
-            try:
-                args = verb_args.Attach.model_validate(raw)
-            except ValidationError:
-                raise InvalidArgument("attach takes a token (string) and busy_poll (bool)") from None
-            if len(fds) not in (2, 3):
-                raise InvalidArgument("attach needs two file descriptors: the arena memfd and the doorbell eventfd"
-                                      " (and optionally a completion-notify eventfd)")
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-
-        def disconnect() -> None:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-
-        session = self.open_session(args, fds, cred, disconnect)
-        log.info("vRNIC %s attached by pid %d uid %d", session.vrnic_id, cred.pid, cred.uid)
-        return session
+            with self._lock:
+                self._sessions.pop(conn, None)
 
     @staticmethod
-    def _send(conn: socket.socket, message: dict[str, Any]) -> None:
+    def _serve_messages(conn: socket.socket, session: AttachedSession, messages: list[dict[str, Any]]) -> bool:
+        """Answer each request; True when the guest detached."""
+        for message in messages:
+            request_id = message.get("id", 0) if isinstance(message.get("id"), int) else 0
+            try:
+                request = parse_request(message)
+                if request.op == "attach":
+                    raise Conflict("already attached", current_state="attached")
+                if request.op == "detach":  # tear down before replying, so a re-attach finds it free
+                    session.close()
+                    _send(conn, reply_ok(request.id))
+                    return True
+                _send(conn, reply_ok(request.id, session.handle(request.op, request.args)))
+            except VrnicError as exc:
+                _send(conn, reply_error(request_id, exc))
+            except Exception as exc:  # a daemon bug fails one request, not the daemon
+                _send(conn, reply_error(request_id, internal_error(exc, f"request {message.get('op')!r}")))
+        return False
+
+
+def _attach_args(request: Request) -> verb_args.Attach:
+    if request.op != "attach":
+        raise InvalidArgument("the first request must be attach")
+    try:
+        return verb_args.Attach.model_validate(request.args)
+    except ValidationError:
+        raise InvalidArgument("attach takes a token (a string) and busy_poll (a boolean)") from None
+
+
+def _bind(path: Path, limits: ChannelLimits) -> socket.socket:
+    """Bind in a private directory, set owner and mode, then move into place: never reachable looser."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    private = Path(tempfile.mkdtemp(prefix=".vrnicd-", dir=path.parent))  # mode 0700
+    staged = private / "sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.bind(str(staged))
+        if limits.socket_uid is not None or limits.socket_gid is not None:
+            os.chown(staged, -1 if limits.socket_uid is None else limits.socket_uid,
+                     -1 if limits.socket_gid is None else limits.socket_gid)
+        os.chmod(staged, limits.socket_mode)
+        os.replace(staged, path)
+    except BaseException:
+        sock.close()
+        raise
+    finally:
         with contextlib.suppress(OSError):
-            conn.sendall(encode(message))
+            staged.unlink()
+        private.rmdir()
+    return sock
+
+
+def _send(conn: socket.socket, message: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):
+        conn.sendall(encode(message))
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)

@@ -12,6 +12,7 @@ hosts without the control plane, the examples and the tests.
 from __future__ import annotations
 
 import argparse
+import grp
 import json
 import logging
 import signal
@@ -19,6 +20,7 @@ import sys
 import threading
 from pathlib import Path
 
+from vrnic.backend.channel import ChannelLimits
 from vrnic.backend.drivers.paravirtual import DEFAULT_SOCKET, VerbsDriver
 from vrnic.core.specs import Quota, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
@@ -54,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vrnic", action="append", default=[], help="ID:TENANT:DEVICE[:VPC]")
     parser.add_argument("--quota", action="append", default=[], help="NAME=INT, for every vRNIC")
     parser.add_argument("--attach-out", type=Path, help="write the attach records here instead of stdout")
+    parser.add_argument("--socket-mode", type=lambda text: int(text, 8), default=0o660,
+                        help="octal mode of the guest socket (default 660)")
+    parser.add_argument("--socket-group", help="group (name or number) that owns the guest socket")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -63,8 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         quota = parse_quota(args.quota)
-        driver = VerbsDriver(socket_path=args.socket)
-    except (VrnicError, ValueError) as exc:
+        group = args.socket_group
+        gid = None if group is None else int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+        driver = VerbsDriver(socket_path=args.socket,
+                             channel=ChannelLimits(socket_mode=args.socket_mode, socket_gid=gid))
+    except (VrnicError, ValueError, KeyError) as exc:  # KeyError: an unknown group
         print(f"vrnicd: {exc}", file=sys.stderr)
         return 2
     try:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from vrnic.backend.attachment import Disconnect, PeerCred
-from vrnic.backend.channel import ChannelServer
+from vrnic.backend.channel import ChannelLimits, ChannelServer
 from vrnic.backend.driver import RnicDriver
 from vrnic.backend.engine import EngineHost, SharedRingEngine
 from vrnic.backend.guest_memory import GuestMemory
@@ -36,7 +36,7 @@ class VerbsDriver(RnicDriver):
     modes: ClassVar[frozenset[VrnicMode]] = frozenset({VrnicMode.PARAVIRTUAL})
 
     def __init__(self, socket_path: Path | str = DEFAULT_SOCKET, devices: list[str] | None = None,
-                 edge: RnicEdge | None = None) -> None:
+                 edge: RnicEdge | None = None, channel: ChannelLimits | None = None) -> None:
         if edge is None:
             from vrnic.backend.pyverbs_edge import PyverbsEdge  # pyverbs only where a real device is used
 
@@ -45,7 +45,7 @@ class VerbsDriver(RnicDriver):
         self.socket_path = Path(socket_path)
         self._only = devices
         self.registry = Registry()
-        self.server = ChannelServer(self.socket_path, self.open_session)
+        self.server = ChannelServer(self.socket_path, self.open_session, channel)
         self.server.start()
 
     def devices(self) -> list[DeviceInfo]:

@@ -1,0 +1,237 @@
+"""The guest channel under idle, hostile and broken clients: real sockets, the real driver on the fake RNIC edge."""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from vrnic.backend.channel import ChannelLimits
+from vrnic.backend.drivers.paravirtual import VerbsDriver
+from vrnic.backend.fake_edge import FakeEdge
+from vrnic.backend.session import GuestSession
+from vrnic.core.proto import HEADER, MAGIC, VERSION, FrameDecoder, encode
+from vrnic.core.specs import AttachInfo, VrnicSpec
+from vrnic.core.vaddr import make_virtual_gid
+from vrnic.frontend import CQ, MR, PD, Context, NotFound, VrnicError
+
+ARENA = 1 << 20
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator[Callable[..., tuple[VerbsDriver, AttachInfo]]]:
+    """A driver with the given channel limits and one vRNIC on it."""
+    drivers: list[VerbsDriver] = []
+
+    def make(**limits: object) -> tuple[VerbsDriver, AttachInfo]:
+        drv = VerbsDriver(socket_path=tmp_path / f"vrnicd{len(drivers)}.sock", edge=FakeEdge(),
+                          channel=ChannelLimits(**limits))  # type: ignore[arg-type]
+        drivers.append(drv)
+        spec = VrnicSpec(id=f"v{len(drivers)}", tenant="t", vpc_id=1, virtual_gid=make_virtual_gid(1, len(drivers)))
+        return drv, drv.create_vrnic(spec, "fake0")
+
+    yield make
+    for drv in drivers:
+        drv.close()
+
+
+def connect(info: AttachInfo) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(info.socket_path or "")
+    return sock
+
+
+def request(sock: socket.socket, op: str, fds: list[int] | None = None, **args: object) -> dict[str, object]:
+    socket.send_fds(sock, [encode({"id": 1, "op": op, "args": args})], fds or [])
+    decoder = FrameDecoder()
+    sock.settimeout(5)
+    while True:
+        data = sock.recv(65536)
+        assert data, "vrnicd closed the connection instead of answering"
+        messages = decoder.feed(data)
+        if messages:
+            return messages[0]
+
+
+def closed_by_server(sock: socket.socket, timeout: float = 5.0) -> bool:
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(65536):
+            pass
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_silent_connection_is_closed_at_the_attach_deadline(serve: Callable[..., tuple[VerbsDriver, AttachInfo]]) \
+        -> None:
+    drv, info = serve(attach_deadline_s=0.3)
+    idle = connect(info)
+    started = time.monotonic()
+    assert closed_by_server(idle)
+    assert 0.25 <= time.monotonic() - started < 3
+    assert drv.server.pending == 0
+
+
+def test_a_bad_first_request_fails_alone_then_attach_works(serve: Callable[..., tuple[VerbsDriver, AttachInfo]]) \
+        -> None:
+    _, info = serve()
+    sock = connect(info)
+    reply = request(sock, "alloc_pd")
+    assert reply["error"]["code"] == "invalid_argument"  # type: ignore[index]
+    assert "first request must be attach" in reply["error"]["message"]  # type: ignore[index]
+    reply = request(sock, "attach", token="not a token", fds=[os.eventfd(0), os.eventfd(0)])
+    assert reply["error"]["code"] == "not_found"  # type: ignore[index]
+    sock.close()
+    with Context.attach(info, ARENA) as ctx:
+        PD(ctx)
+
+
+def test_a_framing_error_closes_the_stream(serve: Callable[..., tuple[VerbsDriver, AttachInfo]]) -> None:
+    _, info = serve()
+    sock = connect(info)
+    sock.sendall(HEADER.pack(MAGIC ^ 1, VERSION, 0, 2) + b"{}")
+    assert closed_by_server(sock)
+
+
+def test_descriptors_of_a_failed_attach_are_closed(serve: Callable[..., tuple[VerbsDriver, AttachInfo]]) -> None:
+    _, info = serve()
+    before = open_fds()
+    for _ in range(20):
+        sock = connect(info)
+        fds = [os.eventfd(0), os.eventfd(0)]  # not a memfd: the session refuses it
+        reply = request(sock, "attach", token=info.token, fds=fds)
+        assert reply["error"]["code"] == "invalid_argument"  # type: ignore[index]
+        for fd in fds:
+            os.close(fd)
+        sock.close()
+    deadline = time.monotonic() + 5
+    while open_fds() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert open_fds() <= before, "vrnicd kept descriptors a failed attach passed it"
+
+
+def test_internal_errors_reach_the_guest_only_as_a_reference(serve: Callable[..., tuple[VerbsDriver, AttachInfo]],
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    _, info = serve()
+
+    def bug(*_: object) -> dict[str, object]:
+        raise KeyError("/secret/internal/state")
+
+    with Context.attach(info, ARENA) as ctx:
+        monkeypatch.setattr(GuestSession, "op_alloc_pd", bug)
+        with pytest.raises(VrnicError) as caught:
+            PD(ctx)
+        message = str(caught.value)
+        assert message.startswith("internal error (ref ") and "secret" not in message
+        ref = message.removeprefix("internal error (ref ").rstrip(")")
+        assert f"ref {ref}" in caplog.text and "/secret/internal/state" in caplog.text
+        monkeypatch.undo()
+        PD(ctx)  # the session survives a failed request
+
+
+def test_detach_and_disconnect(serve: Callable[..., tuple[VerbsDriver, AttachInfo]]) -> None:
+    drv, info = serve()
+    with Context.attach(info, ARENA) as ctx:
+        CQ(ctx, 8)
+        assert drv.attached_ids() == {info.vrnic_id}
+    assert drv.attached_ids() == set()
+    with Context.attach(info, ARENA) as ctx:
+        session = drv.registry.by_token(info.token or "").session
+        assert isinstance(session, GuestSession)
+        threading.Thread(target=session.disconnect).start()  # what a failing engine does, from its thread
+        with pytest.raises((VrnicError, OSError)):
+            for _ in range(100):
+                ctx.call("query_device")
+                time.sleep(0.01)
+    deadline = time.monotonic() + 5
+    while drv.attached_ids() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert drv.attached_ids() == set()
+
+
+def test_the_socket_gets_the_mode_and_group_operators_set(serve: Callable[..., tuple[VerbsDriver, AttachInfo]]) \
+        -> None:
+    _, info = serve(socket_mode=0o640, socket_gid=os.getgid() + 1)
+    st = os.stat(info.socket_path or "")
+    assert stat.S_ISSOCK(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o640
+    assert st.st_gid == os.getgid() + 1
+    assert not [p for p in Path(info.socket_path or "").parent.iterdir() if p.name.startswith(".vrnicd-")]
+
+
+def test_the_oldest_idle_connection_of_a_uid_makes_room(serve: Callable[..., tuple[VerbsDriver, AttachInfo]]) \
+        -> None:
+    drv, info = serve(max_pending_per_uid=4, attach_deadline_s=30)
+    idle = [connect(info) for _ in range(4)]
+    deadline = time.monotonic() + 5
+    while drv.server.pending < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    newest = connect(info)
+    assert closed_by_server(idle[0]), "the oldest idle connection goes"
+    assert not closed_by_server(idle[1], timeout=0.2)
+    with Context.attach(info, ARENA) as ctx:  # a real guest still gets in
+        PD(ctx)
+    for sock in [*idle, newest]:
+        sock.close()
+
+
+def test_a_session_cap(serve: Callable[..., tuple[VerbsDriver, AttachInfo]]) -> None:
+    drv, info = serve(max_sessions=1)
+    other = drv.create_vrnic(VrnicSpec(id="second", tenant="t", vpc_id=1, virtual_gid=make_virtual_gid(1, 99)),
+                             "fake0")
+    with Context.attach(info, ARENA), pytest.raises(VrnicError, match="serves 1 guests at most"):
+        Context.attach(other, ARENA)
+
+
+def test_1000_idle_connections_from_one_user_do_not_starve_a_real_guest(
+        serve: Callable[..., tuple[VerbsDriver, AttachInfo]]) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4096)), hard))
+    drv, info = serve()  # the default limits
+    threads_before = threading.active_count()
+    idle: list[socket.socket] = []
+    try:
+        for i in range(1000):
+            sock = connect(info)
+            if i % 2:
+                sock.send(HEADER.pack(MAGIC, VERSION, 0, 100)[:5])  # half a header, then nothing
+            idle.append(sock)
+        assert threading.active_count() <= threads_before + 1, "idle connections must not cost threads"
+        started = time.monotonic()
+        with Context.attach(info, ARENA) as ctx:
+            pd = PD(ctx)
+            MR(pd, 4096)
+            CQ(ctx, 16)
+            assert ctx.call("query_device")["quota_used"]["mr"] == 1
+        elapsed = time.monotonic() - started
+        assert elapsed < 5, f"a real guest waited {elapsed:.1f} s behind idle connections"
+        assert drv.server.pending <= ChannelLimits().max_pending_per_uid
+        assert threading.active_count() <= threads_before + 2  # the guest's thread, the engine's (both gone soon)
+        survivors = sum(1 for sock in idle[-40:] if not closed_by_server(sock, timeout=0.01))
+        assert survivors <= ChannelLimits().max_pending_per_uid
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_a_refused_attach_is_a_typed_error_for_the_guest(serve: Callable[..., tuple[VerbsDriver, AttachInfo]]) \
+        -> None:
+    drv, info = serve()
+    drv.release_vrnic(info.vrnic_id)
+    with pytest.raises(NotFound):
+        Context.attach(info, ARENA)
