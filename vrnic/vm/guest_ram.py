@@ -1,0 +1,98 @@
+"""A VM's RAM file as vrnicd would map it: guest-physical address -> file offset, and a shared mapping.
+
+QEMU x86 (pc and q35) lays guest RAM out in one file: GPA == file offset below the 4 GiB split,
+except 0xc0000-0xfffff, which the guest sees as ROM (the file still has bytes there, the guest
+does not). RAM above the split starts at GPA 4 GiB and at file offset `below_4g`.
+q35 keeps all RAM below 4 GiB when the VM has less than 2816 MiB (0xb0000000); pc (i440fx) below 3 GiB.
+
+Unlike the container arena (a sealed memfd, backend/guest_memory.py), this file is a plain tmpfs
+file that QEMU created: nothing seals it against truncation, so vrnicd must trust QEMU not to shrink it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from vrnic.errors import InvalidArgument
+
+ROM_HOLE = (0xC0000, 0x100000)  # [start, end): guest sees pc.rom/pc.bios, not pc.ram
+GIB4 = 1 << 32
+Q35_LOWMEM = 0xB0000000  # q35: RAM above this much goes above 4 GiB
+PC_LOWMEM = 0xC0000000  # pc/i440fx
+
+
+@dataclass(frozen=True)
+class RamLayout:
+    size: int  # bytes of guest RAM (= file size)
+    lowmem_limit: int = Q35_LOWMEM
+
+    @property
+    def below_4g(self) -> int:
+        return min(self.size, self.lowmem_limit)
+
+    def file_offset(self, gpa: int, length: int = 1) -> int:
+        """The file offset of [gpa, gpa+length); the range must be RAM the guest sees as RAM."""
+        if length < 1 or gpa < 0:
+            raise InvalidArgument(f"bad guest range {gpa:#x}+{length}")
+        end = gpa + length
+        if gpa < ROM_HOLE[1] and end > ROM_HOLE[0]:
+            raise InvalidArgument(f"{gpa:#x}+{length} overlaps the ROM hole {ROM_HOLE[0]:#x}-{ROM_HOLE[1] - 1:#x}")
+        if end <= self.below_4g:
+            return gpa
+        above = self.size - self.below_4g
+        if gpa >= GIB4 and end <= GIB4 + above:
+            return self.below_4g + (gpa - GIB4)
+        raise InvalidArgument(f"{gpa:#x}+{length} is not guest RAM (size {self.size:#x})")
+
+
+_XP_LINE = re.compile(r"^\s*([0-9a-fA-F]+):((?:\s+0x[0-9a-fA-F]{2})+)\s*$")
+
+
+def parse_hmp_xp(text: str) -> tuple[int, bytes]:
+    """Parse HMP `xp /Nxb ADDR` output ('0000000000100000: 0x00 0x01 ...') -> (address, bytes)."""
+    start: int | None = None
+    data = bytearray()
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        match = _XP_LINE.match(line)
+        if match is None:
+            raise InvalidArgument(f"not an `xp /Nxb` line: {line!r}")
+        address = int(match.group(1), 16)
+        if start is None:
+            start = address
+        elif address != start + len(data):
+            raise InvalidArgument(f"xp output skips from {start + len(data):#x} to {address:#x}")
+        data += bytes(int(b, 16) for b in match.group(2).split())
+    if start is None:
+        raise InvalidArgument("empty xp output")
+    return start, bytes(data)
+
+
+class GuestRamFile:
+    """MAP_SHARED view of a running VM's RAM file (what vrnicd would register MRs on)."""
+
+    def __init__(self, path: Path, lowmem_limit: int = Q35_LOWMEM, writable: bool = False) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        try:
+            self.layout = RamLayout(os.fstat(fd).st_size, lowmem_limit)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self.map = mmap.mmap(fd, self.layout.size, mmap.MAP_SHARED, prot)
+        finally:
+            os.close(fd)
+
+    def read_gpa(self, gpa: int, length: int) -> bytes:
+        offset = self.layout.file_offset(gpa, length)
+        return self.map[offset:offset + length]
+
+    def find(self, needle: bytes, start: int = 0) -> int:
+        """File offset of needle (first match at or after start), -1 if absent."""
+        return self.map.find(needle, start)
+
+    def close(self) -> None:
+        self.map.close()
