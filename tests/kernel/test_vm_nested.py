@@ -4,7 +4,8 @@ Proves on real libvirtd + nested KVM that
 (a) a domain built by vrnic.vm.domain_xml reaches running,
 (b) its RAM file exists under memory_backing_dir, and a MAP_SHARED mapping of it (as vrnicd would
     map it) sees bytes the guest wrote, at a file offset QEMU's monitor (`xp`) confirms is the same
-    guest-physical address; bytes written through the mapping are seen by the guest's memory too,
+    guest-physical address; bytes stored through the mapping are seen at that address too, and an
+    RDMA WRITE (rxe0) into an MR registered over the RAM file lands in a file the guest then reads,
 (c) a line round-trips over the virtio-serial channel's unix socket,
 (d) destroy + undefine leave no QEMU, no domain and no RAM file behind.
 
@@ -27,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from vrnic.backend.sysfs import rdma_devices
 from vrnic.lab.kernel import kernel_image, module_files
 from vrnic.lab.vm_host import URI, VmHost, VmHostConfig, leftover_processes, ram_file
 from vrnic.vm.domain_xml import (
@@ -43,6 +45,7 @@ from vrnic.vm.guest_ram import GuestRamFile, parse_hmp_xp
 BUSYBOX = Path("/bin/busybox")
 NESTED_MODULES = ("virtio_pci", "virtio_console")
 MEMORY_MIB = 256
+PAGE = 4096
 TIMINGS: dict[str, float] = {}
 
 # The nested guest's /init. There is no udev, so it finds its port in sysfs and makes the
@@ -74,7 +77,12 @@ i=0
 while [ $i -lt 256 ]; do echo "RAMPROOF:$token:"; i=$((i+1)); done > /ramproof
 echo written >&3
 echo "vrnic-nested: pattern written"
-while read -r line <&3; do [ "$line" = bye ] && poweroff -f; done
+while read -r line <&3; do
+  case "$line" in
+    check) head -n1 /ramproof >&3;;
+    bye) poweroff -f;;
+  esac
+done
 sleep 3600
 """
 
@@ -138,6 +146,32 @@ def _readline(sock: socket.socket, buf: bytearray, deadline: float) -> str:
     return line.decode()
 
 
+def _rdma_write_into(ram: GuestRamFile, offset: int, payload: bytes) -> dict[str, float]:
+    """RC RDMA WRITE rxe0 -> rxe0 into an MR registered over the VM's RAM file at offset."""
+    import pyverbs.enums as e
+    from pyverbs.mr import MR
+
+    from vrnic.lab.native import ACCESS, EndpointInfo, RcEndpoint
+
+    with RcEndpoint("rxe0", PAGE) as source, RcEndpoint("rxe0", PAGE) as target:
+        t0 = time.monotonic()
+        guest_mr = MR(target.pd, PAGE, ACCESS, address=ram.address(offset))
+        reg = time.monotonic() - t0
+        try:
+            into_guest = EndpointInfo(gid=target.gid, qpn=target.qp.qp_num, rkey=guest_mr.rkey,
+                                      addr=ram.address(offset), length=PAGE)
+            source.connect(target.info())
+            target.connect(source.info())
+            source.mr.write(payload, len(payload), 0)
+            t1 = time.monotonic()
+            source.post_rdma(e.IBV_WR_RDMA_WRITE, into_guest, len(payload))
+            source.poll()
+            write = time.monotonic() - t1
+        finally:
+            guest_mr.close()
+    return {"reg_mr_on_ram_file_ms": reg * 1000, "rdma_write_into_guest_ms": write * 1000}
+
+
 def _hmp(domain: Any, command: str) -> str:
     import libvirt_qemu
 
@@ -195,26 +229,41 @@ def test_nested_vm_ram_file_and_channel(host: VmHost, tmp_path: Path) -> None:
         TIMINGS["channel_round_trip_ms"] = (time.monotonic() - t1) * 1000
         assert echoed == f"echo:hello {token}"
         assert _readline(sock, buf, time.monotonic() + 30) == "written"
-        # (b2) the guest's bytes, seen through our MAP_SHARED mapping of the RAM file ...
+        # (b2) the guest's bytes, seen through our MAP_SHARED mapping of the RAM file. The file's first
+        # page in the guest's page cache starts with the pattern on a page boundary.
         needle = f"RAMPROOF:{token}:".encode()
         t2 = time.monotonic()
         offset = ram.find(needle)
+        page = offset
+        while page >= 0 and page % PAGE:
+            page = ram.find(needle, page + 1)
         TIMINGS["scan_ram_file_s"] = time.monotonic() - t2
         assert offset >= 0, "the guest's pattern is not in the RAM file"
+        assert page >= 0, "the guest's pattern is in the RAM file, but not page-aligned (no page cache page)"
+        print(f"\npattern first at file offset {offset:#x}; /ramproof's first page at {page:#x}")
         # ... at the same guest-physical address, as QEMU's monitor reads it
-        gpa = offset
-        address, seen = parse_hmp_xp(_hmp(domain, f"xp /32xb {gpa:#x}"))
-        assert address == gpa
-        assert seen == ram.read_gpa(gpa, 32)
-        assert seen.startswith(needle[:32])
-        # vrnicd's writes (RDMA into guest memory) are what the guest reads at that address
+        address, seen = parse_hmp_xp(_hmp(domain, f"xp /32xb {page:#x}"))
+        assert address == page
+        assert seen == ram.read_gpa(page, 32)
+        assert seen.startswith(needle)
+        # vrnicd's stores into the mapping are what the guest has at that address
         writer = GuestRamFile(ram_path, writable=True)
         try:
-            writer.map[offset:offset + 9] = b"HOSTWROTE"
+            # (inside /ramproof's page: the next page of the file is elsewhere in guest RAM)
+            writer.map[page + 2048:page + 2048 + 9] = b"HOSTWROTE"
+            _, seen = parse_hmp_xp(_hmp(domain, f"xp /9xb {page + 2048:#x}"))
+            assert seen == b"HOSTWROTE"
+            # an RDMA WRITE (rxe0 -> an MR over the RAM file) lands in the guest's file
+            if "rxe0" in rdma_devices():
+                payload = f"RDMAWROTE:{secrets.token_hex(8)}\n".encode()
+                TIMINGS.update(_rdma_write_into(writer, page, payload))
+                sock.sendall(b"check\n")
+                line = _readline(sock, buf, time.monotonic() + 30)
+                assert line.encode() + b"\n" == payload, f"the guest read {line!r} from /ramproof"
+            else:
+                print("no rxe0: RDMA WRITE into guest RAM not tried")
         finally:
             writer.close()
-        _, seen = parse_hmp_xp(_hmp(domain, f"xp /9xb {gpa:#x}"))
-        assert seen == b"HOSTWROTE"
         ram.close()
         sock.close()
         # (d) destroy + undefine: nothing left

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,9 @@ def test_guest_ram_file_maps_shared(tmp_path: Path) -> None:
         assert reader.read_gpa(0x100000, 4) == b"ABCD"
         assert reader.find(b"ABCD") == 0x100000
         assert path.read_bytes()[0x100000:0x100004] == b"ABCD"
+        assert ctypes.string_at(writer.address(0x100000), 4) == b"ABCD"
+        with pytest.raises(InvalidArgument):
+            writer.address(2 * MIB)
     finally:
         reader.close()
         writer.close()

@@ -11,6 +11,7 @@ file that QEMU created: nothing seals it against truncation, so vrnicd must trus
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import re
@@ -85,6 +86,16 @@ class GuestRamFile:
             self.map = mmap.mmap(fd, self.layout.size, mmap.MAP_SHARED, prot)
         finally:
             os.close(fd)
+
+    def address(self, offset: int = 0) -> int:
+        """The virtual address of file offset `offset` in this process (for MR registration; writable maps only)."""
+        if not 0 <= offset < self.layout.size:
+            raise InvalidArgument(f"offset {offset:#x} is outside the RAM file ({self.layout.size:#x} bytes)")
+        anchor = ctypes.c_char.from_buffer(self.map)
+        try:
+            return ctypes.addressof(anchor) + offset
+        finally:
+            del anchor  # an exported buffer would keep the mapping from ever closing
 
     def read_gpa(self, gpa: int, length: int) -> bytes:
         offset = self.layout.file_offset(gpa, length)
