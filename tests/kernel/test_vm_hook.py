@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -39,8 +40,9 @@ def hooked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VmHost, P
     state = tmp_path_factory.mktemp("hook")
     known, log = state / "known.json", state / "events.jsonl"
     known.write_text(json.dumps([KNOWN]))
-    script = hook_wrapper_script(Path(sys.executable), PROJECT_DIR, known, log)
-    host = VmHost(VmHostConfig(hooks={"qemu": script}, require_kvm=False))
+    config = VmHostConfig(require_kvm=False)
+    script = hook_wrapper_script(Path(sys.executable), PROJECT_DIR, known, log, config.memory_backing_dir)
+    host = VmHost(replace(config, hooks={"qemu": script}))
     host.start()
     yield host, log
     problems = host.stop()
@@ -109,6 +111,11 @@ def test_known_vrnic_starts_and_every_op_sees_the_metadata(hooked: tuple[VmHost,
     events = _events(log, name)
     ops = [(e["op"], e["sub_op"]) for e in events]
     print(f"hook ops for the allowed domain: {ops}")
+    print("RAM file per op: " + ", ".join(f"{e['op']}: id={e['domain_id']} exists={e.get('ram_file_exists')}"
+                                          for e in events))
+    started = next(e for e in events if e["op"] == "started")
+    # at `started` the hook finds the RAM file from the XML alone (no call back into libvirtd)
+    assert started["ram_file_exists"] is True, started
     assert ops[:3] == [("prepare", "begin"), ("start", "begin"), ("started", "begin")]
     assert ("stopped", "end") in ops and ("release", "end") in ops
     assert all(e["vrnics"] == [{"vrnic_id": KNOWN, "channel": "org.vrnic.0"}] for e in events)

@@ -21,7 +21,7 @@ from vrnic.vm.hook import (
 BOOT = DirectKernelBoot(kernel=Path("/boot/vmlinuz"))
 
 # What libvirtd 9.0 hands the hook: its own formatting, with our metadata re-prefixed and extra elements.
-LIBVIRT_XML = """<domain type='kvm'>
+LIBVIRT_XML = """<domain type='kvm' id='3'>
   <name>vm1</name>
   <uuid>757fef6f-c10c-4ed2-b625-46ea44233d94</uuid>
   <metadata>
@@ -47,6 +47,7 @@ LIBVIRT_XML = """<domain type='kvm'>
 def test_parse_libvirt_xml() -> None:
     event = parse_hook_call(["vm1", "prepare", "begin", "-"], LIBVIRT_XML)
     assert event.domain == "vm1"
+    assert event.domain_id == 3
     assert event.op is HookOp.PREPARE
     assert (event.sub_op, event.extra) == ("begin", "-")
     assert event.uuid == "757fef6f-c10c-4ed2-b625-46ea44233d94"
@@ -67,7 +68,8 @@ def test_round_trip_of_our_own_xml() -> None:
 def test_domain_without_vrnics() -> None:
     xml = "<domain type='kvm'><name>plain</name></domain>"
     event = parse_hook_call(["plain", "start", "begin", "-"], xml)
-    assert event.vrnics == () and not event.shared_file_memory and event.uuid is None
+    assert event.vrnics == () and not event.shared_file_memory and event.uuid is None and event.domain_id is None
+    assert parse_hook_call(["plain", "stopped", "end", "-"], xml.replace("'kvm'", "'kvm' id='-1'")).domain_id is None
     assert decide(event, known_vrnics=[]).allow
 
 
@@ -77,6 +79,7 @@ def test_domain_without_vrnics() -> None:
     (["vm1", "prepare", "begin", "-"], "<network><name>vm1</name></network>", "<domain>"),
     (["other", "prepare", "begin", "-"], LIBVIRT_XML, "names 'vm1'"),
     (["vm1", "prepare", "begin", "-"], LIBVIRT_XML.replace('id="v-1" ', ""), "no id"),
+    (["vm1", "prepare", "begin", "-"], LIBVIRT_XML.replace("id='3'", "id='x'"), "bad domain id"),
 ])
 def test_bad_calls(args: list[str], xml: str, message: str) -> None:
     with pytest.raises(InvalidArgument, match=message):
@@ -107,18 +110,24 @@ def test_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     known = tmp_path / "known.json"
     log = tmp_path / "events.jsonl"
     known.write_text(json.dumps(["v-1"]))
-    opts = ["--known", str(known), "--log", str(log), "--"]
+    ram = tmp_path / "libvirt" / "qemu" / "3-vm1" / "pc.ram"
+    ram.parent.mkdir(parents=True)
+    ram.write_bytes(b"")
+    opts = ["--known", str(known), "--log", str(log), "--memory-backing-dir", str(tmp_path), "--"]
     assert main([*opts, "vm1", "prepare", "begin", "-"], LIBVIRT_XML) == 0
     known.write_text("[]")
     assert main([*opts, "vm1", "prepare", "begin", "-"], LIBVIRT_XML) == 1
     assert "unknown vRNIC(s) v-1" in capsys.readouterr().err
     assert main([*opts, "vm1", "future-op", "-", "-"], LIBVIRT_XML) == 0
     assert main(["--bogus"], "") == 2
-    assert [json.loads(line)["op"] for line in log.read_text().splitlines()] == ["prepare", "prepare"]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["op"] for r in records] == ["prepare", "prepare"]
+    assert records[0]["ram_file"] == str(ram) and records[0]["ram_file_exists"]
 
 
 def test_wrapper_script() -> None:
-    text = hook_wrapper_script(Path("/opt/v/bin/python"), Path("/work/wt"), Path("/run/k.json"), Path("/run/l"))
+    text = hook_wrapper_script(Path("/opt/v/bin/python"), Path("/work/wt"), Path("/run/k.json"), Path("/run/l"),
+                               Path("/ram"))
     assert text.startswith("#!/bin/sh\n")
     assert text.endswith('exec env PYTHONPATH=/work/wt /opt/v/bin/python -m vrnic.vm.hook --known /run/k.json'
-                         ' --log /run/l -- "$@"\n')
+                         ' --log /run/l --memory-backing-dir /ram -- "$@"\n')

@@ -32,12 +32,12 @@ from pathlib import Path
 from types import TracebackType
 
 from vrnic.errors import LabError
+from vrnic.vm.guest_ram import libvirt_ram_file
 
 URI = "qemu:///system"
 ETC_LIBVIRT = Path("/etc/libvirt")
 STATE_TMPFS = (Path("/var/lib/libvirt"), Path("/var/log/libvirt"), Path("/var/cache/libvirt"), Path("/run/libvirt"))
 KVM_MODULES = ("kvm_amd", "kvm_intel")
-SHORT_NAME_MAX = 20  # libvirt's VIR_DOMAIN_SHORT_NAME_MAX
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def ram_dir(config: VmHostConfig) -> Path:
 
 def ram_file(config: VmHostConfig, domain_id: int, name: str, alias: str = "pc.ram") -> Path:
     """The RAM file of a running domain: <ram_dir>/<id>-<name truncated to 20>/<alias> (q35/pc: pc.ram)."""
-    return ram_dir(config) / f"{domain_id}-{name[:SHORT_NAME_MAX]}" / alias
+    return libvirt_ram_file(config.memory_backing_dir, domain_id, name, alias)
 
 
 def virtlogd_argv(config: VmHostConfig) -> list[str]:

@@ -24,6 +24,13 @@ ROM_HOLE = (0xC0000, 0x100000)  # [start, end): guest sees pc.rom/pc.bios, not p
 GIB4 = 1 << 32
 Q35_LOWMEM = 0xB0000000  # q35: RAM above this much goes above 4 GiB
 PC_LOWMEM = 0xC0000000  # pc/i440fx
+SHORT_NAME_MAX = 20  # libvirt's VIR_DOMAIN_SHORT_NAME_MAX
+
+
+def libvirt_ram_file(memory_backing_dir: Path, domain_id: int, name: str, alias: str = "pc.ram") -> Path:
+    """Where libvirt 9.0 puts a running domain's file-backed RAM when qemu.conf sets memory_backing_dir:
+    <dir>/libvirt/qemu/<id>-<name truncated to 20>/<alias> (pc.ram on q35 and pc)."""
+    return memory_backing_dir / "libvirt" / "qemu" / f"{domain_id}-{name[:SHORT_NAME_MAX]}" / alias
 
 
 @dataclass(frozen=True)
