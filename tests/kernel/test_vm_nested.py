@@ -6,7 +6,8 @@ Proves on real libvirtd + nested KVM that
     map it) sees bytes the guest wrote, at a file offset QEMU's monitor (`xp`) confirms is the same
     guest-physical address; bytes stored through the mapping are seen at that address too, and an
     RDMA WRITE (rxe0) into an MR registered over the RAM file lands in a file the guest then reads,
-(c) a line round-trips over the virtio-serial channel's unix socket,
+(c) a line round-trips over the virtio-serial channel's unix socket, the channel survives the host end
+    reconnecting (vrnicd restarting), and vrnic.core.proto frames up to the cap echo byte-exactly,
 (d) destroy + undefine leave no QEMU, no domain and no RAM file behind.
 
 Run: vrnic lab run --topology single -e PYTHONPATH=$PWD -- python -m pytest -s tests/kernel/test_vm_nested.py
@@ -29,6 +30,7 @@ from typing import Any
 import pytest
 
 from vrnic.backend.sysfs import rdma_devices
+from vrnic.core.proto import MAX_BODY, FrameDecoder, encode
 from vrnic.lab.kernel import kernel_image, module_files
 from vrnic.lab.vm_host import URI, VmHost, VmHostConfig, leftover_processes, ram_file
 from vrnic.vm.domain_xml import (
@@ -52,7 +54,8 @@ TIMINGS: dict[str, float] = {}
 # /dev/virtio-ports/<name> link itself. It opens the port once (data that arrives while the guest
 # has the port closed is discarded by virtio_console), says "ready", echoes one line, writes a
 # pattern derived from that line into its own RAM (a file on the initramfs rootfs = page cache),
-# says "written", and waits.
+# says "written", then serves: check (first line of that file), ping (pong, with the number of EOFs
+# seen while the host end was disconnected), raw (becomes `cat`: a byte-exact echo).
 NESTED_INIT = """#!/bin/busybox sh
 /bin/busybox --install -s /bin
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
@@ -77,11 +80,18 @@ i=0
 while [ $i -lt 256 ]; do echo "RAMPROOF:$token:"; i=$((i+1)); done > /ramproof
 echo written >&3
 echo "vrnic-nested: pattern written"
-while read -r line <&3; do
-  case "$line" in
-    check) head -n1 /ramproof >&3;;
-    bye) poweroff -f;;
-  esac
+eofs=0
+while true; do
+  if read -r line <&3; then
+    case "$line" in
+      check) head -n1 /ramproof >&3;;
+      "ping "*) echo "pong:${{line#ping }} eofs=$eofs" >&3;;
+      raw) echo raw >&3; exec cat <&3 >&3;;
+      bye) poweroff -f;;
+    esac
+  else
+    eofs=$((eofs+1)); sleep 0.05  # the host end is not connected: reads return EOF at once
+  fi
 done
 sleep 3600
 """
@@ -265,10 +275,44 @@ def test_nested_vm_ram_file_and_channel(host: VmHost, tmp_path: Path) -> None:
         finally:
             writer.close()
         ram.close()
+        # (c2) vrnicd restarting: the host end disconnects and reconnects; the guest keeps its port open
         sock.close()
-        # (d) destroy + undefine: nothing left
+        time.sleep(0.5)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(str(channel))
+        buf = bytearray()
+        sock.sendall(b"ping again\n")
+        pong = _readline(sock, buf, time.monotonic() + 30)
+        print(f"after reconnecting: {pong!r}")
+        assert pong.startswith("pong:again eofs=")
+        # (c3) vrnic's framed protocol (vrnic.core.proto) rides the channel byte-exactly, up to the frame cap
+        sock.sendall(b"raw\n")
+        assert _readline(sock, buf, time.monotonic() + 30) == "raw"
+        decoder = FrameDecoder()
+        assert not decoder.feed(bytes(buf))
+        sent = 0
+        t4 = time.monotonic()
+        for index, size in enumerate((0, 1, 255, 4096, 20000, MAX_BODY - 100)):
+            blob = "\u00e9\x00" * (size // 12) + "a" * (size % 12)  # each pair is 12 bytes of JSON
+            message = {"id": index, "op": "echo", "args": {"blob": blob}}
+            frame = encode(message)
+            sock.sendall(frame)
+            sent += len(frame)
+            got: list[dict[str, Any]] = []
+            deadline = time.monotonic() + 30
+            while not got:
+                sock.settimeout(max(0.01, deadline - time.monotonic()))
+                chunk = sock.recv(1 << 16)
+                assert chunk, "channel closed during the raw echo"
+                got = decoder.feed(chunk)
+            assert got == [message] and decoder.pending == 0
+        seconds = time.monotonic() - t4
+        TIMINGS["frames_echo_s"] = seconds
+        TIMINGS["frames_echo_kib_per_s"] = 2 * sent / 1024 / seconds
+        # (d) destroy + undefine: nothing left (destroy first: `cat` exits when we hang up, and so would init)
         t3 = time.monotonic()
         domain.destroy()
+        sock.close()
         TIMINGS["destroy_s"] = time.monotonic() - t3
         domain.undefine()
         domain = None
