@@ -42,7 +42,7 @@ from vrnic.vm.domain_xml import (
     VmDomain,
     VrnicAttachment,
 )
-from vrnic.vm.guest_ram import GuestRamFile, parse_hmp_xp
+from vrnic.vm.guest_ram import GuestRamFile, VmGuestMemory, parse_hmp_xp
 
 BUSYBOX = Path("/bin/busybox")
 NESTED_MODULES = ("virtio_pci", "virtio_console")
@@ -156,8 +156,8 @@ def _readline(sock: socket.socket, buf: bytearray, deadline: float) -> str:
     return line.decode()
 
 
-def _rdma_write_into(ram: GuestRamFile, offset: int, payload: bytes) -> dict[str, float]:
-    """RC RDMA WRITE rxe0 -> rxe0 into an MR registered over the VM's RAM file at offset."""
+def _rdma_write_into(address: int, payload: bytes) -> dict[str, float]:
+    """RC RDMA WRITE rxe0 -> rxe0 into an MR registered at `address` (inside our mapping of the VM's RAM)."""
     import pyverbs.enums as e
     from pyverbs.mr import MR
 
@@ -165,11 +165,11 @@ def _rdma_write_into(ram: GuestRamFile, offset: int, payload: bytes) -> dict[str
 
     with RcEndpoint("rxe0", PAGE) as source, RcEndpoint("rxe0", PAGE) as target:
         t0 = time.monotonic()
-        guest_mr = MR(target.pd, PAGE, ACCESS, address=ram.address(offset))
+        guest_mr = MR(target.pd, PAGE, ACCESS, address=address)
         reg = time.monotonic() - t0
         try:
             into_guest = EndpointInfo(gid=target.gid, qpn=target.qp.qp_num, rkey=guest_mr.rkey,
-                                      addr=ram.address(offset), length=PAGE)
+                                      addr=address, length=PAGE)
             source.connect(target.info())
             target.connect(source.info())
             source.mr.write(payload, len(payload), 0)
@@ -256,24 +256,25 @@ def test_nested_vm_ram_file_and_channel(host: VmHost, tmp_path: Path) -> None:
         assert address == page
         assert seen == ram.read_gpa(page, 32)
         assert seen.startswith(needle)
-        # vrnicd's stores into the mapping are what the guest has at that address
-        writer = GuestRamFile(ram_path, writable=True)
+        # vrnicd's stores into its arena-shaped mapping are what the guest has at that address
+        memory = VmGuestMemory(ram_path)
         try:
             # (inside /ramproof's page: the next page of the file is elsewhere in guest RAM)
-            writer.map[page + 2048:page + 2048 + 9] = b"HOSTWROTE"
+            memory.view[page + 2048:page + 2048 + 9] = b"HOSTWROTE"
             _, seen = parse_hmp_xp(_hmp(domain, f"xp /9xb {page + 2048:#x}"))
             assert seen == b"HOSTWROTE"
             # an RDMA WRITE (rxe0 -> an MR over the RAM file) lands in the guest's file
             if "rxe0" in rdma_devices():
                 payload = f"RDMAWROTE:{secrets.token_hex(8)}\n".encode()
-                TIMINGS.update(_rdma_write_into(writer, page, payload))
+                assert memory.usable(page, PAGE)
+                TIMINGS.update(_rdma_write_into(memory.base + page, payload))
                 sock.sendall(b"check\n")
                 line = _readline(sock, buf, time.monotonic() + 30)
                 assert line.encode() + b"\n" == payload, f"the guest read {line!r} from /ramproof"
             else:
                 print("no rxe0: RDMA WRITE into guest RAM not tried")
         finally:
-            writer.close()
+            memory.close()
         ram.close()
         # (c2) vrnicd restarting: the host end disconnects and reconnects; the guest keeps its port open
         sock.close()

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import ctypes
+import struct
 from pathlib import Path
 
 import pytest
 
+from vrnic.core.rings import Ring
 from vrnic.errors import InvalidArgument
-from vrnic.vm.guest_ram import GIB4, PC_LOWMEM, Q35_LOWMEM, GuestRamFile, RamLayout, parse_hmp_xp
+from vrnic.vm.guest_ram import (
+    GIB4,
+    PC_LOWMEM,
+    Q35_LOWMEM,
+    GuestRamFile,
+    RamLayout,
+    VmGuestMemory,
+    parse_hmp_xp,
+)
 
 MIB = 1 << 20
 
@@ -73,3 +83,34 @@ def test_guest_ram_file_maps_shared(tmp_path: Path) -> None:
     finally:
         reader.close()
         writer.close()
+
+
+def test_vm_guest_memory_has_the_arena_shape(tmp_path: Path) -> None:
+    path = tmp_path / "pc.ram"
+    path.write_bytes(bytes(2 * MIB))
+    memory = VmGuestMemory(path)
+    try:
+        assert memory.size == 2 * MIB
+        ctypes.memmove(memory.base + 0x200000 - 8, b"12345678", 8)  # what an RDMA WRITE at gpa would do
+        assert path.read_bytes()[0x200000 - 8:0x200000] == b"12345678"
+        # a ring laid out by the guest at a guest-physical address, read by vrnicd's core.rings
+        ring = Ring(memory.view, 0x10000, 8, struct.Struct("<Q"), memory.words)
+        assert ring.count() == 0
+        memory.words[0x10000 >> 2] = 3  # the guest's producer index (at the ring's byte 0)
+        assert ring.count() == 3
+        assert memory.usable(0x100000, 4096) and not memory.usable(0xC0000, 16)
+    finally:
+        memory.close()
+    memory.close()  # idempotent
+
+
+def test_vm_guest_memory_refuses_ram_above_the_split_and_odd_sizes(tmp_path: Path) -> None:
+    odd = tmp_path / "odd.ram"
+    odd.write_bytes(bytes(100))
+    with pytest.raises(InvalidArgument, match="pages"):
+        VmGuestMemory(odd)
+    big = tmp_path / "big.ram"
+    with big.open("wb") as f:
+        f.truncate(4 * MIB)  # sparse
+    with pytest.raises(InvalidArgument, match="above the 4 GiB split"):
+        VmGuestMemory(big, lowmem_limit=2 * MIB)

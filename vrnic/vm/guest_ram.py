@@ -114,3 +114,54 @@ class GuestRamFile:
 
     def close(self) -> None:
         self.map.close()
+
+
+class VmGuestMemory:
+    """A VM's RAM file in the shape vrnicd's sessions use for a container arena (backend/guest_memory.py):
+    fd, size, base, view, words, close().
+
+    Guest addresses are guest-physical: `base + gpa` is where vrnicd sees them, which holds for the
+    whole file only while all RAM sits below the 4 GiB split (q35 < 2816 MiB); above it the address
+    space is not linear in the file, so such VMs are refused until sessions translate GPAs.
+    `usable(gpa, length)` says whether the guest sees a range as RAM (not the ROM hole).
+    Differences from the arena: vrnicd opens this file itself (path from the hook or the domain XML),
+    nothing passes it over the channel (virtio-serial carries no fds), and it is not sealed.
+    """
+
+    def __init__(self, path: Path, lowmem_limit: int = Q35_LOWMEM) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            if size <= 0 or size % mmap.PAGESIZE:
+                raise InvalidArgument(f"{path}: a RAM file must be a positive number of pages, not {size} bytes")
+            self.layout = RamLayout(size, lowmem_limit)
+            if size > self.layout.below_4g:
+                raise InvalidArgument(f"{path}: {size >> 20} MiB of RAM reaches above the 4 GiB split; "
+                                      f"guest-physical addresses are linear in the file only up to "
+                                      f"{self.layout.below_4g >> 20} MiB")
+            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        self.size = size
+        anchor = ctypes.c_char.from_buffer(self._map)
+        self.base = ctypes.addressof(anchor)  # where guest-physical address 0 lives in vrnicd
+        del anchor  # an exported buffer would keep the mapping from ever closing
+        self.view = memoryview(self._map)
+        self.words = self.view.cast("B").cast("I")  # 32-bit view for ring indices (as core.rings.index_words)
+
+    def usable(self, gpa: int, length: int) -> bool:
+        try:
+            self.layout.file_offset(gpa, length)
+        except InvalidArgument:
+            return False
+        return True
+
+    def close(self) -> None:
+        if self._map.closed:
+            return
+        self.words.release()
+        self.view.release()
+        self._map.close()
+        os.close(self.fd)
