@@ -51,8 +51,10 @@ PAGE = 4096
 TIMINGS: dict[str, float] = {}
 
 # The nested guest's /init. There is no udev, so it finds its port in sysfs and makes the
-# /dev/virtio-ports/<name> link itself. It opens the port once (data that arrives while the guest
-# has the port closed is discarded by virtio_console), says "ready", echoes one line, writes a
+# /dev/virtio-ports/<name> link itself. It opens the port once and keeps it open (read in 6.1's
+# virtio_console.c: one opener at a time, else EBUSY; data arriving while no guest process holds the
+# port open is discarded; a read returns EOF while the host end is disconnected), says "ready", so the
+# host knows it may send, echoes one line, writes a
 # pattern derived from that line into its own RAM (a file on the initramfs rootfs = page cache),
 # says "written", then serves: check (first line of that file), ping (pong, with the number of EOFs
 # seen while the host end was disconnected), raw (becomes `cat`: a byte-exact echo).
