@@ -1,0 +1,282 @@
+"""Turn the lab guest into a libvirt/QEMU VM host with nested KVM (no systemd, read-only root).
+
+The lab guest's root is the host's root over read-only 9p, so libvirtd gets:
+- tmpfs on its state directories (/var/lib/libvirt, /var/log/libvirt, /var/cache/libvirt, /run/libvirt);
+- a writable copy of /etc/libvirt bind-mounted over it, with our qemu.conf settings appended and
+  any hook scripts installed (hooks must exist when libvirtd starts);
+- `memory_backing_dir` on tmpfs: guest RAM of `<memoryBacking><source type='file'/>` domains lands in
+  `<memory_backing_dir>/libvirt/qemu/<id>-<name>/<alias>` (libvirt appends `libvirt/qemu` when the
+  directory is set explicitly).
+
+Pure parts (config text, argv, parsing) are module functions; `VmHost` is the edge (mounts,
+processes). It refuses to run outside the lab: it bind-mounts over /etc/libvirt.
+
+`python -m vrnic.lab.vm_host` (inside the lab) starts the host, prints timings and capabilities, stops it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+from vrnic.errors import LabError
+from vrnic.vm.guest_ram import libvirt_ram_file
+
+URI = "qemu:///system"
+ETC_LIBVIRT = Path("/etc/libvirt")
+STATE_TMPFS = (Path("/var/lib/libvirt"), Path("/var/log/libvirt"), Path("/var/cache/libvirt"), Path("/run/libvirt"))
+KVM_MODULES = ("kvm_amd", "kvm_intel")
+
+
+@dataclass(frozen=True)
+class VmHostConfig:
+    state_dir: Path = Path("/run/vrnic-vmhost")  # pid files and the writable /etc/libvirt copy
+    memory_backing_dir: Path = Path("/var/lib/libvirt/qemu/ram")  # on the /var/lib/libvirt tmpfs
+    hooks: Mapping[str, str] = field(default_factory=dict)  # hook name ('qemu') -> script text
+    require_kvm: bool = True
+    start_timeout: float = 60.0
+
+
+# --- pure ---------------------------------------------------------------------------------------
+
+def qemu_conf_settings(config: VmHostConfig) -> str:
+    """Lines appended to qemu.conf (the last assignment wins in libvirt's config parser)."""
+    return "\n".join([
+        "# appended by vrnic.lab.vm_host",
+        'user = "root"',
+        'group = "root"',
+        "dynamic_ownership = 0",  # nothing to chown on a read-only root
+        'security_driver = "none"',  # no AppArmor/SELinux in the lab
+        'stdio_handler = "file"',  # QEMU logs go to files, not through virtlogd
+        "cgroup_controllers = [ ]",  # no systemd/machined to place cgroups
+        f"memory_backing_dir = {json.dumps(str(config.memory_backing_dir))}",
+        "",
+    ])
+
+
+def ram_dir(config: VmHostConfig) -> Path:
+    """Where libvirt 9.0 puts file-backed guest RAM when memory_backing_dir is set."""
+    return config.memory_backing_dir / "libvirt" / "qemu"
+
+
+def ram_file(config: VmHostConfig, domain_id: int, name: str, alias: str = "pc.ram") -> Path:
+    """The RAM file of a running domain: <ram_dir>/<id>-<name truncated to 20>/<alias> (q35/pc: pc.ram)."""
+    return libvirt_ram_file(config.memory_backing_dir, domain_id, name, alias)
+
+
+def virtlogd_argv(config: VmHostConfig) -> list[str]:
+    return ["virtlogd", "-d", "--pid-file", str(config.state_dir / "virtlogd.pid")]
+
+
+def libvirtd_argv(config: VmHostConfig) -> list[str]:
+    return ["libvirtd", "-d", "--pid-file", str(config.state_dir / "libvirtd.pid")]
+
+
+def capabilities_domain_types(capabilities_xml: str) -> frozenset[str]:
+    """Domain types (kvm, qemu) that `virsh capabilities` offers for x86_64 guests."""
+    root = ET.fromstring(capabilities_xml)
+    return frozenset(d.get("type", "") for guest in root.iter("guest")
+                     for arch in guest.iter("arch") if arch.get("name") == "x86_64"
+                     for d in arch.iter("domain"))
+
+
+# --- edges --------------------------------------------------------------------------------------
+
+def _run(argv: list[str], check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=timeout)
+    if check and result.returncode != 0:
+        raise LabError(f"`{shlex.join(argv)}` failed ({result.returncode}): {result.stderr.strip()}")
+    return result
+
+
+def ensure_kvm() -> bool:
+    """Load the KVM module the CPU supports; True when /dev/kvm exists afterwards."""
+    if not Path("/dev/kvm").exists():
+        for module in KVM_MODULES:
+            if _run(["modprobe", module], check=False).returncode == 0 and Path("/dev/kvm").exists():
+                break
+    return Path("/dev/kvm").exists()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie child of ours would still answer; daemons are reparented to init, so this is fine
+    return True
+
+
+class VmHost:
+    """libvirtd + virtlogd inside the lab guest. Use as a context manager, or start()/stop()."""
+
+    def __init__(self, config: VmHostConfig | None = None) -> None:
+        self.config = config or VmHostConfig()
+        self.timings: dict[str, float] = {}
+        self.kvm = False
+        self.domain_types: frozenset[str] = frozenset()
+        self._mounts: list[Path] = []  # to unmount, in reverse
+        self._pids: dict[str, int] = {}
+
+    # -- start --
+    def start(self) -> VmHost:
+        if os.environ.get("VRNIC_LAB") != "1":
+            raise LabError("VmHost only runs inside the lab guest: it mounts over /etc/libvirt and /var/lib/libvirt")
+        for tool in ("libvirtd", "virtlogd", "virsh"):
+            if shutil.which(tool) is None:
+                raise LabError(f"{tool} is not installed (apt install libvirt-daemon-system libvirt-clients)")
+        started = time.monotonic()
+        try:
+            self.kvm = ensure_kvm()
+            self.timings["kvm_module_s"] = time.monotonic() - started
+            if self.config.require_kvm and not self.kvm:
+                raise LabError("no /dev/kvm after modprobe kvm_amd/kvm_intel (is nested virtualization on?)")
+            self._prepare_filesystem()
+            daemons = time.monotonic()
+            for argv in (virtlogd_argv(self.config), libvirtd_argv(self.config)):
+                _run(argv)
+                name = argv[0]
+                self._pids[name] = self._read_pid(name)
+            self._wait_capabilities()
+            self.timings["libvirtd_ready_s"] = time.monotonic() - daemons
+            self.timings["host_ready_s"] = time.monotonic() - started
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _prepare_filesystem(self) -> None:
+        c = self.config
+        c.state_dir.mkdir(parents=True, exist_ok=True)
+        for path in STATE_TMPFS:
+            path.mkdir(parents=True, exist_ok=True)  # /run/libvirt: /run is a fresh tmpfs in the lab
+            _run(["mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", str(path)])
+            self._mounts.append(path)
+        etc = c.state_dir / "etc-libvirt"
+        if etc.exists():
+            shutil.rmtree(etc)
+        shutil.copytree(ETC_LIBVIRT, etc, symlinks=True)
+        with (etc / "qemu.conf").open("a") as conf:
+            conf.write("\n" + qemu_conf_settings(c))
+        hooks = etc / "hooks"
+        hooks.mkdir(exist_ok=True)
+        for name, text in c.hooks.items():
+            (hooks / name).write_text(text)
+            (hooks / name).chmod(0o755)
+        _run(["mount", "--bind", str(etc), str(ETC_LIBVIRT)])
+        self._mounts.append(ETC_LIBVIRT)
+        c.memory_backing_dir.mkdir(parents=True, exist_ok=True)
+
+    def _read_pid(self, name: str, timeout: float = 10.0) -> int:
+        pid_file = self.config.state_dir / f"{name}.pid"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                return int(pid_file.read_text().strip())
+            time.sleep(0.05)
+        raise LabError(f"{name} wrote no pid file {pid_file}")
+
+    def _wait_capabilities(self) -> None:
+        deadline = time.monotonic() + self.config.start_timeout
+        last = ""
+        while time.monotonic() < deadline:
+            result = _run(["virsh", "-c", URI, "capabilities"], check=False)
+            if result.returncode == 0:
+                self.domain_types = capabilities_domain_types(result.stdout)
+                if "kvm" in self.domain_types or not self.config.require_kvm:
+                    return
+                last = f"capabilities offer {sorted(self.domain_types)}, no kvm"
+            else:
+                last = result.stderr.strip()
+            if not _pid_alive(self._pids["libvirtd"]):
+                raise LabError(f"libvirtd exited during startup: {last}")
+            time.sleep(0.1)
+        raise LabError(f"libvirtd not ready after {self.config.start_timeout:.0f} s: {last}")
+
+    # -- stop --
+    def running_domains(self) -> list[str]:
+        result = _run(["virsh", "-c", URI, "list", "--name"], check=False)
+        return [line.strip() for line in result.stdout.splitlines() if line.strip()]
+
+    def stop(self) -> list[str]:
+        """Destroy leftover domains, stop the daemons, undo the mounts. Returns problems (empty: clean)."""
+        problems: list[str] = []
+        if "libvirtd" in self._pids and _pid_alive(self._pids["libvirtd"]):
+            for name in self.running_domains():
+                problems.append(f"domain {name} was still running; destroyed")
+                _run(["virsh", "-c", URI, "destroy", name], check=False)
+        for name in ("libvirtd", "virtlogd"):
+            pid = self._pids.pop(name, None)
+            if pid is None:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 15
+            while _pid_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if _pid_alive(pid):
+                problems.append(f"{name} ({pid}) ignored SIGTERM; killed")
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        while self._mounts:
+            path = self._mounts.pop()
+            result = _run(["umount", str(path)], check=False)
+            if result.returncode != 0:
+                problems.append(f"umount {path}: {result.stderr.strip()}")
+        return problems
+
+    def __enter__(self) -> VmHost:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def leftover_processes(names: tuple[str, ...] = ("libvirtd", "virtlogd", "qemu-system-x86_64")) -> list[str]:
+    """`pid comm` of processes with these names (what must be gone after stop())."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                comm = (proc / "comm").read_text().strip()
+                if comm in names or any(n.startswith(comm) and len(comm) == 15 for n in names):
+                    found.append(f"{proc.name} {comm}")
+    return found
+
+
+@contextlib.contextmanager
+def vm_host(config: VmHostConfig | None = None) -> Iterator[VmHost]:
+    host = VmHost(config).start()
+    try:
+        yield host
+    finally:
+        host.stop()
+
+
+def main() -> int:
+    host = VmHost()
+    host.start()
+    print(f"kvm={host.kvm} domain types={sorted(host.domain_types)}")
+    problems = host.stop()
+    print(json.dumps({k: round(v, 2) for k, v in host.timings.items()}))
+    leftovers = leftover_processes()
+    for line in problems + [f"leftover process {p}" for p in leftovers]:
+        print(line, file=sys.stderr)
+    return 1 if problems or leftovers else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
