@@ -109,8 +109,11 @@ def test_malformed_fields_get_safe_defaults() -> None:
     assert isinstance(conflict, Conflict) and conflict.current_state is None
 
 
-def test_hierarchy() -> None:
-    assert issubclass(BootFailure, LabError)
-    for cls in all_error_classes():
-        assert issubclass(cls, VrnicError)
-        assert issubclass(cls, Exception)
+def test_a_guest_catching_a_base_class_catches_what_the_wire_rebuilt() -> None:
+    """Frontends catch by family (`except InvalidArgument`); the rebuilt error must land in the same family."""
+    for error in EXAMPLES:
+        back = error_from_dict(error.to_dict())
+        families = [cls for cls in all_error_classes() if isinstance(error, cls)]
+        assert families and all(isinstance(back, cls) for cls in families), type(error).__name__
+    with pytest.raises(LabError):  # a boot failure is handled wherever the lab failing is
+        raise error_from_dict(BootFailure("guest did not boot").to_dict())
