@@ -23,6 +23,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from vrnic.errors import InvalidArgument
+from vrnic.sriov.libvirt_xml import HostdevInterface
 
 VRNIC_NS = "https://vrnic.dev/xmlns/vrnic/1"
 VRNIC_PREFIX = "vrnic"
@@ -145,6 +146,7 @@ class VmDomain:
     channels: tuple[VirtioSerialChannel, ...] = ()
     console: SerialConsole = field(default_factory=SerialConsole)
     shared_file_memory: bool = True  # what vrnicd maps; False only to show what breaks without it
+    hostdev_interfaces: tuple[HostdevInterface, ...] = ()  # SR-IOV mode: whole VFs
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -183,6 +185,8 @@ class VmDomain:
         devices.append(self.console.to_element())
         for channel in self.channels:
             devices.append(channel.to_element())
+        for interface in self.hostdev_interfaces:
+            devices.append(interface.to_element())
         # Nothing the guest does not need: no USB controller, no balloon (it would move pages under vrnicd).
         _sub(devices, "controller", type="usb", model="none")
         _sub(devices, "memballoon", model="none")
