@@ -1,8 +1,13 @@
-"""Kernel-tier fixtures: a real vrnicd backend (the verbs driver) on the lab's rxe0/rxe1."""
+"""Kernel-tier fixtures: a real vrnicd backend (the verbs driver) on the RDMA devices this machine has.
+
+Devices are discovered as rdma-core's own tests do: every device with an ACTIVE port 1 that has a
+RoCE v2 IPv4 GID (routable between hosts) is usable. VRNIC_TEST_DEVICES="a b" picks them by hand.
+"""
 
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -11,18 +16,41 @@ import pytest
 
 from vrnic.backend.rdma_tool import resource_counts
 from vrnic.backend.sysfs import rdma_devices
-from vrnic.core.specs import AttachInfo, Quota, VrnicSpec
+from vrnic.core.specs import AttachInfo, Quota, VrnicSpec, roce_v2_ipv4_gid
 from vrnic.core.vaddr import make_virtual_gid
+from vrnic.errors import VrnicError
 
 _serial = itertools.count(1)
 
 
-@pytest.fixture
-def rxe_pair() -> tuple[str, str]:
-    devices = rdma_devices()
-    if "rxe0" not in devices or "rxe1" not in devices:
-        pytest.skip(f"needs rxe0 and rxe1 (the lab's pair topology), have {devices}")
-    return "rxe0", "rxe1"
+def usable_devices() -> list[str]:
+    """RDMA devices with an ACTIVE port 1 and a RoCE v2 IPv4 GID, in name order (or VRNIC_TEST_DEVICES)."""
+    chosen = os.environ.get("VRNIC_TEST_DEVICES")
+    if chosen:
+        return chosen.split()
+    from vrnic.backend.pyverbs_edge import PyverbsEdge
+
+    edge = PyverbsEdge()
+    usable = []
+    for name in sorted(rdma_devices()):
+        try:
+            info = edge.describe(name)
+            if info.ports and info.ports[0].state == "ACTIVE":
+                roce_v2_ipv4_gid(info)
+                usable.append(name)
+        except VrnicError:
+            continue
+    return usable
+
+
+@pytest.fixture(scope="session")
+def device_pair() -> tuple[str, str]:
+    """Two usable devices: vRNICs on both sides of a real link (the lab's pair topology)."""
+    devices = usable_devices()
+    if len(devices) < 2:
+        pytest.skip(f"needs two RDMA devices with an active RoCE v2 port (the lab's pair topology); "
+                    f"usable: {devices or 'none'}, present: {rdma_devices() or 'none'}")
+    return devices[0], devices[1]
 
 
 def wait_for_baseline(baseline: dict[str, dict[str, int]], timeout: float = 10.0) -> dict[str, dict[str, int]]:
@@ -35,7 +63,7 @@ def wait_for_baseline(baseline: dict[str, dict[str, int]], timeout: float = 10.0
 
 
 @pytest.fixture
-def driver(rxe_pair: tuple[str, str], tmp_path: Path) -> Iterator[object]:
+def driver(device_pair: tuple[str, str], tmp_path: Path) -> Iterator[object]:
     """An in-process verbs driver; afterwards the kernel must hold exactly what it held before."""
     from vrnic.backend.drivers.paravirtual import VerbsDriver
 
@@ -47,9 +75,11 @@ def driver(rxe_pair: tuple[str, str], tmp_path: Path) -> Iterator[object]:
 
 
 @pytest.fixture
-def make_vrnic(driver: object) -> Callable[..., AttachInfo]:
-    def make(tenant: str = "t1", device: str = "rxe0", vpc: int = 1, **quota: int) -> AttachInfo:
+def make_vrnic(driver: object, device_pair: tuple[str, str]) -> Callable[..., AttachInfo]:
+    def make(tenant: str = "t1", device: str | None = None, vpc: int = 1, **quota: int) -> AttachInfo:
+        """A vRNIC on device (default: the first of the pair)."""
         serial = next(_serial)
+        device = device_pair[0] if device is None else device
         spec = VrnicSpec(id=f"v{serial}", tenant=tenant, vpc_id=vpc, quota=Quota(**quota),
                          virtual_gid=make_virtual_gid(vpc, serial))
         return driver.create_vrnic(spec, device)  # type: ignore[attr-defined, no-any-return]

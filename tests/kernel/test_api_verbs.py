@@ -18,7 +18,7 @@ from .conftest import wait_for_baseline
 OPERATOR = "operator-secret-for-the-kernel-tier"
 
 
-def test_rest_allocate_attach_verbs_release(rxe_pair: tuple[str, str], tmp_path: Path) -> None:
+def test_rest_allocate_attach_verbs_release(device_pair: tuple[str, str], tmp_path: Path) -> None:
     baseline = resource_counts()
     settings = DaemonSettings(state_dir=tmp_path, operator_token=OPERATOR, sriov_driver=None,
                               paravirtual_driver="verbs",
@@ -29,11 +29,11 @@ def test_rest_allocate_attach_verbs_release(rxe_pair: tuple[str, str], tmp_path:
             operator = httpx.Client(base_url=f"{url}/api/v1", headers={"Authorization": f"Bearer {OPERATOR}"},
                                     timeout=60)
             devices = {d["name"] for d in operator.get("/devices").json()["items"]}
-            assert {"rxe0", "rxe1"} <= devices  # discovered from the real kernel
+            assert {device_pair[0], device_pair[1]} <= devices  # discovered from the real kernel
             token = operator.post("/tenants", json={"name": "acme"}).json()["token"]
             tenant = httpx.Client(base_url=f"{url}/api/v1", headers={"Authorization": f"Bearer {token}"},
                                   timeout=60)
-            created = [tenant.post("/vrnics", json={"device": dev, "quota": {"max_qps": 2}}) for dev in rxe_pair]
+            created = [tenant.post("/vrnics", json={"device": dev, "quota": {"max_qps": 2}}) for dev in device_pair]
             assert [r.status_code for r in created] == [201, 201], [r.text for r in created]
             vrnics = [r.json() for r in created]
             assert backend.vrnic_ids() == {v["id"] for v in vrnics}  # real state in vrnicd, not just rows
@@ -57,7 +57,7 @@ def test_rest_allocate_attach_verbs_release(rxe_pair: tuple[str, str], tmp_path:
                 qa.post_send(SendRequest(2, WrOpcode.RDMA_WRITE, (mra.sge(0, 22),), remote_addr=mrb.addr + 1000,
                                          rkey=mrb.rkey))
                 assert cqa.wait(1)[0].status == 0 and mrb.read(22, 1000) == b"allocated through REST"
-                assert resource_counts()["rxe0"]["qp"] == baseline["rxe0"]["qp"] + 1
+                assert resource_counts()[device_pair[0]]["qp"] == baseline[device_pair[0]]["qp"] + 1
                 for obj in (qa, qb, mra, mrb, cqa, cqb, pa, pb):
                     obj.close()
             for v in vrnics:

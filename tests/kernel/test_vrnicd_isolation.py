@@ -41,9 +41,10 @@ from .conftest import wait_for_baseline
 ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 
 
-def test_forged_and_foreign_handles_are_rejected(make_vrnic: Callable[..., AttachInfo]) -> None:
+def test_forged_and_foreign_handles_are_rejected(make_vrnic: Callable[..., AttachInfo],
+                                                 device_pair: tuple[str, str]) -> None:
     with Context.attach(make_vrnic(tenant="alice"), 1 << 20) as alice, \
-            Context.attach(make_vrnic(tenant="mallory", device="rxe1"), 1 << 20) as mallory:
+            Context.attach(make_vrnic(tenant="mallory", device=device_pair[1]), 1 << 20) as mallory:
         pd = PD(alice)
         cq = CQ(alice, 16)
         mr = MR(pd, 4096, ALL)
@@ -60,10 +61,10 @@ def test_forged_and_foreign_handles_are_rejected(make_vrnic: Callable[..., Attac
         pd.close()
 
 
-def test_other_tenants_qps_are_unreachable(make_vrnic: Callable[..., AttachInfo]) -> None:
+def test_other_tenants_qps_are_unreachable(make_vrnic: Callable[..., AttachInfo], device_pair: tuple[str, str]) -> None:
     with Context.attach(make_vrnic(tenant="alice"), 1 << 20) as alice, \
-            Context.attach(make_vrnic(tenant="mallory", device="rxe1"), 1 << 20) as mallory, \
-            Context.attach(make_vrnic(tenant="alice", vpc=2, device="rxe1"), 1 << 20) as other_vpc:
+            Context.attach(make_vrnic(tenant="mallory", device=device_pair[1]), 1 << 20) as mallory, \
+            Context.attach(make_vrnic(tenant="alice", vpc=2, device=device_pair[1]), 1 << 20) as other_vpc:
         a_pd, m_pd, o_pd = PD(alice), PD(mallory), PD(other_vpc)
         a_cq, m_cq, o_cq = CQ(alice, 16), CQ(mallory, 16), CQ(other_vpc, 16)
         a_qp, m_qp, o_qp = QP(a_pd, a_cq, a_cq), QP(m_pd, m_cq, m_cq), QP(o_pd, o_cq, o_cq)
@@ -79,8 +80,10 @@ def test_other_tenants_qps_are_unreachable(make_vrnic: Callable[..., AttachInfo]
             obj.close()
 
 
-def test_memory_outside_the_arena_and_foreign_keys_are_refused(make_vrnic: Callable[..., AttachInfo]) -> None:
-    info_a, info_b, info_m = make_vrnic(), make_vrnic(device="rxe1"), make_vrnic(tenant="mallory", device="rxe1")
+def test_memory_outside_the_arena_and_foreign_keys_are_refused(make_vrnic: Callable[..., AttachInfo],
+                                                               device_pair: tuple[str, str]) -> None:
+    second = device_pair[1]
+    info_a, info_b, info_m = make_vrnic(), make_vrnic(device=second), make_vrnic(tenant="mallory", device=second)
     with Context.attach(info_a, 1 << 20) as a, Context.attach(info_b, 1 << 20) as b, \
             Context.attach(info_m, 1 << 20) as m:
         pds = [PD(c) for c in (a, b, m)]
@@ -199,10 +202,11 @@ def test_malformed_truncated_and_oversized_messages_never_hurt_the_daemon(
             pass
 
 
-def test_a_guest_killed_mid_traffic_leaves_no_kernel_objects(make_vrnic: Callable[..., AttachInfo]) -> None:
+def test_a_guest_killed_mid_traffic_leaves_no_kernel_objects(make_vrnic: Callable[..., AttachInfo],
+                                                             device_pair: tuple[str, str]) -> None:
     baseline = resource_counts()
-    target_info = make_vrnic(device="rxe1")
-    writer_info = make_vrnic(device="rxe0")
+    target_info = make_vrnic(device=device_pair[1])
+    writer_info = make_vrnic(device=device_pair[0])
     with Context.attach(target_info, 1 << 20) as target:
         pd, cq = PD(target), CQ(target, 16)
         mr = MR(pd, 65536, ALL)
@@ -218,27 +222,28 @@ def test_a_guest_killed_mid_traffic_leaves_no_kernel_objects(make_vrnic: Callabl
         guest.stdin.flush()
         assert guest.stdout.readline().strip() == "traffic"
         during = resource_counts()
-        assert during["rxe0"]["qp"] > baseline["rxe0"]["qp"]
+        assert during[device_pair[0]]["qp"] > baseline[device_pair[0]]["qp"]
         assert mr.read(16) == b"x" * 16  # the writer's RDMA WRITEs really land here
         os.kill(guest.pid, signal.SIGKILL)
         guest.wait()
         # Everything of the killed guest's vRNIC is gone; the survivor's objects are untouched.
         deadline = time.monotonic() + 10
-        while resource_counts()["rxe0"] != baseline["rxe0"] and time.monotonic() < deadline:
+        while resource_counts()[device_pair[0]] != baseline[device_pair[0]] and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert resource_counts()["rxe0"] == baseline["rxe0"]
-        assert resource_counts()["rxe1"]["qp"] == baseline["rxe1"]["qp"] + 1
+        assert resource_counts()[device_pair[0]] == baseline[device_pair[0]]
+        assert resource_counts()[device_pair[1]]["qp"] == baseline[device_pair[1]]["qp"] + 1
         for obj in (qp, mr, cq, pd):
             obj.close()
     assert wait_for_baseline(baseline) == baseline
 
 
-def test_sigterm_releases_everything(rxe_pair: tuple[str, str], tmp_path: Path) -> None:
+def test_sigterm_releases_everything(device_pair: tuple[str, str], tmp_path: Path) -> None:
     baseline = resource_counts()
     sock = tmp_path / "vrnicd.sock"
     attach = tmp_path / "attach.json"
     daemon = subprocess.Popen([sys.executable, "-m", "vrnic.backend.vrnicd", "--socket", str(sock),
-                               "--vrnic", "a:t:rxe0", "--vrnic", "b:t:rxe1", "--attach-out", str(attach)])
+                               "--vrnic", f"a:t:{device_pair[0]}", "--vrnic", f"b:t:{device_pair[1]}",
+                               "--attach-out", str(attach)])
     try:
         deadline = time.monotonic() + 30
         while not attach.exists() and time.monotonic() < deadline:

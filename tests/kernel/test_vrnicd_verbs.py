@@ -141,8 +141,8 @@ def test_scatter_gather_and_doorbell_batching(connected: tuple[Guest, Guest]) ->
     assert all(b.mr.read(64, i * 128) == b"A" * 32 + b"B" * 32 for i in range(8))
 
 
-def test_ud_send_named_by_virtual_identity(make_vrnic: Callable[..., AttachInfo]) -> None:
-    a, b = _guest(make_vrnic(device="rxe0"), "ud"), _guest(make_vrnic(device="rxe1"), "ud")
+def test_ud_send_named_by_virtual_identity(make_vrnic: Callable[..., AttachInfo], device_pair: tuple[str, str]) -> None:
+    a, b = _guest(make_vrnic(device=device_pair[0]), "ud"), _guest(make_vrnic(device=device_pair[1]), "ud")
     try:
         for g in (a, b):
             for state in ("init", "rtr", "rts"):
@@ -175,12 +175,12 @@ def test_modify_to_err_flushes_and_reset_allows_reconnect(connected: tuple[Guest
     assert a.qp.query()["state"] == "rts"
 
 
-def test_objects_in_use_cannot_be_destroyed_and_teardown_is_complete(
-        make_vrnic: Callable[..., AttachInfo]) -> None:
+def test_objects_in_use_cannot_be_destroyed_and_teardown_is_complete(make_vrnic: Callable[..., AttachInfo],
+                                                                     device_pair: tuple[str, str]) -> None:
     before = resource_counts()
-    g = _guest(make_vrnic(device="rxe0"))
-    during = resource_counts()["rxe0"]
-    assert during["qp"] == before["rxe0"]["qp"] + 1 and during["mr"] == before["rxe0"]["mr"] + 1
+    g = _guest(make_vrnic(device=device_pair[0]))
+    during = resource_counts()[device_pair[0]]
+    assert during["qp"] == before[device_pair[0]]["qp"] + 1 and during["mr"] == before[device_pair[0]]["mr"] + 1
     with pytest.raises(Conflict) as err:
         g.pd.close()
     assert err.value.current_state == "in_use"
@@ -191,8 +191,9 @@ def test_objects_in_use_cannot_be_destroyed_and_teardown_is_complete(
     assert resource_counts() == before
 
 
-def test_busy_poll_mode_moves_data_and_can_be_switched_off(make_vrnic: Callable[..., AttachInfo]) -> None:
-    a, b = _guest(make_vrnic(device="rxe0")), _guest(make_vrnic(device="rxe1"))
+def test_busy_poll_mode_moves_data_and_can_be_switched_off(make_vrnic: Callable[..., AttachInfo],
+                                                           device_pair: tuple[str, str]) -> None:
+    a, b = _guest(make_vrnic(device=device_pair[0])), _guest(make_vrnic(device=device_pair[1]))
     try:
         a.ctx.set_busy_poll(True)
         b.ctx.set_busy_poll(True)
