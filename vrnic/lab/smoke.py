@@ -14,6 +14,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import pyverbs.enums as e
 
@@ -58,7 +59,7 @@ def local_write(source: str = "rxe0", target: str = "rxe1", length: int = 4096) 
                            hashlib.sha256(landed).hexdigest())
 
 
-def _exchange(role: str, mine: EndpointInfo, local_addr: str, peer_addr: str) -> tuple[socket.socket, dict]:
+def _exchange(role: str, mine: EndpointInfo, local_addr: str, peer_addr: str) -> tuple[socket.socket, dict[str, Any]]:
     """A tiny TCP side channel for QP info, as perftest does; a serves, b dials with retries."""
     if role == "a":
         server = socket.create_server((local_addr, EXCHANGE_PORT))
