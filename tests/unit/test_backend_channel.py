@@ -235,3 +235,21 @@ def test_a_refused_attach_is_a_typed_error_for_the_guest(serve: Callable[..., tu
     drv.release_vrnic(info.vrnic_id)
     with pytest.raises(NotFound):
         Context.attach(info, ARENA)
+
+
+def test_at_the_total_cap_the_uid_holding_the_most_pays(serve: Callable[..., tuple[VerbsDriver, AttachInfo]]) \
+        -> None:
+    drv, info = serve(max_pending_per_uid=100, max_pending_total=4, attach_deadline_s=30)
+    server = drv.server
+    # Two "users" in one test process: pretend the first two connections came from another uid.
+    first = [connect(info) for _ in range(2)]
+    deadline = time.monotonic() + 5
+    while server.pending < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for pending in list(server._pending.values()):
+        object.__setattr__(pending, "cred", type(pending.cred)(pending.cred.pid, 4242, pending.cred.gid))
+    mine = [connect(info) for _ in range(3)]  # the third of mine hits the total cap of 4
+    assert closed_by_server(mine[0]), "my own oldest goes: I hold the most"
+    assert not any(closed_by_server(sock, timeout=0.1) for sock in first), "the other user keeps both"
+    for sock in [*first, *mine]:
+        sock.close()

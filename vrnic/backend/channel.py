@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 RECV_BYTES = 65536
 MAX_FDS = 3
 _UCRED = struct.Struct("3i")
+EVICTION_LOG_INTERVAL_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class ChannelServer:
         self._sessions: dict[socket.socket, threading.Thread] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        self._last_eviction_log = -EVICTION_LOG_INTERVAL_S
         self._thread = threading.Thread(target=self._loop, name="vrnic-channel", daemon=True)
 
     def start(self) -> None:
@@ -166,15 +168,29 @@ class ChannelServer:
             self._selector.register(conn, selectors.EVENT_READ, "guest")
 
     def _make_room(self, uid: int) -> None:
-        """Drop the oldest pending connections until the newcomer fits under both caps."""
-        same_uid = [c for c, p in self._pending.items() if p.cred.uid == uid]
-        while len(same_uid) >= self.limits.max_pending_per_uid:
-            victim = same_uid.pop(0)
-            log.info("guest channel: uid %d has %d connections waiting to attach; dropping the oldest", uid,
-                     self.limits.max_pending_per_uid)
-            self._drop(victim)
+        """Drop the oldest pending connections until the newcomer fits under both caps.
+
+        At the total cap the victim is the oldest connection of the uid holding the most, so one user's
+        flood only ever costs that user.
+        """
+        by_uid: dict[int, list[socket.socket]] = {}
+        for conn, pending in self._pending.items():  # oldest first
+            by_uid.setdefault(pending.cred.uid, []).append(conn)
+        dropped = 0
+        mine = by_uid.setdefault(uid, [])
+        while len(mine) >= self.limits.max_pending_per_uid:
+            self._drop(mine.pop(0))
+            dropped += 1
         while len(self._pending) >= self.limits.max_pending_total:
-            self._drop(next(iter(self._pending)))
+            # the newcomer counts for its uid: on a tie, the user about to add one more pays
+            heaviest = max(by_uid, key=lambda u: len(by_uid[u]) + (u == uid))
+            self._drop(by_uid[heaviest].pop(0))
+            dropped += 1
+        now = time.monotonic()
+        if dropped and now - self._last_eviction_log > EVICTION_LOG_INTERVAL_S:  # a flood logs once in a while
+            self._last_eviction_log = now
+            log.warning("guest channel: connections waiting to attach are at their cap (uid %d); "
+                        "dropping the oldest idle ones", uid)
 
     def _expire(self, now: float) -> None:
         for conn, pending in list(self._pending.items()):
