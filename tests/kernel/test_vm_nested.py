@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from vrnic.backend.guest_memory import GuestMemory
 from vrnic.backend.sysfs import rdma_devices
 from vrnic.core.proto import MAX_BODY, FrameDecoder, encode
 from vrnic.lab.kernel import kernel_image, module_files
@@ -42,7 +43,7 @@ from vrnic.vm.domain_xml import (
     VmDomain,
     VrnicAttachment,
 )
-from vrnic.vm.guest_ram import GuestRamFile, VmGuestMemory, parse_hmp_xp
+from vrnic.vm.guest_ram import GuestRamFile, parse_hmp_xp
 
 BUSYBOX = Path("/bin/busybox")
 NESTED_MODULES = ("virtio_pci", "virtio_console")
@@ -259,7 +260,7 @@ def test_nested_vm_ram_file_and_channel(host: VmHost, tmp_path: Path) -> None:
         assert seen == ram.read_gpa(page, 32)
         assert seen.startswith(needle)
         # vrnicd's stores into its arena-shaped mapping are what the guest has at that address
-        memory = VmGuestMemory(ram_path)
+        memory = GuestMemory.from_vm_ram(ram_path)
         try:
             # (inside /ramproof's page: the next page of the file is elsewhere in guest RAM)
             memory.view[page + 2048:page + 2048 + 9] = b"HOSTWROTE"
@@ -268,7 +269,7 @@ def test_nested_vm_ram_file_and_channel(host: VmHost, tmp_path: Path) -> None:
             # an RDMA WRITE (rxe0 -> an MR over the RAM file) lands in the guest's file
             if "rxe0" in rdma_devices():
                 payload = f"RDMAWROTE:{secrets.token_hex(8)}\n".encode()
-                assert memory.usable(page, PAGE)
+                assert memory.layout.locate(page, PAGE, "MR") == page  # RAM, and GPA == offset
                 TIMINGS.update(_rdma_write_into(memory.base + page, payload))
                 sock.sendall(b"check\n")
                 line = _readline(sock, buf, time.monotonic() + 30)

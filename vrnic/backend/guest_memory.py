@@ -14,8 +14,9 @@ import ctypes
 import fcntl
 import mmap
 import os
+from pathlib import Path
 
-from vrnic.core.guest_phys import MemoryLayout, arena_layout
+from vrnic.core.guest_phys import MemoryLayout, arena_layout, vm_layout
 from vrnic.core.rings import index_words
 from vrnic.errors import InvalidArgument
 
@@ -25,13 +26,14 @@ REQUIRED_SEALS = fcntl.F_SEAL_SHRINK
 class GuestMemory:
     """Owns the fd and the mapping; close() unmaps and closes both."""
 
-    def __init__(self, fd: int, layout: MemoryLayout | None = None) -> None:
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError as exc:
-            raise InvalidArgument(f"the arena must be a memfd ({os.strerror(exc.errno or 0)})") from None
-        if not seals & REQUIRED_SEALS:
-            raise InvalidArgument("the arena memfd must be sealed against shrinking (F_SEAL_SHRINK)")
+    def __init__(self, fd: int, layout: MemoryLayout | None = None, *, sealed: bool = True) -> None:
+        if sealed:
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError as exc:
+                raise InvalidArgument(f"the arena must be a memfd ({os.strerror(exc.errno or 0)})") from None
+            if not seals & REQUIRED_SEALS:
+                raise InvalidArgument("the arena memfd must be sealed against shrinking (F_SEAL_SHRINK)")
         size = os.fstat(fd).st_size
         if size <= 0 or size % mmap.PAGESIZE:
             raise InvalidArgument(f"the arena must be a positive number of pages, not {size} bytes")
@@ -46,6 +48,20 @@ class GuestMemory:
         del anchor  # an exported buffer would keep the mapping from ever closing
         self.view = memoryview(self._map)
         self.words = index_words(self.view)  # 32-bit view for ring indices
+
+    @classmethod
+    def from_vm_ram(cls, path: Path, machine: str = "q35") -> GuestMemory:
+        """A VM's RAM file (libvirt's shared file memoryBacking), addressed by guest-physical address.
+
+        vrnicd opens it itself: virtio-serial carries no descriptors. QEMU created the file and nothing
+        seals it, so here the trust is in QEMU (which never truncates guest RAM), not in the guest.
+        """
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            return cls(fd, vm_layout(os.fstat(fd).st_size, machine), sealed=False)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def close(self) -> None:
         if self._map.closed:

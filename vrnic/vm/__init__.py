@@ -2,7 +2,7 @@
 
 domain_xml.py (pure): typed domain description -> libvirt domain XML.
 guest_ram.py: guest-physical address -> RAM file offset, libvirt's RAM file path, and the RAM file
-    mapped shared in the arena shape vrnicd's sessions use (VmGuestMemory).
+    mapped shared for inspection (GuestRamFile); vrnicd maps it with GuestMemory.from_vm_ram.
 hook.py (pure + a small entry point): the libvirt qemu hook's (argv, stdin XML) -> a typed event,
     and admission at prepare.
 
@@ -19,6 +19,7 @@ What the container path has that a VM attach lacks (for issue 9):
 - The arena memfd and the doorbell/notify eventfds arrive over the unix socket with SCM_RIGHTS;
   virtio-serial carries bytes only. vrnicd must open the RAM file itself (path from the hook) and
   needs another doorbell (a channel message, or ivshmem-doorbell / an ioeventfd).
-- The RAM file is not sealed (backend.guest_memory.GuestMemory refuses it for that reason).
+- The RAM file is not sealed: GuestMemory.from_vm_ram maps it without the seal check (QEMU, not the guest,
+  owns its size).
 - Guest addresses are guest-physical; linear in the file only below the 4 GiB split.
 """
