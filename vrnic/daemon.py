@@ -7,7 +7,6 @@ The API reaches the backend only through BackendService, built here from drivers
 from __future__ import annotations
 
 import gc
-import grp
 import logging
 import os
 import secrets
@@ -21,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from pydantic import SecretStr
 
-from vrnic.backend.channel import ChannelLimits
+from vrnic.backend.channel import ChannelLimits, group_id
 from vrnic.backend.driver import RnicDriver, load_driver
 from vrnic.backend.service import BackendService
 from vrnic.config import DaemonSettings
 from vrnic.core.specs import VrnicMode
-from vrnic.errors import InvalidArgument, VrnicError
+from vrnic.errors import VrnicError
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -69,17 +68,6 @@ def channel_limits(settings: DaemonSettings) -> ChannelLimits:
                          max_pending_total=settings.channel_max_pending_total,
                          max_sessions=settings.channel_max_sessions, socket_mode=settings.channel_socket_mode,
                          socket_gid=group_id(settings.channel_socket_group))
-
-
-def group_id(group: str | None) -> int | None:
-    if group is None:
-        return None
-    if group.isdigit():
-        return int(group)
-    try:
-        return grp.getgrnam(group).gr_gid
-    except KeyError:
-        raise InvalidArgument(f"no group {group!r} for the guest channel's socket") from None
 
 
 def build_sriov_driver(settings: DaemonSettings, options: dict[str, Any]) -> RnicDriver:

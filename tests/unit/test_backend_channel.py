@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from vrnic.backend.channel import ChannelLimits
+from vrnic.backend.channel import ChannelLimits, group_id
 from vrnic.backend.drivers.paravirtual import VerbsDriver
 from vrnic.backend.fake_edge import FakeEdge
 from vrnic.backend.session import GuestSession
 from vrnic.core.proto import HEADER, MAGIC, VERSION, FrameDecoder, encode
 from vrnic.core.specs import AttachInfo, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
-from vrnic.frontend import CQ, MR, PD, Context, NotFound, VrnicError
+from vrnic.frontend import CQ, MR, PD, Context, InvalidArgument, NotFound, VrnicError
 
 ARENA = 1 << 20
 
@@ -253,3 +253,11 @@ def test_at_the_total_cap_the_uid_holding_the_most_pays(serve: Callable[..., tup
     assert not any(closed_by_server(sock, timeout=0.1) for sock in first), "the other user keeps both"
     for sock in [*first, *mine]:
         sock.close()
+
+
+def test_the_socket_group_is_a_name_or_a_number() -> None:
+    assert group_id(None) is None
+    assert group_id("4242") == 4242
+    assert group_id("root") == 0
+    with pytest.raises(InvalidArgument, match="no group 'no-such-group-xyz'"):
+        group_id("no-such-group-xyz")

@@ -22,6 +22,7 @@ closed.
 from __future__ import annotations
 
 import contextlib
+import grp
 import logging
 import os
 import secrets
@@ -60,6 +61,18 @@ class ChannelLimits:
     socket_mode: int = 0o660
     socket_uid: int | None = None  # None: vrnicd's own
     socket_gid: int | None = None
+
+
+def group_id(group: str | None) -> int | None:
+    """The socket's group from a setting: a name or a number; None leaves vrnicd's own."""
+    if group is None:
+        return None
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise InvalidArgument(f"no group {group!r} for the guest channel's socket") from None
 
 
 def internal_error(exc: BaseException, what: str) -> VrnicError:

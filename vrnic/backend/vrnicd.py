@@ -12,7 +12,6 @@ hosts without the control plane, the examples and the tests.
 from __future__ import annotations
 
 import argparse
-import grp
 import json
 import logging
 import signal
@@ -20,7 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
-from vrnic.backend.channel import ChannelLimits
+from vrnic.backend.channel import ChannelLimits, group_id
 from vrnic.backend.drivers.paravirtual import DEFAULT_SOCKET, VerbsDriver
 from vrnic.core.specs import Quota, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
@@ -68,11 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         quota = parse_quota(args.quota)
-        group = args.socket_group
-        gid = None if group is None else int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
-        driver = VerbsDriver(socket_path=args.socket,
-                             channel=ChannelLimits(socket_mode=args.socket_mode, socket_gid=gid))
-    except (VrnicError, ValueError, KeyError) as exc:  # KeyError: an unknown group
+        driver = VerbsDriver(socket_path=args.socket, channel=ChannelLimits(socket_mode=args.socket_mode,
+                                                                            socket_gid=group_id(args.socket_group)))
+    except (VrnicError, ValueError) as exc:
         print(f"vrnicd: {exc}", file=sys.stderr)
         return 2
     try:
