@@ -7,7 +7,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from vrnic.errors import NotFound
+from vrnic.errors import DeviceError, NotFound
 
 MiB = 1 << 20
 
@@ -103,3 +103,10 @@ def roce_v2_ipv4_gid(info: DeviceInfo, port: int = 1) -> tuple[int, str]:
         if entry.type == "RoCE v2" and ipaddress.IPv6Address(entry.gid).ipv4_mapped is not None:
             return entry.index, entry.gid
     raise NotFound(f"{info.name} port {port} has no RoCE v2 IPv4 GID (is an address set on its netdev?)")
+
+
+def active_roce_v2_gid(info: DeviceInfo, port: int = 1) -> tuple[int, str]:
+    """What makes a device usable for paravirtual vRNICs: an ACTIVE port with a routable GID."""
+    if not any(p.port == port and p.state == "ACTIVE" for p in info.ports):
+        raise DeviceError(f"{info.name} port {port} is not ACTIVE")
+    return roce_v2_ipv4_gid(info, port)

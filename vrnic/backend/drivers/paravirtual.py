@@ -23,9 +23,9 @@ from vrnic.backend.guest_memory import GuestMemory
 from vrnic.backend.registry import Registry, VirtualRnic
 from vrnic.backend.rnic_edge import DeviceContext, RnicEdge
 from vrnic.backend.session import GuestSession
-from vrnic.core.specs import AttachInfo, DeviceInfo, VrnicMode, VrnicSpec, roce_v2_ipv4_gid
+from vrnic.core.specs import AttachInfo, DeviceInfo, VrnicMode, VrnicSpec, active_roce_v2_gid
 from vrnic.core.verb_args import Attach
-from vrnic.errors import Conflict, DeviceError
+from vrnic.errors import Conflict
 
 log = logging.getLogger(__name__)
 DEFAULT_SOCKET = Path("/run/vrnic/vrnicd.sock")
@@ -53,10 +53,7 @@ class VerbsDriver(RnicDriver):
         return [self.edge.describe(n) for n in names]
 
     def create_vrnic(self, spec: VrnicSpec, device: str) -> AttachInfo:
-        info = self.edge.describe(device)  # NotFound for an unknown device
-        if not info.ports or info.ports[0].state != "ACTIVE":
-            raise DeviceError(f"{device} port 1 is not ACTIVE")
-        gid_index, phys_gid = roce_v2_ipv4_gid(info)
+        gid_index, phys_gid = active_roce_v2_gid(self.edge.describe(device))  # NotFound for an unknown device
         vrnic = VirtualRnic(spec=spec, device=device, token=secrets.token_urlsafe(24), phys_gid=phys_gid,
                             gid_index=gid_index)
         self.registry.add(vrnic)
