@@ -263,10 +263,7 @@ class SharedRingEngine(DataPathEngine):
         except WrRejected as exc:
             self._reject(qp, wr, exc.status, str(exc))
             return
-        except VrnicError as exc:  # a UD peer that vanished or is out of reach, a bad GID: the WR fails alone
-            self._reject(qp, wr, WcStatus.LOC_QP_OP_ERR, str(exc))
-            return
-        except ValueError as exc:  # an unparsable GID
+        except (VrnicError, ValueError) as exc:  # a UD peer vanished or out of reach, an unparsable GID
             self._reject(qp, wr, WcStatus.LOC_QP_OP_ERR, str(exc))
             return
         try:

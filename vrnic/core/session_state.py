@@ -142,7 +142,6 @@ class SessionState:
     def __init__(self, quota: Quota, layout: MemoryLayout) -> None:
         self.quota = quota
         self.layout = layout
-        self.memory_bytes = layout.file_bytes
         self.ledger = QuotaLedger(quota)
         self.pds: HandleTable[PdEntry] = HandleTable("PD")
         self.cqs: HandleTable[CqEntry] = HandleTable("CQ")
@@ -247,7 +246,7 @@ class SessionState:
 
     def snapshot(self) -> SessionSnapshot:
         return SessionSnapshot(
-            memory_bytes=self.memory_bytes,
+            memory_bytes=self.layout.file_bytes,
             pds=tuple(h for h, _ in self.pds.items()),
             mrs=tuple(MrRecord(h, m.pd.handle, m.window.vkey, m.window.offset, m.window.length, int(m.window.access))
                       for h, m in self.mrs.items()),
