@@ -137,11 +137,6 @@ class ChannelServer:
     def pending(self) -> int:
         return len(self._pending)
 
-    @property
-    def sessions(self) -> int:
-        with self._lock:
-            return len(self._sessions)
-
     # ----- the selector thread: connections not attached yet ----------------------------------
     def _loop(self) -> None:
         try:
