@@ -10,8 +10,8 @@ from abc import ABC, abstractmethod
 from importlib.metadata import entry_points
 from typing import Any, ClassVar
 
-from vrnic.core.specs import AttachInfo, DeviceInfo, VrnicMode, VrnicSpec
-from vrnic.errors import NotFound
+from vrnic.core.specs import AttachInfo, DeviceInfo, VmBinding, VrnicMode, VrnicSpec
+from vrnic.errors import NotFound, NotSupported
 
 ENTRY_POINT_GROUP = "vrnic.drivers"
 
@@ -39,6 +39,20 @@ class RnicDriver(ABC):
     def attached_ids(self) -> set[str]:
         """The vRNICs a guest is attached to now, as the backend observes it (none, if it cannot tell)."""
         return set()
+
+    def bind_vm(self, binding: VmBinding) -> None:
+        """Serve a running VM's vRNICs: map its RAM, connect its channels. All or nothing; binding the
+        same domain again with the same binding is a no-op (libvirtd's `reconnect`)."""
+        raise NotSupported(f"the {self.name} driver does not serve VMs over a channel")
+
+    def unbind_vm(self, domain: str) -> list[str]:
+        """Stop serving the domain and release every kernel object of its sessions; the vRNIC ids that
+        were bound (none if the domain was not bound: stopped and release both call this)."""
+        return []
+
+    def vm_bindings(self) -> dict[str, VmBinding]:
+        """The VMs served now, by domain name (observed state)."""
+        return {}
 
     def load(self, device: str) -> int:
         """How many vRNICs sit on device (for placement)."""

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from vrnic.backend.driver import RnicDriver
-from vrnic.core.specs import AttachInfo, DeviceInfo, VrnicMode, VrnicSpec
+from vrnic.core.specs import AttachInfo, DeviceInfo, VmBinding, VrnicMode, VrnicSpec
 from vrnic.errors import Conflict, InvalidArgument, NotFound, NotSupported
 
 if TYPE_CHECKING:
@@ -83,6 +83,17 @@ class BackendService:
     def attached_vrnics(self) -> set[str]:
         """The vRNICs a guest is attached to now, as the drivers observe it."""
         return {i for d in self._drivers.values() for i in d.attached_ids()}
+
+    # -- VMs: the libvirt hook binds a running domain's paravirtual vRNICs ---------------------------
+
+    def bind_vm(self, binding: VmBinding) -> None:
+        self.driver(VrnicMode.PARAVIRTUAL).bind_vm(binding)
+
+    def unbind_vm(self, domain: str) -> list[str]:
+        return [i for d in self._drivers.values() for i in d.unbind_vm(domain)]
+
+    def vm_bindings(self) -> dict[str, VmBinding]:
+        return {name: b for d in self._drivers.values() for name, b in d.vm_bindings().items()}
 
     def close(self) -> None:
         for driver in self._drivers.values():

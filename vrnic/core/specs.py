@@ -97,6 +97,28 @@ class AttachInfo(BaseModel):
     extra: dict[str, str] = {}  # mode-specific (sriov: vf index, pci address, mac...)
 
 
+class VmVrnic(BaseModel):
+    """One paravirtual vRNIC of a VM and the host end of its virtio-serial channel (QEMU listens there)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    vrnic_id: str = Field(min_length=1, max_length=128)
+    channel_socket: str = Field(pattern=r"^/", max_length=1024)
+
+
+class VmBinding(BaseModel):
+    """What vrnicd needs to serve a running VM: its RAM file, its machine type (the GPA layout) and,
+    per vRNIC, the channel socket. The libvirt hook sends it at `started` (and `reconnect`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    domain: str = Field(min_length=1, max_length=64)
+    uuid: str | None = None
+    machine: str = "q35"
+    ram_path: str = Field(pattern=r"^/", max_length=1024)
+    vrnics: list[VmVrnic] = Field(min_length=1, max_length=16)
+
+
 def roce_v2_ipv4_gid(info: DeviceInfo, port: int = 1) -> tuple[int, str]:
     """(index, GID) of the port's RoCE v2 IPv4-mapped GID: the one routable between hosts."""
     for entry in next((p.gids for p in info.ports if p.port == port), []):

@@ -11,7 +11,7 @@ import threading
 from typing import ClassVar
 
 from vrnic.backend.driver import RnicDriver
-from vrnic.core.specs import AttachInfo, DeviceInfo, PortInfo, VrnicMode, VrnicSpec
+from vrnic.core.specs import AttachInfo, DeviceInfo, PortInfo, VmBinding, VrnicMode, VrnicSpec
 from vrnic.errors import Conflict, NotFound
 
 
@@ -29,6 +29,7 @@ class FakeDriver(RnicDriver):
         self._socket_path = socket_path
         self._vrnics: dict[str, str] = {}  # vrnic id -> device
         self._attached: set[str] = set()  # what a real driver would observe: a guest holding a session
+        self._vms: dict[str, VmBinding] = {}
         self._lock = threading.Lock()
 
     def devices(self) -> list[DeviceInfo]:
@@ -49,6 +50,9 @@ class FakeDriver(RnicDriver):
             if self._vrnics.pop(vrnic_id, None) is None:
                 raise NotFound(f"no vRNIC {vrnic_id} in the backend")
             self._attached.discard(vrnic_id)
+            for domain, binding in list(self._vms.items()):
+                if any(v.vrnic_id == vrnic_id for v in binding.vrnics):
+                    del self._vms[domain]
 
     def vrnic_ids(self) -> set[str]:
         with self._lock:
@@ -69,6 +73,30 @@ class FakeDriver(RnicDriver):
         """Tests: the guest went away."""
         with self._lock:
             self._attached.discard(vrnic_id)
+
+    def bind_vm(self, binding: VmBinding) -> None:
+        with self._lock:
+            current = self._vms.get(binding.domain)
+            if current == binding:
+                return
+            if current is not None:
+                raise Conflict(f"domain {binding.domain} is already bound with other parameters")
+            for v in binding.vrnics:
+                if v.vrnic_id not in self._vrnics:
+                    raise NotFound(f"no vRNIC {v.vrnic_id} in the backend")
+                if v.vrnic_id in self._attached or any(v.vrnic_id in {x.vrnic_id for x in b.vrnics}
+                                                        for b in self._vms.values()):
+                    raise Conflict(f"vRNIC {v.vrnic_id} is attached elsewhere", current_state="attached")
+            self._vms[binding.domain] = binding
+
+    def unbind_vm(self, domain: str) -> list[str]:
+        with self._lock:
+            binding = self._vms.pop(domain, None)
+        return [] if binding is None else [v.vrnic_id for v in binding.vrnics]
+
+    def vm_bindings(self) -> dict[str, VmBinding]:
+        with self._lock:
+            return dict(self._vms)
 
     def load(self, device: str) -> int:
         with self._lock:
