@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from vrnic.core.verb_args import Attach
+from vrnic.core.verb_args import Attach, VmAttach
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,19 @@ class AttachedSession(Protocol):
         """Release every kernel object of the session; safe to call twice."""
 
 
+class VmAttachedSession(AttachedSession, Protocol):
+    """A VM guest's session: its doorbell arrives as a message on the channel."""
+
+    def ring_doorbell(self) -> None:
+        """Wake the data-path engine: the guest posted work."""
+
+
 Disconnect = Callable[[], None]
 """Ends the guest's connection at once (the engine calls it when the data path fails)."""
 
 SessionOpener = Callable[[Attach, list[int], PeerCred, Disconnect], AttachedSession]
 """Open a session for a validated attach request. It owns the fds passed in: it keeps or closes every one,
 also when it raises."""
+
+VmSessionOpener = Callable[[VmAttach, Disconnect], VmAttachedSession]
+"""Open a session for the guest of a bound VM channel (memory and identity come from the binding)."""

@@ -32,6 +32,7 @@ class VirtualRnic:
     phys_gid: str  # the device's RoCE v2 GID: programmed into peers' QPs, never shown to guests
     gid_index: int
     session: Closeable | None = field(default=None, repr=False)  # the attached guest's session
+    vm_domain: str | None = None  # the running VM this vRNIC is bound to; only its channel may attach
 
 
 def reachable(asker: VrnicSpec, target: VrnicSpec) -> bool:
@@ -100,6 +101,13 @@ class Registry:
                 return vrnic
         raise NotFound("invalid attach token")
 
+    def get(self, vrnic_id: str) -> VirtualRnic:
+        with self._lock:
+            vrnic = self._by_id.get(vrnic_id)
+        if vrnic is None:
+            raise NotFound(f"no vRNIC {vrnic_id} in the backend")
+        return vrnic
+
     def ids(self) -> set[str]:
         with self._lock:
             return set(self._by_id)
@@ -109,11 +117,13 @@ class Registry:
             return sum(1 for v in self._by_id.values() if v.device == device)
 
     # ----- attachment ----------------------------------------------------------------------------
-    def attach(self, vrnic: VirtualRnic, session: Closeable) -> None:
-        """Claim the vRNIC for one guest; Conflict if another guest holds it."""
+    def attach(self, vrnic: VirtualRnic, session: Closeable, vm_domain: str | None = None) -> None:
+        """Claim the vRNIC for one guest (of the VM vm_domain, if given); Conflict if another guest holds it."""
         with self._lock:
             if self._by_id.get(vrnic.spec.id) is not vrnic:
                 raise NotFound(f"vRNIC {vrnic.spec.id} was released")
+            if vrnic.vm_domain != vm_domain:
+                raise Conflict(f"vRNIC {vrnic.spec.id} is bound to VM {vrnic.vm_domain}", current_state="attached")
             if vrnic.session is not None:
                 raise Conflict(f"vRNIC {vrnic.spec.id} already has a guest attached", current_state="attached")
             vrnic.session = session
@@ -128,6 +138,22 @@ class Registry:
             if published is not None:
                 for phys_qpn in published.qpn_by_vqpn.values():
                     self._by_phys.pop((vrnic.phys_gid, phys_qpn), None)
+
+    def bind_vm(self, vrnic: VirtualRnic, domain: str) -> None:
+        """Reserve the vRNIC for a VM's channel: no container guest may attach it until unbind_vm."""
+        with self._lock:
+            if self._by_id.get(vrnic.spec.id) is not vrnic:
+                raise NotFound(f"no vRNIC {vrnic.spec.id} in the backend")
+            if vrnic.vm_domain not in (None, domain):
+                raise Conflict(f"vRNIC {vrnic.spec.id} is bound to VM {vrnic.vm_domain}", current_state="attached")
+            if vrnic.session is not None and vrnic.vm_domain is None:
+                raise Conflict(f"vRNIC {vrnic.spec.id} has a container guest attached", current_state="attached")
+            vrnic.vm_domain = domain
+
+    def unbind_vm(self, vrnic: VirtualRnic, domain: str) -> None:
+        with self._lock:
+            if vrnic.vm_domain == domain:
+                vrnic.vm_domain = None
 
     def attached_ids(self) -> set[str]:
         with self._lock:

@@ -1,4 +1,4 @@
-"""First-fit allocator for the frontend's shared arena (offsets only, no memory of its own)."""
+"""First-fit allocators for the frontend's shared arena (offsets only, no memory of their own)."""
 
 from __future__ import annotations
 
@@ -49,3 +49,51 @@ class ArenaAllocator:
 
     def in_use(self) -> int:
         return sum(self._used.values())
+
+
+class SegmentedAllocator:
+    """Allocations that never straddle a segment: a VM's arena is contiguous in guest-physical memory only
+    piecewise (one run per set of adjacent pages), and vrnicd needs each buffer in one piece."""
+
+    def __init__(self, segments: list[tuple[int, int]]) -> None:
+        if not segments:
+            raise InvalidArgument("an arena needs at least one segment")
+        self.segments = sorted(segments)
+        self._parts = [(start, ArenaAllocator(length)) for start, length in self.segments]
+        self.size = sum(length for _, length in self.segments)
+
+    def alloc(self, length: int, align: int = 64) -> int:
+        for start, part in self._parts:
+            if length <= part.size:
+                try:
+                    return start + part.alloc(length, align)
+                except QuotaExceeded:
+                    continue
+        largest = max(length for _, length in self.segments)
+        if length > largest:
+            raise InvalidArgument(f"{length} bytes do not fit one physically contiguous piece of the arena "
+                                  f"(the largest is {largest} bytes; use hugepages for larger buffers)")
+        raise QuotaExceeded("arena_bytes", self.size, self.in_use() + length)
+
+    def free(self, offset: int) -> None:
+        for start, part in self._parts:
+            if start <= offset < start + part.size:
+                part.free(offset - start)
+                return
+        raise InvalidArgument(f"offset {offset} was not allocated")
+
+    def in_use(self) -> int:
+        return sum(part.in_use() for _, part in self._parts)
+
+
+def contiguous_runs(frames: list[int], page_size: int) -> list[tuple[int, int, int]]:
+    """(offset, length, physical address) runs of a mapping whose i-th page sits at frames[i] * page_size."""
+    runs: list[tuple[int, int, int]] = []
+    for index, frame in enumerate(frames):
+        address = frame * page_size
+        if runs and runs[-1][2] + runs[-1][1] == address:
+            offset, length, start = runs[-1]
+            runs[-1] = (offset, length + page_size, start)
+        else:
+            runs.append((index * page_size, page_size, address))
+    return runs

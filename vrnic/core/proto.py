@@ -1,76 +1,22 @@
 """The frontend <-> vrnicd wire protocol: versioned, length-prefixed, schema-checked, size-capped frames.
 
-A frame is an 8-byte header (magic, version, reserved, body length) followed by
-a UTF-8 JSON body. Requests are {"id", "op", "args"}; replies are {"id", "ok",
-"result"} or {"id", "ok": false, "error": {"code", "message", ...}}. Nothing in
-here does I/O, so the same protocol can ride a Unix socket now and a VM channel
-(virtio-serial, vsock) later.
+Frames are vrnic.core.framing (standard library only, for guests). Requests are
+{"id", "op", "args"}; replies are {"id", "ok", "result"} or {"id", "ok": false,
+"error": {"code", "message", ...}}. Nothing in here does I/O, so the same
+protocol rides a Unix socket (container guests) and a VM's virtio-serial port.
 """
 
 from __future__ import annotations
 
-import json
-import struct
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from vrnic.errors import InvalidArgument, VrnicError
+from vrnic.core.framing import HEADER, MAGIC, MAX_BODY, VERSION, FrameDecoder, ProtocolError, encode
+from vrnic.errors import VrnicError
 
-MAGIC = 0x5652  # "VR"
-VERSION = 1
-HEADER = struct.Struct("!HBBI")
-MAX_BODY = 64 * 1024
-
-
-class ProtocolError(InvalidArgument):
-    """The peer sent something that is not a valid frame or message."""
-
-    code = "protocol_error"
-
-
-def encode(message: dict[str, Any]) -> bytes:
-    body = json.dumps(message, separators=(",", ":")).encode()
-    if len(body) > MAX_BODY:
-        raise ProtocolError(f"message of {len(body)} bytes exceeds the {MAX_BODY}-byte cap")
-    return HEADER.pack(MAGIC, VERSION, 0, len(body)) + body
-
-
-class FrameDecoder:
-    """Incremental decoder: feed bytes, take whole messages. Errors are final for the stream."""
-
-    def __init__(self) -> None:
-        self._buffer = bytearray()
-
-    def feed(self, data: bytes) -> list[dict[str, Any]]:
-        self._buffer += data
-        messages = []
-        while len(self._buffer) >= HEADER.size:
-            magic, version, _reserved, length = HEADER.unpack_from(self._buffer)
-            if magic != MAGIC:
-                raise ProtocolError(f"bad magic 0x{magic:04x}")
-            if version != VERSION:
-                raise ProtocolError(f"unsupported protocol version {version} (this daemon speaks {VERSION})")
-            if length > MAX_BODY:
-                raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_BODY}-byte cap")
-            if len(self._buffer) < HEADER.size + length:
-                break
-            body = bytes(self._buffer[HEADER.size:HEADER.size + length])
-            del self._buffer[:HEADER.size + length]
-            try:
-                message = json.loads(body)
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise ProtocolError(f"frame body is not JSON: {exc}") from exc
-            except RecursionError:  # e.g. 30000 nested '[': fits the cap, but must not escape as a crash
-                raise ProtocolError("frame body nests too deeply") from None
-            if not isinstance(message, dict):
-                raise ProtocolError("frame body must be a JSON object")
-            messages.append(message)
-        return messages
-
-    @property
-    def pending(self) -> int:
-        return len(self._buffer)
+__all__ = ["HEADER", "MAGIC", "MAX_BODY", "VERSION", "FrameDecoder", "ProtocolError", "Request", "encode",
+           "parse_request", "reply_error", "reply_ok"]
 
 
 class Request(BaseModel):

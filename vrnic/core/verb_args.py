@@ -21,6 +21,12 @@ class Attach(Args):
     busy_poll: bool = False
 
 
+class VmAttach(Args):
+    """Attach over a VM's channel: vrnicd bound that channel to the vRNIC, so no token crosses it."""
+
+    busy_poll: bool = False
+
+
 class NoArgs(Args):
     pass
 

@@ -7,8 +7,11 @@
         qp.post_send(SendRequest(1, WrOpcode.SEND, (mr.sge(0, 64),)))
         cq.wait(1)
 
-Addresses are offsets in the context's shared arena (buffers come from
-ctx.alloc or MR); posting and polling touch only shared memory and a doorbell.
+Buffers come from the context's shared arena (ctx.alloc or MR); posting and
+polling touch only shared memory and a doorbell. Inside a VM, Context.attach_vm()
+talks over the vRNIC's virtio-serial port and addresses buffers by guest-physical
+address. This package imports nothing outside the standard library, so a VM
+needs only python3 and the vrnic sources.
 """
 
 from vrnic.core.rings import Access, Completion, RecvRequest, SendRequest, Sge, WcOpcode, WcStatus, WrOpcode

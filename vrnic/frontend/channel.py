@@ -1,26 +1,34 @@
-"""The guest's end of the frontend channel: request/reply over a Unix socket."""
+"""The guest's end of the frontend channel: framed request/reply over a byte stream.
+
+A container guest reaches vrnicd over a Unix socket (and hands it descriptors);
+a VM's guest over its virtio-serial port (vrnicd sits at the host end; no
+descriptors cross it). Standard library only: a VM has none of the host's packages.
+"""
 
 from __future__ import annotations
 
 import itertools
+import os
+import random
 import socket
 import threading
+from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any
 
-from vrnic.core.proto import FrameDecoder, encode
-from vrnic.errors import VrnicError, error_from_dict
+from vrnic.core.framing import FrameDecoder, encode
+from vrnic.errors import NotFound, VrnicError, error_from_dict
+
+VIRTIO_PORTS = Path("/sys/class/virtio-ports")
+DEFAULT_PORT = "org.vrnic.0"
 
 
-class Channel:
-    def __init__(self, path: str) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self.sock.connect(path)
-        except OSError as exc:
-            self.sock.close()
-            raise VrnicError(f"cannot reach vrnicd at {path}: {exc.strerror}") from exc
+class Channel(ABC):
+    def __init__(self) -> None:
         self._decoder = FrameDecoder()
-        self._ids = itertools.count(1)
+        # A VM's port outlives the guest programs that open it: a reply meant for a program that died may
+        # still arrive, so ids start somewhere new and replies to other ids are skipped.
+        self._ids = itertools.count(random.randrange(1, 1 << 40))
         self._lock = threading.Lock()
 
     def call(self, op: str, fds: list[int] | None = None, **args: Any) -> dict[str, Any]:
@@ -28,11 +36,8 @@ class Channel:
         data = encode({"id": request_id, "op": op, "args": args})
         with self._lock:
             try:
-                if fds:
-                    socket.send_fds(self.sock, [data], fds)
-                else:
-                    self.sock.sendall(data)
-                reply = self._read_reply()
+                self._send(data, fds)
+                reply = self._read_reply(request_id)
             except OSError as exc:
                 raise VrnicError(f"lost the channel to vrnicd: {exc.strerror or exc}") from exc
         if not reply.get("ok"):
@@ -40,14 +45,90 @@ class Channel:
         result: dict[str, Any] = reply.get("result") or {}
         return result
 
-    def _read_reply(self) -> dict[str, Any]:
+    def notify(self, op: str) -> None:
+        """A one-way message vrnicd does not answer (the VM's doorbell)."""
+        data = encode({"id": 0, "op": op, "args": {}})
+        with self._lock:
+            try:
+                self._send(data, None)
+            except OSError as exc:
+                raise VrnicError(f"lost the channel to vrnicd: {exc.strerror or exc}") from exc
+
+    def _read_reply(self, request_id: int) -> dict[str, Any]:
         while True:
-            chunk = self.sock.recv(65536)
+            chunk = self._recv()
             if not chunk:
                 raise VrnicError("vrnicd closed the channel")
-            messages = self._decoder.feed(chunk)
-            if messages:
-                return messages[0]
+            for message in self._decoder.feed(chunk):
+                if message.get("id") in (request_id, 0):  # 0: vrnicd could not read the request at all
+                    return message
+
+    @abstractmethod
+    def _send(self, data: bytes, fds: list[int] | None) -> None: ...
+
+    @abstractmethod
+    def _recv(self) -> bytes: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class UnixChannel(Channel):
+    """A container guest's connection to vrnicd's socket."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.connect(path)
+        except OSError as exc:
+            self.sock.close()
+            raise VrnicError(f"cannot reach vrnicd at {path}: {exc.strerror}") from exc
+
+    def _send(self, data: bytes, fds: list[int] | None) -> None:
+        if fds:
+            socket.send_fds(self.sock, [data], fds)
+        else:
+            self.sock.sendall(data)
+
+    def _recv(self) -> bytes:
+        return self.sock.recv(65536)
 
     def close(self) -> None:
         self.sock.close()
+
+
+def find_port(name: str = DEFAULT_PORT, sysfs: Path = VIRTIO_PORTS, dev: Path = Path("/dev")) -> Path:
+    """The character device of the virtio-serial port called name (no udev needed)."""
+    for entry in sorted(sysfs.glob("*")):
+        try:
+            if (entry / "name").read_text().strip() == name:
+                return dev / entry.name
+        except OSError:
+            continue
+    raise NotFound(f"no virtio-serial port {name!r} in this VM (is a vRNIC attached to it?)")
+
+
+class PortChannel(Channel):
+    """A VM guest's virtio-serial port; vrnicd holds the host end. One opener at a time (EBUSY otherwise)."""
+
+    def __init__(self, name: str = DEFAULT_PORT) -> None:
+        super().__init__()
+        path = find_port(name)
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise VrnicError(f"cannot open the vRNIC port {path}: {exc.strerror}") from exc
+
+    def _send(self, data: bytes, fds: list[int] | None) -> None:
+        if fds:
+            raise VrnicError("a VM's channel carries no file descriptors")
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view):]
+
+    def _recv(self) -> bytes:
+        return os.read(self.fd, 65536)
+
+    def close(self) -> None:
+        os.close(self.fd)

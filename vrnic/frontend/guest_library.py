@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
-import mmap
 import os
 import select
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vrnic.core.arena import ArenaAllocator
 from vrnic.core.rings import (
     CQ_SLOT,
     RQ_SLOT,
@@ -25,16 +22,20 @@ from vrnic.core.rings import (
     RingFlags,
     SendRequest,
     Sge,
-    index_words,
     pack_recv,
     pack_send,
     unpack_completion,
 )
-from vrnic.core.specs import AttachInfo
 from vrnic.errors import DeviceError, InvalidArgument, VrnicError
-from vrnic.frontend.channel import Channel
+from vrnic.frontend.channel import DEFAULT_PORT, Channel, PortChannel, UnixChannel
+from vrnic.frontend.memory import Arena, MemfdArena, VmArena
+
+if TYPE_CHECKING:  # pydantic: not imported in a VM guest
+    from vrnic.core.specs import AttachInfo
 
 DEFAULT_ARENA = 16 << 20
+DEFAULT_VM_ARENA = 8 << 20  # four 2 MiB hugepages
+VM_POLL_SLEEP_S = 0.0002  # a VM guest has no completion eventfd: it polls, sleeping this long between polls
 
 
 class _Resource:
@@ -52,46 +53,60 @@ class _Resource:
 
 @dataclass
 class Buffer:
-    """A piece of the shared arena; addr is what SGEs and remote peers use."""
+    """A piece of the shared arena: offset is where it lies here, addr what SGEs and remote peers use
+    (the same number for a container guest; a guest-physical address in a VM)."""
 
     ctx: Context
+    offset: int
     addr: int
     length: int
 
     def write(self, data: bytes, offset: int = 0) -> None:
         if offset < 0 or offset + len(data) > self.length:
             raise InvalidArgument(f"{len(data)} bytes at {offset} do not fit a {self.length}-byte buffer")
-        self.ctx.view[self.addr + offset:self.addr + offset + len(data)] = data
+        start = self.offset + offset
+        self.ctx.view[start:start + len(data)] = data
 
     def read(self, length: int | None = None, offset: int = 0) -> bytes:
         length = self.length - offset if length is None else length
         if offset < 0 or length < 0 or offset + length > self.length:
             raise InvalidArgument(f"{length} bytes at {offset} are outside a {self.length}-byte buffer")
-        return bytes(self.ctx.view[self.addr + offset:self.addr + offset + length])
+        start = self.offset + offset
+        return bytes(self.ctx.view[start:start + length])
 
 
 class Context(_Resource):
-    """An attached vRNIC: the channel to vrnicd, the shared arena and the doorbell."""
+    """An attached vRNIC: the channel to vrnicd, the shared arena and the doorbell.
+
+    Context(socket, token) / Context.attach(info): a container guest (memfd arena, eventfd doorbell).
+    Context.attach_vm(): a guest program inside a VM with a vRNIC attached (its virtio-serial port).
+    """
 
     def __init__(self, socket_path: str, token: str, arena_bytes: int = DEFAULT_ARENA,
                  busy_poll: bool = False) -> None:
-        if arena_bytes < mmap.PAGESIZE or arena_bytes % mmap.PAGESIZE:
-            raise InvalidArgument(f"the arena must be a positive number of pages, not {arena_bytes} bytes")
-        self.arena_fd = os.memfd_create("vrnic-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        os.ftruncate(self.arena_fd, arena_bytes)
-        # Sealed so vrnicd can map it without fearing SIGBUS from a shrink.
-        fcntl.fcntl(self.arena_fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-        self.arena = mmap.mmap(self.arena_fd, arena_bytes)
-        self.view = memoryview(self.arena)
-        self.words = index_words(self.view)
-        self.allocator = ArenaAllocator(arena_bytes)
-        self.doorbell_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        self.notify_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        arena = MemfdArena(arena_bytes)
+        self.doorbell_fd: int | None = None
+        self.notify_fd: int | None = None
+        try:
+            doorbell = self.doorbell_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+            notify = self.notify_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+            self._open(arena, lambda: UnixChannel(socket_path),
+                       lambda ch: ch.call("attach", fds=[arena.fd, doorbell, notify], token=token,
+                                          busy_poll=busy_poll))
+        except BaseException:
+            self._close_fds()
+            raise
+
+    def _open(self, arena: Arena, connect: Callable[[], Channel],
+              attach: Callable[[Channel], dict[str, Any]]) -> None:
+        self.arena = arena
+        self.view = arena.view
+        self.words = arena.words
+        self.allocator = arena.allocator
         self.channel: Channel | None = None
         try:
-            self.channel = Channel(socket_path)
-            info = self.channel.call("attach", fds=[self.arena_fd, self.doorbell_fd, self.notify_fd], token=token,
-                                     busy_poll=busy_poll)
+            self.channel = connect()
+            info = attach(self.channel)
         except BaseException:
             self._release_local()
             raise
@@ -103,6 +118,16 @@ class Context(_Resource):
         if info.socket_path is None or info.token is None:
             raise InvalidArgument(f"vRNIC {info.vrnic_id} ({info.mode}) has no paravirtual channel")
         return cls(info.socket_path, info.token, arena_bytes, busy_poll)
+
+    @classmethod
+    def attach_vm(cls, port: str = DEFAULT_PORT, arena_bytes: int = DEFAULT_VM_ARENA, busy_poll: bool = False,
+                  hugepages: bool | None = None) -> Context:
+        """Inside a VM: the vRNIC vrnicd serves on virtio-serial port `port`. Needs root (pagemap)."""
+        ctx = cls.__new__(cls)
+        ctx.doorbell_fd = ctx.notify_fd = None  # the doorbell is a message; completions are polled
+        ctx._open(VmArena(arena_bytes, hugepages), lambda: PortChannel(port),
+                  lambda ch: ch.call("attach", busy_poll=busy_poll))
+        return ctx
 
     def call(self, op: str, **args: Any) -> dict[str, Any]:
         if self.closed or self.channel is None:
@@ -122,13 +147,17 @@ class Context(_Resource):
         self.call("busy_poll", enabled=enabled)
 
     def alloc(self, length: int, align: int = 64) -> Buffer:
-        return Buffer(self, self.allocator.alloc(length, align), length)
+        offset = self.allocator.alloc(length, align)
+        return Buffer(self, offset, self.arena.wire(offset), length)
 
     def free(self, buffer: Buffer) -> None:
-        self.allocator.free(buffer.addr)
+        self.allocator.free(buffer.offset)
 
     def ring_doorbell(self) -> None:
-        os.eventfd_write(self.doorbell_fd, 1)
+        if self.doorbell_fd is not None:
+            os.eventfd_write(self.doorbell_fd, 1)
+        elif self.channel is not None:
+            self.channel.notify("doorbell")
 
     def close(self) -> None:
         if self.closed:
@@ -142,11 +171,14 @@ class Context(_Resource):
     def _release_local(self) -> None:
         if self.channel is not None:
             self.channel.close()
-        self.words.release()
-        self.view.release()
         self.arena.close()
-        for fd in (self.arena_fd, self.doorbell_fd, self.notify_fd):
-            os.close(fd)
+        self._close_fds()
+
+    def _close_fds(self) -> None:
+        for fd in (self.doorbell_fd, self.notify_fd):
+            if fd is not None:
+                os.close(fd)
+        self.doorbell_fd = self.notify_fd = None
 
 
 class PD(_Resource):
@@ -213,7 +245,7 @@ class CQ(_Resource):
         except BaseException:
             ctx.free(self.ring_buffer)
             raise
-        self.ring = Ring(ctx.view, self.ring_buffer.addr, cqe, CQ_SLOT, ctx.words)
+        self.ring = Ring(ctx.view, self.ring_buffer.offset, cqe, CQ_SLOT, ctx.words)
 
     def poll(self, max_entries: int = 16) -> list[Completion]:
         """Completions waiting in the shared ring; never a round trip to vrnicd."""
@@ -240,8 +272,12 @@ class CQ(_Resource):
             if left <= 0:
                 raise DeviceError(f"{len(done)} of {count} completions within {timeout} s", errno.ETIMEDOUT)
             spins += 1
+            if spins <= spin:
+                continue
+            if notify is None:
+                time.sleep(VM_POLL_SLEEP_S)
             # The ring is re-checked after every wake-up, so a stale notification costs one loop.
-            if spins > spin and select.select([notify], [], [], min(left, 0.05))[0]:
+            elif select.select([notify], [], [], min(left, 0.05))[0]:
                 with contextlib.suppress(BlockingIOError):
                     os.eventfd_read(notify)
         return done
@@ -271,8 +307,8 @@ class QP(_Resource):
         self.handle = int(reply["qp"])
         self.qpn = int(reply["qpn"])  # virtual: what a peer names this QP by
         self.qp_type = qp_type
-        self.sq = Ring(ctx.view, self.sq_buffer.addr, max_send_wr, SQ_SLOT, ctx.words)
-        self.rq = Ring(ctx.view, self.rq_buffer.addr, max_recv_wr, RQ_SLOT, ctx.words)
+        self.sq = Ring(ctx.view, self.sq_buffer.offset, max_send_wr, SQ_SLOT, ctx.words)
+        self.rq = Ring(ctx.view, self.rq_buffer.offset, max_recv_wr, RQ_SLOT, ctx.words)
 
     def connect(self, remote_gid: str, remote_qpn: int, access: int = 15) -> None:
         """INIT -> RTR -> RTS towards a peer named by its virtual GID and virtual QPN."""

@@ -9,9 +9,14 @@ RNIC edge, and a data-path engine.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import secrets
+import socket
+import struct
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -23,12 +28,14 @@ from vrnic.backend.guest_memory import GuestMemory
 from vrnic.backend.registry import Registry, VirtualRnic
 from vrnic.backend.rnic_edge import DeviceContext, RnicEdge
 from vrnic.backend.session import GuestSession
-from vrnic.core.specs import AttachInfo, DeviceInfo, VrnicMode, VrnicSpec, active_roce_v2_gid
-from vrnic.core.verb_args import Attach
+from vrnic.backend.vm_link import VmLink, connect_channel
+from vrnic.core.specs import AttachInfo, DeviceInfo, VmBinding, VrnicMode, VrnicSpec, active_roce_v2_gid
+from vrnic.core.verb_args import Attach, VmAttach
 from vrnic.errors import Conflict
 
 log = logging.getLogger(__name__)
 DEFAULT_SOCKET = Path("/run/vrnic/vrnicd.sock")
+_UCRED = struct.Struct("3i")
 
 
 class VerbsDriver(RnicDriver):
@@ -45,6 +52,8 @@ class VerbsDriver(RnicDriver):
         self.socket_path = Path(socket_path)
         self._only = devices
         self.registry = Registry()
+        self._vms: dict[str, _BoundVm] = {}
+        self._vm_lock = threading.Lock()
         self.server = ChannelServer(self.socket_path, self.open_session, channel)
         self.server.start()
 
@@ -63,40 +72,115 @@ class VerbsDriver(RnicDriver):
 
     def open_session(self, args: Attach, fds: list[int], cred: PeerCred,
                      disconnect: Disconnect = lambda: None) -> GuestSession:
-        """The channel's SessionOpener: memory, device context, engine; all released again on failure."""
-        memory: GuestMemory | None = None
+        """The channel's SessionOpener: a container guest's memfd arena and eventfds, by attach token."""
+        try:
+            vrnic = self.registry.by_token(args.token)
+            memory = GuestMemory(fds[0])
+        except BaseException:
+            _close_fds(fds)
+            raise
+        return self._compose(vrnic, memory, cred, fds[1], fds[2] if len(fds) > 2 else None, args.busy_poll,
+                             disconnect, vm_domain=None)
+
+    def _compose(self, vrnic: VirtualRnic, memory: GuestMemory, cred: PeerCred, doorbell_fd: int,
+                 notify_fd: int | None, busy_poll: bool, disconnect: Disconnect,
+                 vm_domain: str | None) -> GuestSession:
+        """Memory, device context, engine: one session. It owns memory and the fds, also when it raises."""
         device: DeviceContext | None = None
         session: GuestSession | None = None
         try:
-            vrnic = self.registry.by_token(args.token)
             if vrnic.session is not None:  # checked again, atomically, by registry.attach
                 raise Conflict(f"vRNIC {vrnic.spec.id} already has a guest attached", current_state="attached")
-            memory = GuestMemory(fds[0])
             device = self.edge.open(vrnic.device)
 
             def engine(host: EngineHost) -> SharedRingEngine:
-                return SharedRingEngine(host, busy_poll=args.busy_poll)
+                return SharedRingEngine(host, busy_poll=busy_poll)
 
-            session = GuestSession(vrnic, self.registry, device, memory, cred, doorbell_fd=fds[1],
-                                   notify_fd=fds[2] if len(fds) > 2 else None, engine_factory=engine,
-                                   disconnect=disconnect)
-            self.registry.attach(vrnic, session)
+            session = GuestSession(vrnic, self.registry, device, memory, cred, doorbell_fd=doorbell_fd,
+                                   notify_fd=notify_fd, engine_factory=engine, disconnect=disconnect)
+            self.registry.attach(vrnic, session, vm_domain)
         except BaseException:
             if session is not None:
                 session.close()  # closes memory, device and the fds it took
             else:
                 if device is not None:
                     device.close()
-                if memory is not None:
-                    memory.close()
-                for fd in fds[0 if memory is None else 1:]:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
+                memory.close()
+                _close_fds([fd for fd in (doorbell_fd, notify_fd) if fd is not None])
             raise
         session.start()
         return session
 
+    # ----- VMs: bound by the libvirt hook, served over their virtio-serial channels ----------------------
+    def bind_vm(self, binding: VmBinding) -> None:
+        """Map the VM's RAM, reserve its vRNICs and connect to each channel; all or nothing."""
+        with self._vm_lock:
+            bound = self._vms.get(binding.domain)
+            if bound is not None:
+                if bound.binding == binding and all(link.alive for link in bound.links):
+                    return  # libvirtd's `reconnect`, or a repeated `started`
+                self._unbind(binding.domain)  # changed, or QEMU was replaced: bind afresh
+            vrnics = [self.registry.get(v.vrnic_id) for v in binding.vrnics]
+            memory = GuestMemory.from_vm_ram(Path(binding.ram_path), binding.machine)
+            state = _BoundVm(binding, memory)
+            try:
+                for vrnic in vrnics:
+                    self.registry.bind_vm(vrnic, binding.domain)
+                    state.vrnics.append(vrnic)
+                for vrnic, wanted in zip(vrnics, binding.vrnics, strict=True):
+                    sock = connect_channel(Path(wanted.channel_socket))
+                    cred = PeerCred(*_UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                   _UCRED.size)))
+                    state.links.append(VmLink(binding.domain, vrnic.spec.id, sock,
+                                              functools.partial(self._open_vm_session, vrnic, binding, cred)))
+            except BaseException:
+                self._release(state)
+                raise
+            for link in state.links:
+                link.start()
+            self._vms[binding.domain] = state
+        log.info("VM %s bound: vRNIC(s) %s, RAM %s (%d MiB)", binding.domain,
+                 ", ".join(v.vrnic_id for v in binding.vrnics), binding.ram_path, memory.size >> 20)
+
+    def _open_vm_session(self, vrnic: VirtualRnic, binding: VmBinding, cred: PeerCred, args: VmAttach,
+                         disconnect: Disconnect) -> GuestSession:
+        memory = GuestMemory.from_vm_ram(Path(binding.ram_path), binding.machine)
+        try:
+            doorbell = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        except BaseException:
+            memory.close()
+            raise
+        return self._compose(vrnic, memory, cred, doorbell, None, args.busy_poll, disconnect,
+                             vm_domain=binding.domain)
+
+    def unbind_vm(self, domain: str) -> list[str]:
+        with self._vm_lock:
+            return self._unbind(domain)
+
+    def _unbind(self, domain: str) -> list[str]:
+        state = self._vms.pop(domain, None)
+        if state is None:
+            return []
+        self._release(state)
+        log.info("VM %s unbound: every kernel object of its vRNIC(s) released", domain)
+        return [v.vrnic_id for v in state.binding.vrnics]
+
+    def _release(self, state: _BoundVm) -> None:
+        for link in state.links:
+            link.close()
+        for vrnic in state.vrnics:
+            self.registry.unbind_vm(vrnic, state.binding.domain)
+        state.memory.close()
+
+    def vm_bindings(self) -> dict[str, VmBinding]:
+        with self._vm_lock:
+            return {name: state.binding for name, state in self._vms.items()}
+
     def release_vrnic(self, vrnic_id: str) -> None:
+        with self._vm_lock:  # a VM using it loses its vRNIC service now; the hook's unbind finds nothing
+            for domain, state in list(self._vms.items()):
+                if any(v.vrnic_id == vrnic_id for v in state.binding.vrnics):
+                    self._unbind(domain)
         vrnic = self.registry.remove(vrnic_id)
         session = vrnic.session
         if session is not None:
@@ -113,5 +197,22 @@ class VerbsDriver(RnicDriver):
         return self.registry.on_device(device)
 
     def close(self) -> None:
+        with self._vm_lock:
+            for domain in list(self._vms):
+                self._unbind(domain)
         super().close()
         self.server.stop()
+
+
+@dataclass
+class _BoundVm:
+    binding: VmBinding
+    memory: GuestMemory  # held while the VM is bound: its RAM stays mapped and checked
+    vrnics: list[VirtualRnic] = field(default_factory=list)
+    links: list[VmLink] = field(default_factory=list)
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)

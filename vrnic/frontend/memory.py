@@ -1,0 +1,173 @@
+"""The guest's arena: memory it shares with vrnicd, and the address vrnicd knows each byte by.
+
+A container guest shares a sealed memfd; vrnicd maps the same file, so an
+address on the wire is the offset in the arena. A VM guest cannot hand over a
+file: vrnicd maps the VM's whole RAM, so an address on the wire is a
+guest-physical address. The VM's arena is therefore pinned memory whose
+physical frames the frontend reads from /proc/self/pagemap (root only: the
+kernel hides frame numbers from others), preferably 2 MiB hugepages, since a
+buffer must be physically contiguous: without hugepages a buffer is at most one
+4 KiB page, unless the kernel happened to hand out adjacent frames.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import fcntl
+import mmap
+import os
+import struct
+from typing import Protocol
+
+from vrnic.core.arena import ArenaAllocator, SegmentedAllocator, contiguous_runs
+from vrnic.core.rings import index_words
+from vrnic.errors import InvalidArgument, NotSupported
+
+PAGE = mmap.PAGESIZE
+HUGEPAGE = 2 << 20
+_PFN_MASK = (1 << 55) - 1
+_PRESENT = 1 << 63
+
+
+class Allocator(Protocol):
+    def alloc(self, length: int, align: int = 64) -> int: ...
+
+    def free(self, offset: int) -> None: ...
+
+
+class Arena:
+    """Local memory (view, offsets) plus the translation to vrnicd's addresses."""
+
+    size: int
+    view: memoryview
+    words: memoryview
+    allocator: Allocator
+
+    def wire(self, offset: int) -> int:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class MemfdArena(Arena):
+    """A container's arena: a sealed memfd vrnicd maps too; wire address == offset."""
+
+    def __init__(self, size: int) -> None:
+        if size < PAGE or size % PAGE:
+            raise InvalidArgument(f"the arena must be a positive number of pages, not {size} bytes")
+        self.size = size
+        self.fd = os.memfd_create("vrnic-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, size)
+            # Sealed so vrnicd can map it without fearing SIGBUS from a shrink.
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            self._map = mmap.mmap(self.fd, size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.view = memoryview(self._map)
+        self.words = index_words(self.view)
+        self.allocator = ArenaAllocator(size)
+
+    def wire(self, offset: int) -> int:
+        return offset
+
+    def close(self) -> None:
+        self.words.release()
+        self.view.release()
+        self._map.close()
+        os.close(self.fd)
+
+
+def _frame(entry: int) -> int | None:
+    return entry & _PFN_MASK if entry & _PRESENT else None
+
+
+def _mlock(address: int, length: int) -> None:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    if libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(length)) != 0:
+        code = ctypes.get_errno()
+        raise NotSupported(f"cannot pin the arena (mlock: {os.strerror(code)}); raise RLIMIT_MEMLOCK")
+
+
+class VmArena(Arena):
+    """A VM guest's arena: pinned pages, addressed on the wire by guest-physical address."""
+
+    def __init__(self, size: int, hugepages: bool | None = None, pagemap: str = "/proc/self/pagemap") -> None:
+        if size < PAGE or size % PAGE:
+            raise InvalidArgument(f"the arena must be a positive number of pages, not {size} bytes")
+        self.fd = -1
+        huge = self._map_huge(size) if hugepages in (None, True) else None
+        if huge is None:
+            if hugepages:
+                raise NotSupported(f"no {size} bytes of 2 MiB hugepages in this VM "
+                                   "(echo N > /proc/sys/vm/nr_hugepages)")
+            self._map = mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
+        else:
+            self._map = huge
+            size = len(huge)
+        self.hugepages = huge is not None
+        self.size = size
+        self.view = memoryview(self._map)
+        anchor = ctypes.c_char.from_buffer(self._map)
+        base = ctypes.addressof(anchor)
+        del anchor
+        try:
+            for offset in range(0, size, PAGE):  # fault every page in before asking where it is
+                self.view[offset] = 0
+            if not self.hugepages:
+                _mlock(base, size)  # hugetlb pages are never swapped or moved; 4 KiB ones must be pinned
+            frames = self._frames(pagemap, base, size)
+        except BaseException:
+            self.view.release()
+            self._map.close()
+            self._close_fd()
+            raise
+        self.runs = contiguous_runs(frames, PAGE)
+        self.words = index_words(self.view)
+        self.allocator = SegmentedAllocator([(offset, length) for offset, length, _ in self.runs])
+
+    def _map_huge(self, size: int) -> mmap.mmap | None:
+        size = -(-size // HUGEPAGE) * HUGEPAGE
+        try:
+            self.fd = os.memfd_create("vrnic-arena", os.MFD_CLOEXEC | os.MFD_HUGETLB)
+            os.ftruncate(self.fd, size)
+            return mmap.mmap(self.fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        except OSError:  # no hugetlbfs, or no free hugepages
+            self._close_fd()
+            return None
+
+    @staticmethod
+    def _frames(pagemap: str, base: int, size: int) -> list[int]:
+        with open(pagemap, "rb") as f:
+            f.seek(base // PAGE * 8)
+            raw = f.read(size // PAGE * 8)
+        frames = []
+        for (entry,) in struct.iter_unpack("<Q", raw):
+            frame = _frame(entry)
+            if not frame:  # present but 0: the kernel hides frames from processes without CAP_SYS_ADMIN
+                raise NotSupported("cannot read guest-physical addresses from /proc/self/pagemap: "
+                                   "the frontend in a VM runs as root")
+            frames.append(frame)
+        return frames
+
+    def wire(self, offset: int) -> int:
+        for start, length, physical in self.runs:
+            if start <= offset < start + length:
+                return physical + offset - start
+        raise InvalidArgument(f"offset {offset} is outside the arena")
+
+    def _close_fd(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def close(self) -> None:
+        self.words.release()
+        self.view.release()
+        self._map.close()
+        self._close_fd()
