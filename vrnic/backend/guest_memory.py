@@ -18,7 +18,7 @@ from pathlib import Path
 
 from vrnic.core.guest_phys import MemoryLayout, arena_layout, vm_layout
 from vrnic.core.rings import index_words
-from vrnic.errors import InvalidArgument
+from vrnic.errors import DeviceError, InvalidArgument, NotFound
 
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK
 
@@ -56,7 +56,12 @@ class GuestMemory:
         vrnicd opens it itself: virtio-serial carries no descriptors. QEMU created the file and nothing
         seals it, so here the trust is in QEMU (which never truncates guest RAM), not in the guest.
         """
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise NotFound(f"no RAM file {path} (is the VM running with shared file memory?)") from None
+        except OSError as exc:
+            raise DeviceError(f"cannot open the VM's RAM file {path}: {exc.strerror}", exc.errno or 0) from None
         try:
             return cls(fd, vm_layout(os.fstat(fd).st_size, machine), sealed=False)
         except BaseException:

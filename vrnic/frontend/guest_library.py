@@ -123,10 +123,15 @@ class Context(_Resource):
     def attach_vm(cls, port: str = DEFAULT_PORT, arena_bytes: int = DEFAULT_VM_ARENA, busy_poll: bool = False,
                   hugepages: bool | None = None) -> Context:
         """Inside a VM: the vRNIC vrnicd serves on virtio-serial port `port`. Needs root (pagemap)."""
+        return cls.over_channel(VmArena(arena_bytes, hugepages), lambda: PortChannel(port), busy_poll)
+
+    @classmethod
+    def over_channel(cls, arena: Arena, connect: Callable[[], Channel], busy_poll: bool = False) -> Context:
+        """A guest whose memory vrnicd already maps (a VM's RAM): no descriptors, the doorbell is a message
+        and completions are polled. The arena is closed with the context (also when attaching fails)."""
         ctx = cls.__new__(cls)
-        ctx.doorbell_fd = ctx.notify_fd = None  # the doorbell is a message; completions are polled
-        ctx._open(VmArena(arena_bytes, hugepages), lambda: PortChannel(port),
-                  lambda ch: ch.call("attach", busy_poll=busy_poll))
+        ctx.doorbell_fd = ctx.notify_fd = None
+        ctx._open(arena, connect, lambda ch: ch.call("attach", busy_poll=busy_poll))
         return ctx
 
     def call(self, op: str, **args: Any) -> dict[str, Any]:

@@ -146,9 +146,13 @@ class VmArena(Arena):
         with open(pagemap, "rb") as f:
             f.seek(base // PAGE * 8)
             raw = f.read(size // PAGE * 8)
+        if len(raw) != size // PAGE * 8:
+            raise NotSupported(f"{pagemap} does not describe the arena")
         frames = []
         for (entry,) in struct.iter_unpack("<Q", raw):
             frame = _frame(entry)
+            if frame is None:
+                raise NotSupported("an arena page is not present in memory after being touched")
             if not frame:  # present but 0: the kernel hides frames from processes without CAP_SYS_ADMIN
                 raise NotSupported("cannot read guest-physical addresses from /proc/self/pagemap: "
                                    "the frontend in a VM runs as root")
