@@ -211,9 +211,8 @@ def test_a_bound_vrnic_refuses_container_guests_and_other_vms(driver: VerbsDrive
         driver.bind_vm(vm2.binding(info.vrnic_id))
     assert set(driver.vm_bindings()) == {"vm1"}
     driver.unbind_vm("vm1")
-    with Context.attach(info):  # free again
-        with pytest.raises(Conflict, match="container guest attached"):
-            driver.bind_vm(vm2.binding(info.vrnic_id))
+    with Context.attach(info), pytest.raises(Conflict, match="container guest attached"):  # free again
+        driver.bind_vm(vm2.binding(info.vrnic_id))
     assert driver.vm_bindings() == {}
 
 
