@@ -12,6 +12,7 @@ from vrnic.vm.domain_xml import (
     VRNIC_NS,
     DirectKernelBoot,
     DomainType,
+    HostDirShare,
     SerialConsole,
     VirtioSerialChannel,
     VmDomain,
@@ -107,3 +108,20 @@ def test_invalid_parts() -> None:
         VrnicAttachment("<evil>")
     with pytest.raises(InvalidArgument, match="absolute"):
         VmDomain(name="x", boot=DirectKernelBoot(kernel=Path("vmlinuz"))).to_xml()
+
+
+def test_host_directory_share() -> None:
+    domain = VmDomain(name="vm2", boot=BOOT, shares=(HostDirShare(Path("/"), "hostroot"),
+                                                     HostDirShare(Path("/srv/x"), "x", readonly=False)))
+    devices = ET.fromstring(domain.to_xml()).find("devices")
+    assert devices is not None
+    shares = [ET.tostring(e, encoding="unicode") for e in devices.findall("filesystem")]
+    assert [canon(s) for s in shares] == [canon(
+        "<filesystem type='mount' accessmode='passthrough' multidevs='remap'><source dir='/'/>"
+        "<target dir='hostroot'/><readonly/></filesystem>"), canon(
+        "<filesystem type='mount' accessmode='passthrough' multidevs='remap'><source dir='/srv/x'/>"
+        "<target dir='x'/></filesystem>")]
+    with pytest.raises(InvalidArgument, match="absolute"):
+        HostDirShare(Path("rel"), "t")
+    with pytest.raises(InvalidArgument, match="mount tag"):
+        HostDirShare(Path("/"), "bad tag")

@@ -93,6 +93,32 @@ class VirtioSerialChannel:
 
 
 @dataclass(frozen=True)
+class HostDirShare:
+    """A host directory over virtio-9p (`<filesystem type='mount'>`), read-only unless said otherwise.
+
+    The lab shares its root this way, so a VM runs the host's python3 and vrnic without installing them.
+    multidevs='remap' keeps inode numbers unique across the mounts under the shared directory.
+    """
+
+    source: Path
+    tag: str
+    readonly: bool = True
+
+    def __post_init__(self) -> None:
+        _abs("shared directory", self.source)
+        if not _CHANNEL.match(self.tag):
+            raise InvalidArgument(f"bad 9p mount tag {self.tag!r}")
+
+    def to_element(self) -> ET.Element:
+        share = ET.Element("filesystem", type="mount", accessmode="passthrough", multidevs="remap")
+        _sub(share, "source", dir=str(self.source))
+        _sub(share, "target", dir=self.tag)
+        if self.readonly:
+            _sub(share, "readonly")
+        return share
+
+
+@dataclass(frozen=True)
 class SerialConsole:
     """The guest's ttyS0: appended to a file when `log` is set, else a pty."""
 
@@ -147,6 +173,7 @@ class VmDomain:
     console: SerialConsole = field(default_factory=SerialConsole)
     shared_file_memory: bool = True  # what vrnicd maps; False only to show what breaks without it
     hostdev_interfaces: tuple[HostdevInterface, ...] = ()  # SR-IOV mode: whole VFs
+    shares: tuple[HostDirShare, ...] = ()
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -185,6 +212,8 @@ class VmDomain:
         devices.append(self.console.to_element())
         for channel in self.channels:
             devices.append(channel.to_element())
+        for share in self.shares:
+            devices.append(share.to_element())
         for interface in self.hostdev_interfaces:
             devices.append(interface.to_element())
         # Nothing the guest does not need: no USB controller, no balloon (it would move pages under vrnicd).

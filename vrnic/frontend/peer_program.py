@@ -1,0 +1,223 @@
+"""A guest program that does RDMA with a peer on command: the VM side of `make demo-vm`, the VM tests
+and the VM benchmarks.
+
+    python3 -m vrnic.frontend.peer_program --vm [--port org.vrnic.0] --control org.vrnic.ctl
+
+It attaches its vRNIC, makes a PD, a CQ, an MR and an RC QP, reports them on the
+control stream (one JSON object per line), and then runs one command per line
+until `close` (see COMMANDS). Inside a VM the control stream is a second
+virtio-serial port; elsewhere it is stdin/stdout. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import IO, Any
+
+from vrnic.core.rings import Access, RecvRequest, SendRequest, WcStatus, WrOpcode
+from vrnic.errors import VrnicError
+from vrnic.frontend.channel import DEFAULT_PORT, find_port
+from vrnic.frontend.guest_library import CQ, MR, PD, QP, Context
+
+MR_BYTES = 256 << 10
+RECV_SLOTS = 16
+RECV_SLOT = 4096  # the first RECV_SLOTS * RECV_SLOT bytes of the MR take receives; sends come from the rest
+SEND_AT = RECV_SLOTS * RECV_SLOT
+
+
+class Peer:
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.pd = PD(ctx)
+        self.cq = CQ(ctx, 256)
+        self.mr = MR(self.pd, MR_BYTES, Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ)
+        self.qp = QP(self.pd, self.cq, self.cq, max_send_wr=64, max_recv_wr=RECV_SLOTS)
+        self.remote: dict[str, Any] = {}
+        self._wr = 0
+
+    def info(self) -> dict[str, Any]:
+        return {"gid": self.ctx.gid, "qpn": self.qp.qpn, "addr": self.mr.addr, "rkey": self.mr.rkey,
+                "length": self.mr.length}
+
+    def _next(self) -> int:
+        self._wr += 1
+        return self._wr
+
+    def _complete(self, count: int = 1) -> list[Any]:
+        done = self.cq.wait(count, timeout=30)
+        bad = [c for c in done if c.status != WcStatus.SUCCESS]
+        if bad:
+            raise VrnicError(f"completion failed: {WcStatus(bad[0].status).name}")
+        return done
+
+    # ----- commands ------------------------------------------------------------------------------
+    def connect(self, gid: str, qpn: int, addr: int, rkey: int) -> dict[str, Any]:
+        self.remote = {"addr": addr, "rkey": rkey}
+        self.qp.connect(gid, qpn)
+        return {}
+
+    def post_recv(self, count: int = 1) -> dict[str, Any]:
+        self.qp.post_recv([RecvRequest(self._next(), (self.mr.sge(i * RECV_SLOT, RECV_SLOT),))
+                           for i in range(count)], sync=True)
+        return {}
+
+    def wait_recv(self, count: int = 1) -> dict[str, Any]:
+        done = self._complete(count)
+        return {"received": [self.mr.read(c.byte_len, (i % RECV_SLOTS) * RECV_SLOT).hex()
+                             for i, c in enumerate(done)]}
+
+    def send(self, data: str) -> dict[str, Any]:
+        payload = bytes.fromhex(data)
+        self.mr.write(payload, SEND_AT)
+        self.qp.post_send(SendRequest(self._next(), WrOpcode.SEND, (self.mr.sge(SEND_AT, len(payload)),)))
+        self._complete()
+        return {}
+
+    def write(self, data: str, remote_offset: int = 0) -> dict[str, Any]:
+        payload = bytes.fromhex(data)
+        self.mr.write(payload, SEND_AT)
+        self.qp.post_send(SendRequest(self._next(), WrOpcode.RDMA_WRITE, (self.mr.sge(SEND_AT, len(payload)),),
+                                      remote_addr=self.remote["addr"] + remote_offset, rkey=self.remote["rkey"]))
+        self._complete()
+        return {}
+
+    def read(self, length: int, remote_offset: int = 0) -> dict[str, Any]:
+        self.qp.post_send(SendRequest(self._next(), WrOpcode.RDMA_READ, (self.mr.sge(SEND_AT, length),),
+                                      remote_addr=self.remote["addr"] + remote_offset, rkey=self.remote["rkey"]))
+        self._complete()
+        return {"data": self.mr.read(length, SEND_AT).hex()}
+
+    def peek(self, offset: int, length: int) -> dict[str, Any]:
+        return {"data": self.mr.read(length, offset).hex()}
+
+    def refusals(self, foreign_gid: str, foreign_qpn: int) -> dict[str, Any]:
+        """What vrnicd answers to memory outside this VM's RAM and to identities that are not ours."""
+        attempts: dict[str, Callable[[], object]] = {
+            "mr_beyond_ram": lambda: self.ctx.call("reg_mr", pd=self.pd.handle, addr=1 << 44, length=4096,
+                                                   access=int(Access.LOCAL_WRITE)),
+            "mr_in_rom_hole": lambda: self.ctx.call("reg_mr", pd=self.pd.handle, addr=0xC0000, length=4096,
+                                                    access=int(Access.LOCAL_WRITE)),
+            "foreign_pd": lambda: self.ctx.call("dealloc_pd", pd=self.pd.handle + 1000),
+            "foreign_qp": lambda: self.ctx.call("destroy_qp", qp=self.qp.handle + 1000),
+            "foreign_peer": lambda: self.ctx.call("modify_qp", qp=self.qp.handle, state="rtr",
+                                                  remote_gid=foreign_gid, remote_qpn=foreign_qpn),
+        }
+        codes = {}
+        for name, attempt in attempts.items():
+            try:
+                attempt()
+                codes[name] = "accepted"
+            except VrnicError as exc:
+                codes[name] = exc.code
+        return {"codes": codes}
+
+    def ping(self, iterations: int, size: int = 64) -> dict[str, Any]:
+        """SEND size bytes and wait for the peer's SEND back, iterations times: round-trip latency."""
+        sge = self.mr.sge(SEND_AT, size)
+        start = time.perf_counter()
+        for _ in range(iterations):
+            self.qp.post_recv(RecvRequest(self._next(), (self.mr.sge(0, RECV_SLOT),)))
+            self.qp.post_send(SendRequest(self._next(), WrOpcode.SEND, (sge,)))
+            self._complete(2)
+        seconds = time.perf_counter() - start
+        return {"round_trip_us": seconds / iterations * 1e6}
+
+    def write_stream(self, size: int, iterations: int, depth: int = 16) -> dict[str, Any]:
+        """RDMA WRITE size bytes iterations times, up to depth in flight: throughput."""
+        if SEND_AT + size > MR_BYTES:
+            raise VrnicError(f"at most {MR_BYTES - SEND_AT} bytes per write")
+        sge = self.mr.sge(SEND_AT, size)
+        posted = completed = 0
+        start = time.perf_counter()
+        while completed < iterations:
+            batch = min(depth - (posted - completed), iterations - posted)
+            if batch:
+                self.qp.post_send([SendRequest(self._next(), WrOpcode.RDMA_WRITE, (sge,),
+                                               remote_addr=self.remote["addr"], rkey=self.remote["rkey"])
+                                   for _ in range(batch)])
+                posted += batch
+            completed += len(self._complete(1))
+        seconds = time.perf_counter() - start
+        return {"seconds": seconds, "mb_per_s": size * iterations / seconds / 1e6}
+
+    def flood(self, size: int = 4096) -> dict[str, Any]:
+        """Start RDMA WRITEs that never stop (until the VM is destroyed): reply first, then write."""
+        self._flooding = size
+        return {}
+
+    def run_flood(self) -> None:
+        sge = self.mr.sge(SEND_AT, self._flooding)
+        while True:
+            self.qp.post_send(SendRequest(self._next(), WrOpcode.RDMA_WRITE, (sge,),
+                                          remote_addr=self.remote["addr"], rkey=self.remote["rkey"]))
+            self._complete()
+
+    def close(self) -> None:
+        self.ctx.close()
+
+
+COMMANDS = ("connect", "post_recv", "wait_recv", "send", "write", "read", "peek", "refusals", "ping", "write_stream",
+            "flood", "close")
+
+
+def serve(peer: Peer, lines: IO[str], out: Callable[[dict[str, Any]], None]) -> None:
+    for line in lines:
+        try:
+            command = json.loads(line)
+            op = command.pop("op")
+            if op not in COMMANDS:
+                raise VrnicError(f"unknown command {op!r}")
+            if op == "close":
+                peer.close()
+                out({"op": op, "ok": True})
+                return
+            result = getattr(peer, op)(**command)
+            out({"op": op, "ok": True, **result})
+            if op == "flood":
+                peer.run_flood()
+        except Exception as exc:  # reported to the controller, which decides
+            out({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vm", action="store_true", help="attach over this VM's virtio-serial port")
+    parser.add_argument("--port", default=DEFAULT_PORT, help="the vRNIC's port (--vm)")
+    parser.add_argument("--control", help="a virtio-serial port name for the commands (default: stdin/stdout)")
+    args = parser.parse_args(argv)
+    if args.control:
+        fd = os.open(find_port(args.control), os.O_RDWR)
+        lines: IO[str] = os.fdopen(fd, "r", buffering=1)
+        output: IO[str] = os.fdopen(os.dup(fd), "w", buffering=1)
+    else:
+        lines, output = sys.stdin, sys.stdout
+
+    def out(message: dict[str, Any]) -> None:
+        output.write(json.dumps(message) + "\n")
+        output.flush()
+
+    try:
+        started = time.perf_counter()
+        if not args.vm:
+            raise VrnicError("only --vm is supported: a container guest uses Context.attach(info)")
+        ctx = Context.attach_vm(args.port)
+        attached = time.perf_counter()
+        peer = Peer(ctx)
+        arena = ctx.arena
+        out({"op": "ready", "ok": True, **peer.info(), "attach_ms": (attached - started) * 1000,
+             "setup_ms": (time.perf_counter() - attached) * 1000,
+             "hugepages": bool(getattr(arena, "hugepages", False))})
+    except Exception as exc:
+        out({"op": "ready", "ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        return 1
+    serve(peer, lines, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""A VM with a vRNIC inside the lab: its boot image, its domain, and both ends of the RDMA it does.
+
+The nested VM boots the lab's own kernel with a busybox initramfs that mounts the
+lab's root over virtio-9p (read-only) and runs vrnic.frontend.peer_program with
+the host's python3: the VM installs nothing. The program takes commands on a
+second virtio-serial port (ControlPort). Its partner is a container guest on
+the lab host (HostPeer), attached to vrnicd through the Unix socket.
+
+Used by tests/kernel/test_vm_*.py, `make demo-vm` (vrnic.vm.demo) and the bench.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import lzma
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from vrnic.core.rings import Access, RecvRequest, SendRequest, WcOpcode, WcStatus, WrOpcode
+from vrnic.core.specs import AttachInfo
+from vrnic.errors import LabError, VrnicError
+from vrnic.frontend.guest_library import CQ, MR, PD, QP, Context
+from vrnic.lab.kernel import kernel_image, module_files
+from vrnic.vm.domain_xml import (
+    DEFAULT_CHANNEL,
+    DirectKernelBoot,
+    DomainType,
+    HostDirShare,
+    SerialConsole,
+    VirtioSerialChannel,
+    VmDomain,
+    VrnicAttachment,
+)
+
+BUSYBOX = Path("/bin/busybox")
+MODULES = ("virtio_pci", "virtio_console", "9pnet_virtio", "9p")
+CONTROL_PORT = "org.vrnic.ctl"
+HUGEPAGES = 8  # 16 MiB: the frontend's default arena is four
+MARK = "vrnic-vm:"
+
+INIT = """#!/bin/busybox sh
+/bin/busybox --install -s /bin
+fail() {{ echo "{mark} boot failed: $*"; echo o > /proc/sysrq-trigger; sleep 5; }}
+mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
+for m in {modules}; do insmod /modules/$m || fail "insmod $m"; done
+echo {hugepages} > /proc/sys/vm/nr_hugepages
+for word in $(cat /proc/cmdline); do case "$word" in vrnic.work=*) work=${{word#vrnic.work=}};; esac; done
+mkdir -p /newroot
+mount -t 9p -o ro,trans=virtio,version=9p2000.L,msize=262144,cache=loose hostroot /newroot || fail "mount hostroot"
+for d in tmp run; do mount -t tmpfs tmpfs /newroot/$d || fail "tmpfs $d"; done
+for d in dev proc sys; do mount --move /$d /newroot/$d; done
+echo "{mark} root mounted at $(cut -d' ' -f1 /newroot/proc/uptime) s"
+exec switch_root /newroot /bin/sh -c "cd /; PYTHONPATH=$work PYTHONDONTWRITEBYTECODE=1 \\
+  python3 -m vrnic.frontend.peer_program --vm --control {control}; echo '{mark} program exited'; \\
+  echo o > /proc/sysrq-trigger; sleep 5"
+"""
+
+
+def build_initramfs(version: str, target: Path) -> Path:
+    """busybox, the virtio-serial and 9p modules, and INIT, as a gzip'd newc cpio."""
+    if not BUSYBOX.exists():
+        raise LabError("busybox is missing; run `make setup`")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for d in ("bin", "dev", "proc", "sys", "modules", "newroot"):
+            (root / d).mkdir()
+        shutil.copy2(BUSYBOX, root / "bin" / "busybox")
+        names = []
+        for module in module_files(version, MODULES):
+            data = module.read_bytes()
+            if module.suffix == ".xz":
+                data = lzma.decompress(data)
+            name = module.name.removesuffix(".xz")
+            (root / "modules" / name).write_bytes(data)
+            names.append(name)
+        (root / "init").write_text(INIT.format(mark=MARK, modules=" ".join(names), hugepages=HUGEPAGES,
+                                               control=CONTROL_PORT))
+        (root / "init").chmod(0o755)
+        listing = "\n".join(sorted(str(p.relative_to(root)) for p in root.rglob("*")))
+        archive = subprocess.run(["cpio", "--quiet", "-o", "-H", "newc"], cwd=root, input=listing.encode(),
+                                 capture_output=True, check=True)
+    target.write_bytes(gzip.compress(archive.stdout, compresslevel=1))
+    return target
+
+
+def peer_domain(name: str, workdir: Path, project: Path, vrnic_id: str | None, domain_type: DomainType,
+                memory_mib: int = 384) -> VmDomain:
+    """The VM: direct kernel boot, the lab root over 9p, the vRNIC's channel and a control channel.
+
+    vrnic_id None leaves the vRNIC out, as `vrnic vm attach` finds a domain before it adds one.
+    """
+    version = os.uname().release
+    initrd = build_initramfs(version, workdir / "peer-initramfs.cpio.gz")
+    channels = [VirtioSerialChannel(workdir / "ctl.sock", CONTROL_PORT)]
+    if vrnic_id is not None:
+        channels.insert(0, VirtioSerialChannel(workdir / f"{DEFAULT_CHANNEL}.sock", DEFAULT_CHANNEL))
+    return VmDomain(
+        name=name, domain_type=domain_type, memory_mib=memory_mib,
+        boot=DirectKernelBoot(kernel=kernel_image(version), initrd=initrd,
+                              cmdline=f"console=ttyS0 quiet loglevel=4 panic=-1 mitigations=off vrnic.work={project}"),
+        vrnics=(VrnicAttachment(vrnic_id),) if vrnic_id is not None else (),
+        channels=tuple(channels),
+        console=SerialConsole(log=workdir / "console.log"),
+        shares=(HostDirShare(Path("/"), "hostroot"),),
+    )
+
+
+class ControlPort:
+    """The host end of the VM program's control port: one JSON command per line, one reply each."""
+
+    def __init__(self, path: Path, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + 30
+        while True:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                self.sock.connect(str(path))
+                break
+            except OSError:
+                self.sock.close()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        self.timeout = timeout
+        self._buf = bytearray()
+
+    def read(self, timeout: float | None = None) -> dict[str, Any]:
+        deadline = time.monotonic() + (timeout or self.timeout)
+        while b"\n" not in self._buf:
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("the VM's control port closed")
+            self._buf += chunk
+        line, _, rest = bytes(self._buf).partition(b"\n")
+        self._buf[:] = rest
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def ready(self, timeout: float = 180.0) -> dict[str, Any]:
+        reply = self.read(timeout)
+        if reply.get("op") != "ready" or not reply.get("ok"):
+            raise VrnicError(f"the VM program did not start: {reply}")
+        return reply
+
+    def call(self, op: str, **args: Any) -> dict[str, Any]:
+        self.sock.sendall((json.dumps({"op": op, **args}) + "\n").encode())
+        reply = self.read()
+        if not reply.get("ok"):
+            raise VrnicError(f"VM program: {op} failed: {reply.get('error')}")
+        return reply
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class HostPeer:
+    """The VM's partner: a container guest on the lab host, with the same PD/CQ/MR/QP shape."""
+
+    def __init__(self, info: AttachInfo, mr_bytes: int = 256 << 10) -> None:
+        self.ctx = Context.attach(info)
+        try:
+            self.pd = PD(self.ctx)
+            self.cq = CQ(self.ctx, 256)
+            self.mr = MR(self.pd, mr_bytes, Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ)
+            self.qp = QP(self.pd, self.cq, self.cq, max_send_wr=64, max_recv_wr=16)
+        except BaseException:
+            self.ctx.close()
+            raise
+        self._wr = 0
+
+    def info(self) -> dict[str, Any]:
+        return {"gid": self.ctx.gid, "qpn": self.qp.qpn, "addr": self.mr.addr, "rkey": self.mr.rkey}
+
+    def connect(self, vm: dict[str, Any]) -> None:
+        self.vm = vm
+        self.qp.connect(vm["gid"], vm["qpn"])
+
+    def _next(self) -> int:
+        self._wr += 1
+        return self._wr
+
+    def _complete(self, count: int = 1, timeout: float = 30) -> list[Any]:
+        done = self.cq.wait(count, timeout=timeout)
+        bad = [c for c in done if c.status != WcStatus.SUCCESS]
+        if bad:
+            raise VrnicError(f"host peer: completion failed: {WcStatus(bad[0].status).name}")
+        return done
+
+    def post_recv(self, offset: int = 0, length: int = 4096) -> None:
+        self.qp.post_recv(RecvRequest(self._next(), (self.mr.sge(offset, length),)), sync=True)
+
+    def send(self, payload: bytes, offset: int = 8192) -> None:
+        self.mr.write(payload, offset)
+        self.qp.post_send(SendRequest(self._next(), WrOpcode.SEND, (self.mr.sge(offset, len(payload)),)))
+        self._complete()
+
+    def write_into_vm(self, payload: bytes, vm_offset: int, offset: int = 8192) -> None:
+        self.mr.write(payload, offset)
+        self.qp.post_send(SendRequest(self._next(), WrOpcode.RDMA_WRITE, (self.mr.sge(offset, len(payload)),),
+                                      remote_addr=self.vm["addr"] + vm_offset, rkey=self.vm["rkey"]))
+        self._complete()
+
+    def read_from_vm(self, length: int, vm_offset: int, offset: int = 16384) -> bytes:
+        self.qp.post_send(SendRequest(self._next(), WrOpcode.RDMA_READ, (self.mr.sge(offset, length),),
+                                      remote_addr=self.vm["addr"] + vm_offset, rkey=self.vm["rkey"]))
+        self._complete()
+        return self.mr.read(length, offset)
+
+    def echo(self, iterations: int, size: int = 64) -> None:
+        """The far end of the VM's `ping`: every SEND that arrives is answered with one."""
+        sge = self.mr.sge(8192, size)
+        self.qp.post_recv(RecvRequest(self._next(), (self.mr.sge(0, 4096),)))
+        received = sent = 0
+        while sent < iterations:
+            for completion in self._complete(1):
+                if completion.opcode == WcOpcode.RECV:
+                    received += 1
+                    if received < iterations:
+                        self.qp.post_recv(RecvRequest(self._next(), (self.mr.sge(0, 4096),)), doorbell=False)
+                    self.qp.post_send(SendRequest(self._next(), WrOpcode.SEND, (sge,)))
+                else:
+                    sent += 1
+
+    def close(self) -> None:
+        self.ctx.close()
