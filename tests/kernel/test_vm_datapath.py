@@ -39,7 +39,8 @@ TIMINGS: dict[str, float] = {}
 @pytest.fixture(scope="module")
 def host() -> Iterator[VmHost]:
     if os.environ.get("VRNIC_LAB") != "1":
-        pytest.skip("needs the lab guest (nested KVM, libvirtd): vrnic lab run -- pytest tests/kernel/test_vm_datapath.py")
+        pytest.skip("needs the lab guest (nested KVM, libvirtd): vrnic lab run -- pytest tests/kernel/"
+                    "test_vm_datapath.py")
     pytest.importorskip("libvirt", reason="libvirt-python is not installed (make setup)")
     for tool in ("libvirtd", "virtlogd", "cpio"):
         if shutil.which(tool) is None:
