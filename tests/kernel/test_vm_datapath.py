@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -130,7 +131,10 @@ def test_vm_rdma_both_ways_refusals_and_destroy_mid_traffic(host: VmHost, driver
         foreign_peer.close()
         foreign_peer = None
         # numbers for the record (the bench measures them properly)
+        echo = threading.Thread(target=peer.echo, args=(200,), daemon=True)
+        echo.start()
         ping = control.call("ping", iterations=200)
+        echo.join(timeout=30)
         TIMINGS["vm_send_round_trip_us"] = ping["round_trip_us"]
         # virsh destroy in the middle of traffic: RDMA WRITEs stream from the VM into the host peer
         peer.mr.write(bytes(4096), 0)

@@ -205,6 +205,24 @@ class VmHost:
             time.sleep(0.1)
         raise LabError(f"libvirtd not ready after {self.config.start_timeout:.0f} s: {last}")
 
+    def restart_libvirtd(self) -> float:
+        """Stop libvirtd and start it again (running domains live on; it reconnects to them and runs the
+        hook's `reconnect`). Also how a newly installed hook gets noticed. Returns the seconds it took."""
+        started = time.monotonic()
+        pid = self._pids.pop("libvirtd")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while _pid_alive(pid):
+            if time.monotonic() > deadline:
+                raise LabError(f"libvirtd ({pid}) did not stop within 15 s")
+            time.sleep(0.05)
+        (self.config.state_dir / "libvirtd.pid").unlink(missing_ok=True)
+        _run(libvirtd_argv(self.config))
+        self._pids["libvirtd"] = self._read_pid("libvirtd")
+        self._wait_capabilities()
+        return time.monotonic() - started
+
     # -- stop --
     def running_domains(self) -> list[str]:
         result = _run(["virsh", "-c", URI, "list", "--name"], check=False)
