@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -202,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         output.write(json.dumps(message) + "\n")
         output.flush()
 
+    # SIGTERM (the VM's power button, or a plain kill) ends the program the way an error would: it detaches.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         started = time.perf_counter()
         if not args.vm:
@@ -216,7 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         out({"op": "ready", "ok": False, "error": f"{type(exc).__name__}: {exc}"})
         return 1
-    serve(peer, lines, out)
+    try:
+        serve(peer, lines, out)
+    finally:
+        peer.close()
     return 0
 
 

@@ -40,7 +40,7 @@ from vrnic.vm.domain_xml import (
 )
 
 BUSYBOX = Path("/bin/busybox")
-MODULES = ("virtio_pci", "virtio_console", "9pnet_virtio", "9p")
+MODULES = ("virtio_pci", "virtio_console", "9pnet_virtio", "9p", "button", "evdev")
 CONTROL_PORT = "org.vrnic.ctl"
 HUGEPAGES = 8  # 16 MiB: the frontend's default arena is four
 MARK = "vrnic-vm:"
@@ -51,15 +51,32 @@ fail() {{ echo "{mark} boot failed: $*"; echo o > /proc/sysrq-trigger; sleep 5; 
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
 for m in {modules}; do insmod /modules/$m || fail "insmod $m"; done
 echo {hugepages} > /proc/sys/vm/nr_hugepages
-for word in $(cat /proc/cmdline); do case "$word" in vrnic.work=*) work=${{word#vrnic.work=}};; esac; done
 mkdir -p /newroot
 mount -t 9p -o ro,trans=virtio,version=9p2000.L,msize=262144,cache=loose hostroot /newroot || fail "mount hostroot"
 for d in tmp run; do mount -t tmpfs tmpfs /newroot/$d || fail "tmpfs $d"; done
+cp /run.sh /newroot/run/vrnic-vm.sh
 for d in dev proc sys; do mount --move /$d /newroot/$d; done
 echo "{mark} root mounted at $(cut -d' ' -f1 /newroot/proc/uptime) s"
-exec switch_root /newroot /bin/sh -c "cd /; PYTHONPATH=$work PYTHONDONTWRITEBYTECODE=1 \\
-  python3 -m vrnic.frontend.peer_program --vm --control {control}; echo '{mark} program exited'; \\
-  echo o > /proc/sysrq-trigger; sleep 5"
+exec switch_root /newroot /bin/sh /run/vrnic-vm.sh
+"""
+
+# Runs on the lab's root after switch_root (dash and coreutils, not busybox). The power button (ACPI, as
+# `virsh shutdown` presses it) stops the program with SIGTERM, which detaches cleanly, then powers off.
+RUN = """work=
+for word in $(cat /proc/cmdline); do case "$word" in vrnic.work=*) work=${{word#vrnic.work=}};; esac; done
+cd /
+PYTHONPATH=$work PYTHONDONTWRITEBYTECODE=1 python3 -m vrnic.frontend.peer_program --vm --control {control} &
+program=$!
+for event in /sys/class/input/event*; do
+  if [ "$(cat $event/device/name 2>/dev/null)" = "Power Button" ]; then
+    (head -c 1 /dev/input/${{event##*/}} >/dev/null; echo "{mark} power button"; kill -TERM $program; sleep 3;
+     echo o > /proc/sysrq-trigger) &
+  fi
+done
+wait $program
+echo "{mark} program exited ($?)"
+echo o > /proc/sysrq-trigger
+sleep 5
 """
 
 
@@ -80,9 +97,9 @@ def build_initramfs(version: str, target: Path) -> Path:
             name = module.name.removesuffix(".xz")
             (root / "modules" / name).write_bytes(data)
             names.append(name)
-        (root / "init").write_text(INIT.format(mark=MARK, modules=" ".join(names), hugepages=HUGEPAGES,
-                                               control=CONTROL_PORT))
+        (root / "init").write_text(INIT.format(mark=MARK, modules=" ".join(names), hugepages=HUGEPAGES))
         (root / "init").chmod(0o755)
+        (root / "run.sh").write_text(RUN.format(mark=MARK, control=CONTROL_PORT))
         listing = "\n".join(sorted(str(p.relative_to(root)) for p in root.rglob("*")))
         archive = subprocess.run(["cpio", "--quiet", "-o", "-H", "newc"], cwd=root, input=listing.encode(),
                                  capture_output=True, check=True)

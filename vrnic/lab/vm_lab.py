@@ -1,0 +1,166 @@
+"""A host that serves VMs with vRNICs, set up inside the lab the way an operator sets one up.
+
+    libvirtd (VmHost) -> `vrnic db upgrade` + `vrnic daemon` -> `vrnic hook install` -> libvirtd restarted
+    (it reads hooks at startup) -> tenants and vRNICs through the REST API -> `vrnic vm attach` -> `virsh start`
+
+Used by `make demo-vm` (vrnic.lab.vm_demo), tests/kernel/test_vm_hook_flow.py and the VM benchmarks.
+Inside the lab only: it mounts over /etc/libvirt and /var/lib/libvirt (VmHost).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from vrnic.errors import LabError
+from vrnic.lab.vm_guest import ControlPort, peer_domain
+from vrnic.lab.vm_host import URI, VmHost, VmHostConfig
+from vrnic.vm.domain_xml import DomainType
+
+PROJECT = Path(__file__).resolve().parents[2]
+
+
+class VmLab:
+    def __init__(self, workdir: Path, say: Callable[[str], None] = lambda _: None, port: int = 8470) -> None:
+        self.workdir = workdir
+        self.say = say
+        self.url = f"http://127.0.0.1:{port}"
+        self.token = secrets.token_urlsafe(24)
+        self.state = workdir / "state"
+        self.hook_log = workdir / "hook.log"
+        self.host = VmHost(VmHostConfig())
+        self.daemon: subprocess.Popen[bytes] | None = None
+        self.timings: dict[str, float] = {}
+        self.env = {**os.environ, "VRNIC_STATE_DIR": str(self.state), "VRNIC_OPERATOR_TOKEN": self.token,
+                    "VRNIC_LISTEN_PORT": str(port), "VRNIC_SRIOV_DRIVER": "", "VRNIC_API_URL": self.url,
+                    "VRNIC_API_TOKEN": self.token, "PYTHONPATH": str(PROJECT),
+                    "VRNIC_PARAVIRTUAL_DRIVER_OPTIONS": json.dumps({"socket_path": str(workdir / "vrnicd.sock")})}
+
+    # ----- setup -------------------------------------------------------------------------------
+    def start(self) -> VmLab:
+        try:
+            self.state.mkdir(parents=True, exist_ok=True)
+            t0 = time.monotonic()
+            self.host.start()
+            self.timings["libvirtd_s"] = time.monotonic() - t0
+            self.say(f"libvirtd up ({self.timings['libvirtd_s']:.1f} s), domain types: "
+                     f"{', '.join(sorted(self.host.domain_types))}")
+            self.vrnic("db", "upgrade")
+            log = (self.workdir / "daemon.log").open("ab")
+            self.daemon = subprocess.Popen([sys.executable, "-m", "vrnic.cli.main", "daemon"], env=self.env,
+                                           stdout=log, stderr=subprocess.STDOUT)
+            self._wait_api()
+            self.say(f"vrnic daemon serving {self.url} (log {self.workdir / 'daemon.log'})")
+            out = self.vrnic("hook", "install", "--api-url", self.url, "--memory-backing-dir",
+                             str(self.host.config.memory_backing_dir), "--log", str(self.hook_log),
+                             "--token-file", str(self.state / "operator-token"))
+            self.say(out.strip())
+            self.timings["libvirtd_restart_s"] = self.host.restart_libvirtd()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_api(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.daemon is not None
+            if self.daemon.poll() is not None:
+                raise LabError(f"vrnic daemon exited ({self.daemon.returncode}); "
+                               f"{(self.workdir / 'daemon.log').read_text()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/api/v1/health", timeout=2).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise LabError("vrnic daemon did not answer within 60 s")
+            time.sleep(0.2)
+
+    # ----- tools -------------------------------------------------------------------------------
+    def vrnic(self, *args: str, check: bool = True, token: str | None = None) -> str:
+        """Run the vrnic CLI as an operator (or with a tenant's token); its stdout, or LabError."""
+        env = self.env if token is None else {**self.env, "VRNIC_API_TOKEN": token}
+        result = subprocess.run([sys.executable, "-m", "vrnic.cli.main", *args], env=env, capture_output=True,
+                                text=True, check=False, timeout=120)
+        if check and result.returncode != 0:
+            raise LabError(f"vrnic {' '.join(args)} failed ({result.returncode}): "
+                           f"{(result.stderr or result.stdout).strip()}")
+        return result.stdout if check else result.stdout + result.stderr
+
+    def virsh(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["virsh", "-c", URI, *args], capture_output=True, text=True, check=False, timeout=120)
+
+    def api(self, token: str | None = None) -> httpx.Client:
+        return httpx.Client(base_url=f"{self.url}/api/v1", timeout=60,
+                            headers={"Authorization": f"Bearer {token or self.token}"})
+
+    def tenant(self, name: str) -> str:
+        """A tenant's API token."""
+        with self.api() as operator:
+            response = operator.post("/tenants", json={"name": name})
+            response.raise_for_status()
+            return str(response.json()["token"])
+
+    def allocate(self, tenant_token: str, device: str | None = None) -> dict[str, Any]:
+        with self.api(tenant_token) as tenant:
+            response = tenant.post("/vrnics", json={"device": device} if device else {})
+            if response.status_code != 201:
+                raise LabError(f"allocate failed: {response.status_code} {response.text}")
+            vrnic: dict[str, Any] = response.json()
+            return vrnic
+
+    def define_vm(self, name: str, memory_mib: int = 384) -> Path:
+        """A domain with no vRNIC yet (`vrnic vm attach` adds one); its files live in workdir/<name>."""
+        import libvirt
+
+        files = self.workdir / name
+        files.mkdir(parents=True, exist_ok=True)
+        domain_type = DomainType.KVM if "kvm" in self.host.domain_types else DomainType.QEMU
+        if domain_type is DomainType.QEMU:
+            self.say("no /dev/kvm here: the VM runs under TCG (much slower)")
+        spec = peer_domain(name, files, PROJECT, None, domain_type, memory_mib)
+        conn = libvirt.open(URI)
+        try:
+            conn.defineXML(spec.to_xml())
+        finally:
+            conn.close()
+        return files
+
+    def control(self, files: Path) -> ControlPort:
+        return ControlPort(files / "ctl.sock")
+
+    def hook_events(self, domain: str) -> list[dict[str, Any]]:
+        if not self.hook_log.exists():
+            return []
+        events = [json.loads(line) for line in self.hook_log.read_text().splitlines() if line.strip()]
+        return [e for e in events if e.get("domain") == domain]
+
+    # ----- teardown ----------------------------------------------------------------------------
+    def stop(self) -> list[str]:
+        problems = self.host.stop()
+        if self.daemon is not None and self.daemon.poll() is None:
+            self.daemon.terminate()
+            try:
+                self.daemon.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                problems.append("vrnic daemon ignored SIGTERM; killed")
+                self.daemon.kill()
+                self.daemon.wait()
+        self.daemon = None
+        return problems
+
+    def __enter__(self) -> VmLab:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
