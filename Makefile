@@ -3,7 +3,7 @@ VENV ?= /opt/vrnic/venv
 BIN := $(VENV)/bin
 KERNEL_TIMEOUT ?= 2400
 
-.PHONY: setup test test-host test-kernel test-two-hosts test-sriov-nic lint demo bench
+.PHONY: setup test test-host test-kernel test-two-hosts test-sriov-nic lint demo demo-vm bench
 
 setup:
 	@./scripts/setup.sh
@@ -32,6 +32,10 @@ test-sriov-nic:
 
 demo: setup
 	$(BIN)/vrnic lab run -- python -m vrnic.demo
+
+# A vRNIC in a real VM: nested KVM under libvirtd inside the lab, `vrnic vm attach`, the hook, RDMA both ways.
+demo-vm: setup
+	$(BIN)/vrnic lab run --timeout 900 -- python -m vrnic.lab.vm_demo
 
 bench: setup
 	$(BIN)/python -m bench.run
