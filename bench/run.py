@@ -20,10 +20,11 @@ GUEST_PART = RESULTS / "guest.json"
 
 
 def guest_suites() -> list[Record]:
-    from bench import control_plane, native_verbs, paravirt
+    from bench import control_plane, native_verbs, paravirt, vm
 
     native = native_verbs.run()
-    return native + paravirt.run(native) + control_plane.run_guest()
+    mediated = paravirt.run(native)
+    return native + mediated + vm.run(native, mediated) + control_plane.run_guest()
 
 
 def host_suites() -> list[Record]:
