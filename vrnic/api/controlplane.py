@@ -16,6 +16,7 @@ from vrnic.api.inventory import Inventory
 from vrnic.api.sriov import Sriov, database_vf_store
 from vrnic.api.tenants import Tenants
 from vrnic.api.transactions import Transactions
+from vrnic.api.vms import Vms
 from vrnic.api.vrnics import Vrnics
 from vrnic.backend.service import BackendService
 from vrnic.db.unit_of_work import Database
@@ -34,6 +35,7 @@ class ControlPlane:
         self.tenants = Tenants(db, operator_token)
         self.vrnics = Vrnics(self.tx, backend, self.inventory)
         self.sriov = Sriov(self.tx, backend)
+        self.vms = Vms(self.tx, backend, self.inventory)
 
     async def write(self, operation: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a state-changing operation off the event loop (on SQLite: queued for the one writer thread)."""

@@ -42,7 +42,7 @@ def vrnic_out(row: Vrnic, *, tenant: str, host: str, state: VrnicState | None = 
         qos=QosPolicy.model_validate(row.qos),
         attach=AttachInfo(vrnic_id=row.public_id, mode=mode, device=row.device_name, virtual_gid=row.virtual_gid,
                           socket_path=row.socket_path, extra=row.attach_extra),
-        created_at=row.created_at, updated_at=row.updated_at, released_at=row.released_at)
+        vm_domain=row.vm_domain, created_at=row.created_at, updated_at=row.updated_at, released_at=row.released_at)
 
 
 def device_out(device: Device, *, host: str, live_vrnics: int) -> DeviceOut:

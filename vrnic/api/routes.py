@@ -28,10 +28,15 @@ from vrnic.api.schemas import (
     TenantUpdate,
     TokenIssued,
     TokenOut,
+    VmAdmission,
+    VmAdmitted,
+    VmAttach,
+    VmUnbound,
     VrnicCreate,
     VrnicOut,
 )
 from vrnic.core.lifecycle import VrnicState
+from vrnic.core.specs import VmBinding
 
 bearer = HTTPBearer(auto_error=False, description="the operator token, or a tenant's token")
 
@@ -60,6 +65,8 @@ TenantPath = Annotated[str, Path(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
 VrnicPath = Annotated[str, Path(pattern=r"^vr-[0-9a-f]{32}$", examples=["vr-0123456789abcdef0123456789abcdef"])]
 BigId = Annotated[int, Path(ge=1, lt=1 << 63)]
 Printable = r"^[\x20-\x7e]*$"
+DomainPath = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$", description="libvirt domain name",
+                                examples=["vm1"])]
 PfPath = Annotated[str, Path(pattern=r"^[A-Za-z0-9_.:@-]{1,15}$", description="the PF's netdev name",
                              examples=["eth0"])]
 
@@ -167,6 +174,44 @@ async def release_vrnic(vrnic_id: VrnicPath, cp: CP, who: Caller,
                         ) -> VrnicOut:
     """Release: tear down the backend state; the record stays, in state released."""
     return await cp.write(cp.vrnics.release, who, vrnic_id, force=force)
+
+
+@router.put("/vrnics/{vrnic_id}/vm", tags=["vrnics", "vms"])
+async def attach_vrnic_to_vm(vrnic_id: VrnicPath, body: VmAttach, cp: CP, who: Caller) -> VrnicOut:
+    """Record that the vRNIC belongs to a libvirt domain (`vrnic vm attach` then edits the domain's XML).
+    Refused for a released vRNIC, one attached to another domain, or one a container guest holds."""
+    return await cp.write(cp.vms.attach, who, vrnic_id, body.domain)
+
+
+@router.delete("/vrnics/{vrnic_id}/vm", tags=["vrnics", "vms"])
+async def detach_vrnic_from_vm(vrnic_id: VrnicPath, cp: CP, who: Caller) -> VrnicOut:
+    """The vRNIC belongs to no domain any more; a running VM it was bound to loses its service now."""
+    return await cp.write(cp.vms.detach, who, vrnic_id)
+
+
+@router.get("/vms", tags=["vms"])
+def list_vm_bindings(cp: CP, who: Caller) -> dict[str, list[VmBinding]]:
+    """Operator: the running VMs vrnicd serves (observed)."""
+    return {"items": cp.vms.bindings(who)}
+
+
+@router.post("/vms/{domain}/admission", tags=["vms"])
+def admit_vm(domain: DomainPath, body: VmAdmission, cp: CP, who: Caller) -> VmAdmitted:
+    """Operator (the libvirt hook at prepare): may this domain start with these vRNICs?"""
+    return cp.vms.admission(who, domain, body.vrnic_ids)
+
+
+@router.put("/vms/{domain}/binding", tags=["vms"])
+async def bind_vm(domain: DomainPath, body: VmBinding, cp: CP, who: Caller) -> VmBinding:
+    """Operator (the libvirt hook at started and reconnect): vrnicd maps the VM's RAM and connects its
+    channels, all or nothing; binding the same again is a no-op."""
+    return await cp.write(cp.vms.bind, who, domain, body)
+
+
+@router.delete("/vms/{domain}/binding", tags=["vms"])
+async def unbind_vm(domain: DomainPath, cp: CP, who: Caller) -> VmUnbound:
+    """Operator (the libvirt hook at stopped and release): release every kernel object of the VM's vRNICs."""
+    return await cp.write(cp.vms.unbind, who, domain)
 
 
 # -- devices, hosts (operator only), events -------------------------------------------------------

@@ -99,9 +99,35 @@ class VrnicOut(BaseModel):
     quota: Quota
     qos: QosPolicy
     attach: AttachInfo = Field(description="what a guest frontend needs; token only in the allocation response")
+    vm_domain: str | None = Field(None, description="the libvirt domain it is attached to (`vrnic vm attach`)")
     created_at: datetime
     updated_at: datetime
     released_at: datetime | None = None
+
+
+DomainName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$", examples=["vm1"])]
+
+
+class VmAttach(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    domain: DomainName
+
+
+class VmAdmission(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    vrnic_ids: list[str] = Field(min_length=1, max_length=16)
+
+
+class VmAdmitted(BaseModel):
+    domain: str
+    vrnic_ids: list[str]
+
+
+class VmUnbound(BaseModel):
+    domain: str
+    unbound: list[str]
 
 
 class DeviceOut(BaseModel):

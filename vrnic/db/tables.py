@@ -145,6 +145,7 @@ class Vrnic(Base):
     virtual_gid: Mapped[str] = mapped_column(String(45), unique=True)
     socket_path: Mapped[str | None] = mapped_column(String(255))
     attach_extra: Mapped[dict[str, Any]] = mapped_column(default=dict)  # AttachInfo.extra; the token is never kept
+    vm_domain: Mapped[str | None] = mapped_column(String(64))  # the libvirt domain it is attached to (`vm attach`)
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     request_hash: Mapped[str | None] = mapped_column(String(64))  # the request the idempotency key first carried
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

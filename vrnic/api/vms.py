@@ -1,0 +1,123 @@
+"""vRNICs of VMs: which libvirt domain a vRNIC is attached to, and the libvirt hook's admission and binding.
+
+`vrnic vm attach` records the domain here (after the tenant checks) and edits the
+domain's XML itself. The hook (operator token) asks for admission at `prepare`,
+binds the running domain at `started`/`reconnect` (vrnicd maps its RAM and
+connects its channels) and unbinds it at `stopped`/`release`. What vrnicd serves
+is observed from the backend; the database keeps which domain a vRNIC belongs to.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.orm import Session
+
+from vrnic.api.auth import Principal
+from vrnic.api.converters import vrnic_out
+from vrnic.api.inventory import Inventory
+from vrnic.api.schemas import VmAdmitted, VmUnbound, VrnicOut
+from vrnic.api.transactions import Transactions
+from vrnic.api.vrnics import find_vrnic
+from vrnic.backend.service import BackendService
+from vrnic.core.lifecycle import VrnicState
+from vrnic.core.specs import VmBinding, VrnicMode
+from vrnic.db.tables import Vrnic
+from vrnic.errors import Conflict, InvalidArgument, NotFound
+
+
+class Vms:
+    def __init__(self, tx: Transactions, backend: BackendService, inventory: Inventory) -> None:
+        self.tx = tx
+        self.backend = backend
+        self.inventory = inventory
+
+    # -- vrnic vm attach / detach ------------------------------------------------------------------
+    def attach(self, principal: Principal, vrnic_id: str, domain: str) -> VrnicOut:
+        with self.tx.write(principal.actor) as uow:
+            row, tenant = find_vrnic(uow.session, principal, vrnic_id, for_update=True)
+            if row.state == VrnicState.RELEASED.value:
+                raise Conflict(f"vRNIC {vrnic_id} was released", current_state="released")
+            if row.vm_domain not in (None, domain):
+                raise Conflict(f"vRNIC {vrnic_id} is attached to VM {row.vm_domain}; detach it there first",
+                               current_state="attached")
+            if row.vm_domain is None and vrnic_id in self._container_attached():
+                raise Conflict(f"vRNIC {vrnic_id} has a container guest attached", current_state="attached")
+            if row.vm_domain != domain:
+                row.vm_domain = domain
+                uow.record("vrnic.vm_attach", f"vrnic/{vrnic_id}", row.tenant_id, {"domain": domain})
+            return self._out(uow.session, row, tenant)
+
+    def detach(self, principal: Principal, vrnic_id: str) -> VrnicOut:
+        with self.tx.write(principal.actor) as uow:
+            row, tenant = find_vrnic(uow.session, principal, vrnic_id, for_update=True)
+            domain = row.vm_domain
+            if domain is not None:
+                bound = self.backend.vm_bindings().get(domain)
+                if bound is not None and any(v.vrnic_id == vrnic_id for v in bound.vrnics):
+                    self.backend.unbind_vm(domain)  # the running VM loses the vRNIC's service now
+                row.vm_domain = None
+                uow.record("vrnic.vm_detach", f"vrnic/{vrnic_id}", row.tenant_id, {"domain": domain})
+            return self._out(uow.session, row, tenant)
+
+    # -- the libvirt hook (operator) ---------------------------------------------------------------
+    def admission(self, principal: Principal, domain: str, vrnic_ids: list[str]) -> VmAdmitted:
+        principal.require_operator()
+        with self.tx.read() as uow:
+            self._admit(uow.session, principal, domain, vrnic_ids)
+        return VmAdmitted(domain=domain, vrnic_ids=vrnic_ids)
+
+    def bind(self, principal: Principal, domain: str, binding: VmBinding) -> VmBinding:
+        principal.require_operator()
+        if binding.domain != domain:
+            raise InvalidArgument(f"the binding names domain {binding.domain}, the path {domain}")
+        with self.tx.write(principal.actor) as uow:
+            rows = self._admit(uow.session, principal, domain, [v.vrnic_id for v in binding.vrnics], for_update=True)
+            for row in rows:
+                if row.vm_domain is None:
+                    row.vm_domain = domain
+            self.backend.bind_vm(binding)  # in the transaction: if vrnicd cannot bind, nothing is recorded
+            uow.record("vm.bind", f"vm/{domain}", None, {"vrnics": [v.vrnic_id for v in binding.vrnics],
+                                                         "ram_path": binding.ram_path})
+        return binding
+
+    def unbind(self, principal: Principal, domain: str) -> VmUnbound:
+        principal.require_operator()
+        unbound = self.backend.unbind_vm(domain)
+        if unbound:
+            with self.tx.write(principal.actor) as uow:
+                uow.record("vm.unbind", f"vm/{domain}", None, {"vrnics": unbound})
+        return VmUnbound(domain=domain, unbound=unbound)
+
+    def bindings(self, principal: Principal) -> list[VmBinding]:
+        principal.require_operator()
+        return [b for _, b in sorted(self.backend.vm_bindings().items())]
+
+    # -- rules -------------------------------------------------------------------------------------
+    def _admit(self, s: Session, principal: Principal, domain: str, vrnic_ids: list[str], *,
+               for_update: bool = False) -> list[Vrnic]:
+        """Every vRNIC exists, is live and paravirtual, and belongs to this domain or to none."""
+        if len(set(vrnic_ids)) != len(vrnic_ids):
+            raise InvalidArgument(f"a vRNIC is named twice for {domain}")
+        rows = []
+        for vrnic_id in vrnic_ids:
+            try:
+                row, _ = find_vrnic(s, principal, vrnic_id, for_update=for_update)
+            except NotFound:
+                raise NotFound(f"vRNIC {vrnic_id} does not exist; refusing to start {domain}") from None
+            if row.state == VrnicState.RELEASED.value:
+                raise Conflict(f"vRNIC {vrnic_id} was released; refusing to start {domain}", current_state="released")
+            if row.mode != VrnicMode.PARAVIRTUAL.value:
+                raise InvalidArgument(f"vRNIC {vrnic_id} is {row.mode}: its VF goes to {domain} as a hostdev "
+                                      "interface, not through vrnicd")
+            if row.vm_domain not in (None, domain):
+                raise Conflict(f"vRNIC {vrnic_id} is attached to VM {row.vm_domain}; refusing to start {domain}",
+                               current_state="attached")
+            rows.append(row)
+        return rows
+
+    def _container_attached(self) -> set[str]:
+        in_vms = {v.vrnic_id for b in self.backend.vm_bindings().values() for v in b.vrnics}
+        return self.backend.attached_vrnics() - in_vms
+
+    def _out(self, s: Session, row: Vrnic, tenant: str) -> VrnicOut:
+        return vrnic_out(row, tenant=tenant, host=self.inventory.host_name_of(s, row.host_id))
+
