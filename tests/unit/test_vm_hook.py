@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
+from vrnic.cli.client import ApiError
 from vrnic.errors import InvalidArgument
 from vrnic.vm.domain_xml import DirectKernelBoot, VirtioSerialChannel, VmDomain, VrnicAttachment
 from vrnic.vm.hook import (
     HookOp,
     UnknownHookOp,
-    decide,
+    binding_for,
+    check_xml,
     hook_wrapper_script,
     main,
     parse_hook_call,
+    run_hook,
 )
 
 BOOT = DirectKernelBoot(kernel=Path("/boot/vmlinuz"))
@@ -70,7 +77,7 @@ def test_domain_without_vrnics() -> None:
     event = parse_hook_call(["plain", "start", "begin", "-"], xml)
     assert event.vrnics == () and not event.shared_file_memory and event.uuid is None and event.domain_id is None
     assert parse_hook_call(["plain", "stopped", "end", "-"], xml.replace("'kvm'", "'kvm' id='-1'")).domain_id is None
-    assert decide(event, known_vrnics=[]).allow
+    assert check_xml(event) is None
 
 
 @pytest.mark.parametrize("args, xml, message", [
@@ -91,43 +98,123 @@ def test_unknown_op_is_its_own_error() -> None:
         parse_hook_call(["vm1", "future-op", "begin", "-"], LIBVIRT_XML)
 
 
-def test_decide() -> None:
+class FakeApi:
+    """The REST API as the hook sees it: records each request, answers from a script."""
+
+    def __init__(self, fail: dict[str, Exception] | None = None) -> None:
+        self.requests: list[tuple[str, str, Any]] = []
+        self.fail = fail or {}
+
+    def request(self, method: str, path: str, *, json_body: Any = None) -> Any:
+        self.requests.append((method, path, json_body))
+        if method in self.fail:
+            raise self.fail[method]
+        return {"unbound": ["v-1"]} if method == "DELETE" else {}
+
+
+def test_check_xml() -> None:
     prepare = parse_hook_call(["vm1", "prepare", "begin", "-"], LIBVIRT_XML)
-    assert decide(prepare, {"v-1"}).allow
-    refused = decide(prepare, {"v-2"})
-    assert not refused.allow and "unknown vRNIC(s) v-1" in refused.message
-    # only the gating ops refuse; a stopped/release must always pass
-    stopped = parse_hook_call(["vm1", "stopped", "end", "-"], LIBVIRT_XML)
-    assert decide(stopped, set()).allow
+    assert check_xml(prepare) is None
     args = ["vm1", "prepare", "begin", "-"]
     private = parse_hook_call(args, LIBVIRT_XML.replace("mode='shared'", "mode='private'"))
-    assert "not a shared file" in decide(private, {"v-1"}).message
+    assert "not a shared file" in (check_xml(private) or "")
     no_channel = parse_hook_call(args, LIBVIRT_XML.replace("name='org.vrnic.0'", "name='x'"))
-    assert "lacks virtio-serial channel(s) org.vrnic.0" in decide(no_channel, {"v-1"}).message
+    assert "lacks virtio-serial channel(s) org.vrnic.0" in (check_xml(no_channel) or "")
+
+
+def test_binding_for_a_running_domain() -> None:
+    started = parse_hook_call(["vm1", "started", "begin", "-"], LIBVIRT_XML.replace("<memory", "<os><type "
+                              "arch='x86_64' machine='pc-q35-7.2'>hvm</type></os><memory"))
+    binding = binding_for(started, Path("/ram"))
+    assert binding.model_dump() == {
+        "domain": "vm1", "uuid": "757fef6f-c10c-4ed2-b625-46ea44233d94", "machine": "pc-q35-7.2",
+        "ram_path": "/ram/libvirt/qemu/3-vm1/pc.ram",
+        "vrnics": [{"vrnic_id": "v-1", "channel_socket": "/run/vm1.sock"}]}
+    with pytest.raises(InvalidArgument, match="not running"):
+        binding_for(parse_hook_call(["vm1", "started", "begin", "-"], LIBVIRT_XML.replace("id='3'", "id='-1'")),
+                    Path("/ram"))
+
+
+def _run(op: str, api: FakeApi, xml: str = LIBVIRT_XML, tmp: Path | None = None) -> tuple[str, str | None]:
+    text = xml.replace("/run/vm1.sock", str(tmp / "ch" / "vm1.sock")) if tmp else xml
+    return run_hook(parse_hook_call(["vm1", op, "-", "-"], text), api, Path("/ram"))  # type: ignore[arg-type]
+
+
+def test_every_op(tmp_path: Path) -> None:
+    api = FakeApi()
+    assert _run("prepare", api, tmp=tmp_path) == ("allowed", None)
+    assert (tmp_path / "ch").is_dir()  # QEMU binds the channel there: the hook made the directory
+    assert api.requests[-1] == ("POST", "/vms/vm1/admission", {"vrnic_ids": ["v-1"]})
+    assert _run("start", api) == ("passed", None)
+    assert _run("started", api) == ("bound", None)
+    method, path, body = api.requests[-1]
+    assert (method, path, body["ram_path"], body["vrnics"]) == (
+        "PUT", "/vms/vm1/binding", "/ram/libvirt/qemu/3-vm1/pc.ram", [{"vrnic_id": "v-1", "channel_socket":
+                                                                       "/run/vm1.sock"}])
+    assert _run("reconnect", api)[0] == "bound"
+    assert _run("stopped", api) == ("unbound", None)
+    assert _run("release", api) == ("unbound", None)
+    assert api.requests[-1] == ("DELETE", "/vms/vm1/binding", None)
+    outcome, message = _run("migrate", api)
+    assert outcome == "refused" and "migration" in (message or "")
+    assert _run("restore", api) == ("passed", None)
+    # a domain without vRNICs: nothing asked, except the unbind at the end (harmless, never refused)
+    plain = FakeApi()
+    bare = LIBVIRT_XML.replace('<ns0:vrnic id="v-1" channel="org.vrnic.0"/>', "")
+    assert [_run(op, plain, bare)[0] for op in ("prepare", "started", "migrate")] == ["passed"] * 3
+    assert plain.requests == []
+
+
+def test_failures_refuse_the_gating_ops_and_never_the_end_ops() -> None:
+    refused = ApiError(404, {"code": "not_found", "detail": "vRNIC v-1 does not exist; refusing to start vm1"})
+    api = FakeApi({"POST": refused, "PUT": refused})
+    assert _run("prepare", api) == ("refused", "vrnic: vRNIC v-1 does not exist; refusing to start vm1")
+    assert _run("started", api)[0] == "refused"
+    down = FakeApi({"POST": httpx.ConnectError("connection refused"), "DELETE": httpx.ConnectError("refused")})
+    outcome, message = _run("prepare", down)
+    assert outcome == "refused" and "not reachable" in (message or "")
+    assert _run("stopped", down)[0] == "error"  # logged; libvirt goes on stopping the domain
 
 
 def test_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    known = tmp_path / "known.json"
     log = tmp_path / "events.jsonl"
-    known.write_text(json.dumps(["v-1"]))
-    ram = tmp_path / "libvirt" / "qemu" / "3-vm1" / "pc.ram"
-    ram.parent.mkdir(parents=True)
-    ram.write_bytes(b"")
-    opts = ["--known", str(known), "--log", str(log), "--memory-backing-dir", str(tmp_path), "--"]
-    assert main([*opts, "vm1", "prepare", "begin", "-"], LIBVIRT_XML) == 0
-    known.write_text("[]")
-    assert main([*opts, "vm1", "prepare", "begin", "-"], LIBVIRT_XML) == 1
-    assert "unknown vRNIC(s) v-1" in capsys.readouterr().err
-    assert main([*opts, "vm1", "future-op", "-", "-"], LIBVIRT_XML) == 0
+    opts = ["--log", str(log), "--memory-backing-dir", str(tmp_path), "--"]
+    assert main([*opts, "vm1", "started", "begin", "-"], LIBVIRT_XML, api=FakeApi()) == 0
+    refusal = ApiError(409, {"code": "conflict", "detail": "vRNIC v-1 was released; refusing to start vm1"})
+    assert main([*opts, "vm1", "started", "begin", "-"], LIBVIRT_XML, api=FakeApi({"PUT": refusal})) == 1
+    assert "vRNIC v-1 was released; refusing to start vm1" in capsys.readouterr().err
+    assert main([*opts, "vm1", "future-op", "-", "-"], LIBVIRT_XML, api=FakeApi()) == 0
     assert main(["--bogus"], "") == 2
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [r["op"] for r in records] == ["prepare", "prepare"]
-    assert records[0]["ram_file"] == str(ram) and records[0]["ram_file_exists"]
+    assert [(r["op"], r["outcome"], r["domain"]) for r in records] == [("started", "bound", "vm1"),
+                                                                        ("started", "refused", "vm1")]
+    assert records[1]["error"].startswith("vrnic: vRNIC v-1 was released") and records[0]["duration_ms"] >= 0
 
 
-def test_wrapper_script() -> None:
-    text = hook_wrapper_script(Path("/opt/v/bin/python"), Path("/work/wt"), Path("/run/k.json"), Path("/run/l"),
-                               Path("/ram"))
+def test_wrapper_script_and_chaining(tmp_path: Path) -> None:
+    text = hook_wrapper_script(Path("/opt/v/bin/python"), Path("/work/wt"), "http://127.0.0.1:8470",
+                               Path("/var/lib/vrnic/operator-token"), Path("/ram"), Path("/run/l"))
     assert text.startswith("#!/bin/sh\n")
-    assert text.endswith('exec env PYTHONPATH=/work/wt /opt/v/bin/python -m vrnic.vm.hook --known /run/k.json'
-                         ' --log /run/l --memory-backing-dir /ram -- "$@"\n')
+    assert text.endswith("exec env VRNIC_API_URL=http://127.0.0.1:8470 VRNIC_API_TOKEN_FILE=/var/lib/vrnic/"
+                         "operator-token PYTHONPATH=/work/wt /opt/v/bin/python -m vrnic.vm.hook "
+                         '--memory-backing-dir /ram --log /run/l -- "$@"\n')
+    # chained: the earlier hook sees the same arguments and stdin, and its failure is final
+    seen = tmp_path / "seen"
+    earlier = tmp_path / "qemu.vrnic-chained"
+    earlier.write_text(f'#!/bin/sh\necho "$@" > {seen}; cat >> {seen}; exit ${{EARLIER_RC:-0}}\n')
+    earlier.chmod(0o755)
+    fake_python = tmp_path / "python"
+    fake_python.write_text(f'#!/bin/sh\necho "ours: $@" >> {seen}; cat >> {seen}\n')
+    fake_python.chmod(0o755)
+    script = tmp_path / "qemu"
+    script.write_text(hook_wrapper_script(fake_python, None, "http://x", None, Path("/ram"), None, earlier))
+    script.chmod(0o755)
+    ok = subprocess.run([str(script), "vm1", "prepare", "begin", "-"], input="<domain/>", text=True,
+                        capture_output=True)
+    assert ok.returncode == 0, ok.stderr
+    assert seen.read_text() == ("vm1 prepare begin -\n<domain/>"
+                                "ours: -m vrnic.vm.hook --memory-backing-dir /ram -- vm1 prepare begin -\n<domain/>")
+    failed = subprocess.run([str(script), "vm1", "prepare", "begin", "-"], input="<domain/>", text=True,
+                            capture_output=True, env={**os.environ, "EARLIER_RC": "3"})
+    assert failed.returncode == 3
+    assert "ours" not in seen.read_text()

@@ -42,6 +42,15 @@ class ApiError(Exception):
         super().__init__(f"{status} {problem.get('code', 'error')}: {detail}{state}")
 
 
+def _raise_for_problem(response: httpx.Response) -> None:
+    if response.status_code >= 400:
+        try:
+            problem = response.json()
+        except ValueError:
+            problem = {"detail": response.text[:200] or response.reason_phrase}
+        raise ApiError(response.status_code, problem if isinstance(problem, dict) else {"detail": str(problem)})
+
+
 class ApiClient:
     def __init__(self, settings: ClientSettings | None = None, transport: httpx.BaseTransport | None = None) -> None:
         self.settings = settings or ClientSettings()
@@ -60,13 +69,15 @@ class ApiClient:
                 headers: dict[str, str] | None = None) -> Any:
         query = {k: v for k, v in (params or {}).items() if v is not None}
         response = self._http.request(method, path, json=json_body, params=query, headers=headers)
-        if response.status_code >= 400:
-            try:
-                problem = response.json()
-            except ValueError:
-                problem = {"detail": response.text[:200] or response.reason_phrase}
-            raise ApiError(response.status_code, problem if isinstance(problem, dict) else {"detail": str(problem)})
+        _raise_for_problem(response)
         return None if response.status_code == 204 or not response.content else response.json()
+
+    def request_text(self, method: str, path: str, *, params: dict[str, Any] | None = None) -> str:
+        """A request whose answer is not JSON (e.g. libvirt XML)."""
+        query = {k: v for k, v in (params or {}).items() if v is not None}
+        response = self._http.request(method, path, params=query)
+        _raise_for_problem(response)
+        return response.text
 
     def pages(self, path: str, params: dict[str, Any], limit: int, follow: bool) -> Iterator[dict[str, Any]]:
         """Items of a paginated list: one page of `limit`, or every page when follow."""

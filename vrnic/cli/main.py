@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from vrnic.cli import db, devices, events, hosts, lab, sriov, tenants, vrnics
+from vrnic.cli import db, devices, events, hosts, lab, sriov, tenants, vm, vrnics
 from vrnic.cli.daemon import daemon
 
 app = typer.Typer(help="vrnic: virtual RDMA NICs for VMs and containers.", no_args_is_help=True)
@@ -16,6 +16,8 @@ app.add_typer(hosts.app, name="hosts")
 app.add_typer(events.app, name="events")
 app.add_typer(sriov.app, name="sriov")
 app.add_typer(db.app, name="db")
+app.add_typer(vm.app, name="vm")
+app.add_typer(vm.hook_app, name="hook")
 app.command("daemon")(daemon)
 
 if __name__ == "__main__":

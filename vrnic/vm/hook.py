@@ -1,32 +1,47 @@
 """The libvirt qemu hook: `/etc/libvirt/hooks/qemu NAME OP SUBOP EXTRA`, the domain XML on stdin.
 
-libvirtd runs the hook synchronously for prepare/start/started (begin), stopped/release (end),
-migrate, restore, reconnect and attach; a non-zero exit of prepare/start refuses the start and
-libvirt shows the hook's stderr to the caller. The hook must not call back into libvirtd (it would
-deadlock), and it must exist when libvirtd starts. So everything it needs is in its arguments and
-the XML: the vRNICs come from our `<metadata>` element (vrnic.vm.domain_xml), read by namespace.
+libvirtd runs the hook synchronously: prepare/start/started (begin), stopped/release (end),
+migrate, restore, reconnect and attach. A non-zero exit at prepare (or started, or migrate) stops the
+domain, and libvirt shows the hook's stderr to the caller (`virsh start`). The hook must not call back
+into libvirtd (it would deadlock) and must exist when libvirtd starts. Everything it needs is in its
+arguments and the XML: the vRNICs come from our `<metadata>` element (vrnic.vm.domain_xml), read by
+namespace. It asks vrnicd through the REST API (operator token), quickly:
 
-Pure: `parse_hook_call(args, xml) -> HookEvent`, `decide(event, known) -> HookDecision`,
-`hook_wrapper_script(...)`. Edge: `main()` (reads stdin, a JSON file of known vRNIC ids, appends
-each event to a JSON-lines log, exits 1 with a message on refusal).
+- prepare: the XML has what a vRNIC needs (shared file memory, a channel per vRNIC), the channels'
+  socket directories exist, and the API admits the vRNICs (they exist, are live, and belong to this
+  domain or to none);
+- started, reconnect: vrnicd binds the VM (maps its RAM, connects its channels), all or nothing;
+- stopped, release: vrnicd unbinds it (every kernel object released); never refuses;
+- migrate: refused for a domain with vRNICs (live migration is not supported yet).
+
+Pure: `parse_hook_call(args, xml) -> HookEvent`, `check_xml`, `binding_for`, `hook_wrapper_script`.
+Edge: `run_hook` (the REST calls) and `main()`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 import sys
+import time
 import xml.etree.ElementTree as ET
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import quote
 
+import httpx
+
+from vrnic.core.specs import VmBinding, VmVrnic
 from vrnic.errors import InvalidArgument
 from vrnic.vm.domain_xml import VRNIC_NS, VrnicAttachment
 from vrnic.vm.guest_ram import libvirt_ram_file
 
 REFUSE_EXIT = 1
+DEFAULT_MEMORY_BACKING_DIR = Path("/var/lib/libvirt/qemu/ram")  # libvirt's default memory_backing_dir
 
 
 class HookOp(StrEnum):
@@ -39,10 +54,6 @@ class HookOp(StrEnum):
     RESTORE = "restore"
     RECONNECT = "reconnect"
     ATTACH = "attach"
-
-
-# Ops whose failure stops the domain from starting: where vrnicd's admission check belongs.
-GATING_OPS = frozenset({HookOp.PREPARE, HookOp.MIGRATE, HookOp.RESTORE})
 
 
 class UnknownHookOp(InvalidArgument):
@@ -60,18 +71,13 @@ class HookEvent:
     vrnics: tuple[VrnicAttachment, ...]
     channels: tuple[tuple[str, str], ...]  # (virtio-serial port name, host unix socket path)
     shared_file_memory: bool  # <memoryBacking><source type='file'/><access mode='shared'/>
+    machine: str = "q35"  # <os><type machine=...>: QEMU's RAM layout follows it
 
     def to_json(self) -> str:
         data = asdict(self)
         data["vrnics"] = [asdict(v) for v in self.vrnics]
         data["channels"] = [list(c) for c in self.channels]
         return json.dumps(data, sort_keys=True)
-
-
-@dataclass(frozen=True)
-class HookDecision:
-    allow: bool
-    message: str = ""
 
 
 def _vrnics(root: ET.Element) -> tuple[VrnicAttachment, ...]:
@@ -127,51 +133,129 @@ def parse_hook_call(args: Sequence[str], stdin_xml: str) -> HookEvent:
     except ValueError:
         raise InvalidArgument(f"bad domain id {raw_id!r}") from None
     domain_id = domain_id if domain_id is None or domain_id > 0 else None  # -1: not running
+    os_type = root.find("os/type")
+    machine = os_type.get("machine") if os_type is not None else None
     return HookEvent(domain=name, domain_id=domain_id, op=hook_op, sub_op=sub_op, extra=extra,
                      uuid=root.findtext("uuid"), vrnics=_vrnics(root), channels=_channels(root),
-                     shared_file_memory=_shared_file_memory(root))
+                     shared_file_memory=_shared_file_memory(root), machine=machine or "q35")
 
 
-def decide(event: HookEvent, known_vrnics: Collection[str]) -> HookDecision:
-    """Admission at the gating ops: every vRNIC must be known and have its channel; RAM must be a shared file."""
-    if event.op not in GATING_OPS or not event.vrnics:
-        return HookDecision(True)
-    unknown = [v.vrnic_id for v in event.vrnics if v.vrnic_id not in known_vrnics]
-    if unknown:
-        return HookDecision(False, f"vrnic: unknown vRNIC(s) {', '.join(unknown)}; refusing to start {event.domain}")
+def check_xml(event: HookEvent) -> str | None:
+    """What the domain's XML lacks for its vRNICs (None: nothing): shared file RAM, a channel per vRNIC."""
+    if not event.vrnics:
+        return None
     if not event.shared_file_memory:
-        return HookDecision(False, f"vrnic: {event.domain} has vRNICs but its RAM is not a shared file "
-                                   "(<memoryBacking><source type='file'/><access mode='shared'/>)")
+        return (f"vrnic: {event.domain} has vRNICs but its RAM is not a shared file "
+                "(<memoryBacking><source type='file'/><access mode='shared'/>)")
     ports = {name for name, _ in event.channels}
     missing = [v.channel for v in event.vrnics if v.channel not in ports]
     if missing:
-        return HookDecision(False, f"vrnic: {event.domain} lacks virtio-serial channel(s) {', '.join(missing)}")
-    return HookDecision(True)
+        return f"vrnic: {event.domain} lacks virtio-serial channel(s) {', '.join(missing)}"
+    return None
 
 
-def hook_wrapper_script(python: Path, pythonpath: Path | None, known_file: Path, log_file: Path | None,
-                        ram_dir: Path | None = None) -> str:
-    """The /etc/libvirt/hooks/qemu text: libvirtd gives hooks a minimal environment, so set ours."""
-    env = f"PYTHONPATH={shlex.quote(str(pythonpath))} " if pythonpath else ""
-    log = f" --log {shlex.quote(str(log_file))}" if log_file else ""
-    log += f" --memory-backing-dir {shlex.quote(str(ram_dir))}" if ram_dir else ""
-    return (f"#!/bin/sh\n# vrnic libvirt hook (generated by vrnic.vm.hook); must not call back into libvirtd\n"
-            f"exec env {env}{shlex.quote(str(python))} -m vrnic.vm.hook --known {shlex.quote(str(known_file))}"
-            f'{log} -- "$@"\n')
+def binding_for(event: HookEvent, memory_backing_dir: Path) -> VmBinding:
+    """What vrnicd needs to serve the running domain (its live id names the RAM file)."""
+    if event.domain_id is None:
+        raise InvalidArgument(f"{event.domain} is not running (no domain id): nothing to bind")
+    sockets = dict(event.channels)
+    return VmBinding(domain=event.domain, uuid=event.uuid, machine=event.machine,
+                     ram_path=str(libvirt_ram_file(memory_backing_dir, event.domain_id, event.domain)),
+                     vrnics=[VmVrnic(vrnic_id=v.vrnic_id, channel_socket=sockets[v.channel]) for v in event.vrnics])
 
 
-def main(argv: Sequence[str] | None = None, stdin: str | None = None) -> int:
+class HookApi(Protocol):
+    def request(self, method: str, path: str, *, json_body: Any = None) -> Any: ...
+
+
+def run_hook(event: HookEvent, api: HookApi, memory_backing_dir: Path) -> tuple[str, str | None]:
+    """Do the vRNIC's part of one hook call: (outcome, the refusal to print, if any).
+
+    outcome: passed (nothing to do), allowed, refused, bound, unbound, error (logged, not refused).
+    """
+    from vrnic.cli.client import ApiError  # httpx only: the hook never imports libvirt
+
+    domain = quote(event.domain, safe="")
+    if event.op in (HookOp.STOPPED, HookOp.RELEASE):
+        try:  # at stopped/release the XML has no vRNIC list we can trust to be complete: always ask
+            result = api.request("DELETE", f"/vms/{domain}/binding")
+        except (ApiError, httpx.HTTPError) as exc:
+            return "error", f"vrnic: could not unbind {event.domain}: {exc}"
+        return ("unbound" if result and result.get("unbound") else "passed"), None
+    if not event.vrnics:
+        return "passed", None
+    if event.op is HookOp.MIGRATE:
+        return "refused", (f"vrnic: live migration of a VM with a vRNIC is not supported yet; {event.domain} "
+                           f"has {', '.join(v.vrnic_id for v in event.vrnics)}")
+    try:
+        if event.op is HookOp.PREPARE:
+            problem = check_xml(event)
+            if problem:
+                return "refused", problem
+            for _, socket_path in event.channels:
+                Path(socket_path).parent.mkdir(parents=True, exist_ok=True)
+            api.request("POST", f"/vms/{domain}/admission",
+                        json_body={"vrnic_ids": [v.vrnic_id for v in event.vrnics]})
+            return "allowed", None
+        if event.op in (HookOp.STARTED, HookOp.RECONNECT):
+            binding = binding_for(event, memory_backing_dir)
+            api.request("PUT", f"/vms/{domain}/binding", json_body=binding.model_dump(mode="json"))
+            return "bound", None
+    except ApiError as exc:
+        detail = exc.problem.get("detail") or str(exc)
+        return "refused", f"vrnic: {detail}"
+    except httpx.HTTPError as exc:
+        return "refused", f"vrnic: vrnicd is not reachable ({exc}); refusing {event.op} of {event.domain}"
+    except (InvalidArgument, OSError) as exc:
+        return "refused", f"vrnic: {event.domain}: {exc}"
+    return "passed", None
+
+
+MARKER = "# vrnic libvirt hook (generated by `vrnic hook install`)"
+CHAINED_SUFFIX = ".vrnic-chained"
+
+
+def hook_wrapper_script(python: Path, pythonpath: Path | None, api_url: str, token_file: Path | None,
+                        memory_backing_dir: Path, log_file: Path | None, chained: Path | None = None) -> str:
+    """The /etc/libvirt/hooks/qemu text. libvirtd gives hooks only LC_ALL, PATH and HOME, so it sets ours.
+
+    chained: a hook that was there before; it runs first, with the same arguments and stdin, and its
+    failure is the hook's failure.
+    """
+    env = [f"VRNIC_API_URL={shlex.quote(api_url)}"]
+    if token_file is not None:
+        env.append(f"VRNIC_API_TOKEN_FILE={shlex.quote(str(token_file))}")
+    if pythonpath is not None:
+        env.append(f"PYTHONPATH={shlex.quote(str(pythonpath))}")
+    options = f"--memory-backing-dir {shlex.quote(str(memory_backing_dir))}"
+    if log_file is not None:
+        options += f" --log {shlex.quote(str(log_file))}"
+    lines = ["#!/bin/sh", MARKER, "# It must not call back into libvirtd. `vrnic hook uninstall` restores what was "
+             "here before."]
+    stdin = "-"
+    if chained is not None:
+        lines += ['xml=$(mktemp) || exit 1', 'trap \'rm -f "$xml"\' EXIT', 'cat > "$xml"',
+                  f'{shlex.quote(str(chained))} "$@" < "$xml" || exit $?']
+        stdin = '"$xml"'
+        lines.append(f'env {" ".join(env)} {shlex.quote(str(python))} -m vrnic.vm.hook {options} -- "$@" < {stdin}')
+    else:
+        lines.append(f'exec env {" ".join(env)} {shlex.quote(str(python))} -m vrnic.vm.hook {options} -- "$@"')
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None, stdin: str | None = None, api: HookApi | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    paths: dict[str, Path] = {}
+    options: dict[str, str] = {}
     while args and args[0] != "--":
         flag = args.pop(0)
-        if flag in ("--known", "--log", "--memory-backing-dir") and args:
-            paths[flag] = Path(args.pop(0))
+        if flag in ("--log", "--memory-backing-dir") and args:
+            options[flag] = args.pop(0)
         else:
             print(f"vrnic hook: bad option {flag!r}", file=sys.stderr)
             return 2
     args = args[1:] if args else []
     text = sys.stdin.read() if stdin is None else stdin
+    started = time.monotonic()
     try:
         event = parse_hook_call(args, text)
     except UnknownHookOp:
@@ -179,23 +263,21 @@ def main(argv: Sequence[str] | None = None, stdin: str | None = None) -> int:
     except InvalidArgument as exc:
         print(f"vrnic hook: {exc}", file=sys.stderr)
         return REFUSE_EXIT
-    known_file, log_file, ram_dir = (paths.get(f) for f in ("--known", "--log", "--memory-backing-dir"))
-    if log_file is not None:
-        record = json.loads(event.to_json())
-        if ram_dir is not None and event.domain_id is not None:
-            # what vrnicd would map at `started`, found without asking libvirtd
-            ram = libvirt_ram_file(ram_dir, event.domain_id, event.domain)
-            record |= {"ram_file": str(ram), "ram_file_exists": ram.exists()}
-        with log_file.open("a") as log:
+    ram_dir = Path(options.get("--memory-backing-dir", str(DEFAULT_MEMORY_BACKING_DIR)))
+    if api is None:
+        from vrnic.cli.client import ApiClient
+
+        api = ApiClient()
+    outcome, message = run_hook(event, api, ram_dir)
+    record = {"domain": event.domain, "op": str(event.op), "sub_op": event.sub_op, "domain_id": event.domain_id,
+              "vrnics": [v.vrnic_id for v in event.vrnics], "outcome": outcome,
+              "duration_ms": (time.monotonic() - started) * 1000, "error": message}
+    if "--log" in options:
+        with contextlib.suppress(OSError), open(options["--log"], "a") as log:
             log.write(json.dumps(record, sort_keys=True) + "\n")
-    known: list[str] = []
-    if known_file is not None and known_file.exists():
-        known = list(json.loads(known_file.read_text()))
-    decision = decide(event, known)
-    if not decision.allow:
-        print(decision.message, file=sys.stderr)
-        return REFUSE_EXIT
-    return 0
+    if message:
+        print(message, file=sys.stderr)  # libvirtd logs it with the domain name; virsh shows a refusal
+    return REFUSE_EXIT if outcome == "refused" else 0
 
 
 if __name__ == "__main__":
