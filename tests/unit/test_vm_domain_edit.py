@@ -15,6 +15,7 @@ from vrnic.vm.domain_edit import (
     detach_vrnic,
     domain_facts,
     hostdev_alias,
+    note_added_controllers,
     vrnics_in,
 )
 
@@ -102,3 +103,17 @@ def test_sriov_hostdev_round_trip() -> None:
     assert removed == ["vr-5"] and canon(restored) == canon(PLAIN)
     with pytest.raises(InvalidArgument, match="alias"):
         attach_hostdev(PLAIN, "vr-6", "<interface type='hostdev'/>")
+
+
+def test_controllers_libvirt_adds_for_the_channel_go_at_detach() -> None:
+    attached = attach_vrnic(PLAIN, "vr-1", SOCKET)
+    # what libvirtd's define adds for a virtio-serial channel
+    defined = attached.replace("<emulator>", "<controller type='virtio-serial' index='0'/>"
+                                             "<controller type='pci' index='1' model='pcie-root-port'/><emulator>")
+    assert note_added_controllers(attached, attached, "vr-1") is None
+    noted = note_added_controllers(attached, defined, "vr-1")
+    assert noted is not None and "pci:1 virtio-serial:0" in noted
+    restored, _ = detach_vrnic(noted)
+    assert canon(restored) == canon(PLAIN)
+    with pytest.raises(InvalidArgument):
+        note_added_controllers(PLAIN, defined, "vr-9")

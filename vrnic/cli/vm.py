@@ -15,7 +15,14 @@ import typer
 
 from vrnic.cli.client import ApiClient, ClientSettings, JsonFlag, api, fail, show
 from vrnic.errors import VrnicError
-from vrnic.vm.domain_edit import attach_hostdev, attach_vrnic, detach_vrnic, hostdev_alias, vrnics_in
+from vrnic.vm.domain_edit import (
+    attach_hostdev,
+    attach_vrnic,
+    detach_vrnic,
+    hostdev_alias,
+    note_added_controllers,
+    vrnics_in,
+)
 from vrnic.vm.domain_xml import DEFAULT_CHANNEL
 from vrnic.vm.hook import CHAINED_SUFFIX, DEFAULT_MEMORY_BACKING_DIR, MARKER, hook_wrapper_script
 from vrnic.vm.libvirt_edge import DEFAULT_URI, Domain, connect
@@ -68,6 +75,9 @@ def _attach_xml(libvirt: Any, target: Domain, client: ApiClient, vrnic: dict[str
     socket = channel_socket(target.name)
     socket.parent.mkdir(parents=True, exist_ok=True)
     libvirt.define(attach_vrnic(xml, vrnic["id"], socket), target.name)
+    noted = note_added_controllers(xml, target.persistent_xml(), vrnic["id"])
+    if noted is not None:  # what libvirt added for the channel goes again at detach
+        libvirt.define(noted, target.name)
     when = ("the domain is running: this takes effect at its next start" if running
             else "it takes effect when the domain starts")
     return f"vRNIC {vrnic['id']} attached to {target.name} (channel {socket}); {when}"

@@ -158,6 +158,25 @@ def attach_hostdev(domain_xml: str, vrnic_id: str, interface_xml: str) -> str:
     return _text(root)
 
 
+def _controller_keys(root: ET.Element) -> set[str]:
+    return {f"{c.get('type')}:{c.get('index')}" for c in root.findall("devices/controller")}
+
+
+def note_added_controllers(before_xml: str, after_xml: str, vrnic_id: str) -> str | None:
+    """libvirt adds controllers a new device needs (a virtio-serial controller, a PCIe root port for it) when
+    it defines the domain. Note them on the vRNIC's entry, so detach removes them too; None if it added none."""
+    added = sorted(_controller_keys(_parse(after_xml)) - _controller_keys(_parse(before_xml)))
+    if not added:
+        return None
+    root = _parse(after_xml)
+    vrnics = _metadata_list(root, create=False)
+    entry = None if vrnics is None else next((e for e in vrnics.findall(_VRNIC) if e.get("id") == vrnic_id), None)
+    if entry is None:
+        raise InvalidArgument(f"vRNIC {vrnic_id} is not attached to this domain")
+    entry.set("controllers", " ".join(added))
+    return _text(root)
+
+
 def hostdev_alias(vrnic_id: str) -> str:
     """The user alias an SR-IOV vRNIC's interface gets in a domain (libvirt wants ua-...)."""
     return "ua-vrnic-" + "".join(c if c.isalnum() or c in "-_" else "-" for c in vrnic_id)[:50]
@@ -185,6 +204,11 @@ def detach_vrnic(domain_xml: str, vrnic_id: str | None = None) -> tuple[str, lis
                     alias = device.find("alias")
                     if alias is not None and alias.get("name") == entry.get("alias"):
                         devices.remove(device)
+        controllers = set((entry.get("controllers") or "").split())
+        if devices is not None and controllers:
+            for device in list(devices.findall("controller")):
+                if f"{device.get('type')}:{device.get('index')}" in controllers:
+                    devices.remove(device)
         if MEMORY_BACKING in added:
             backing = root.find("memoryBacking")
             if backing is not None:
