@@ -88,6 +88,8 @@ def test_hook_admission_bind_unbind(client: TestClient, backend: BackendService,
     elsewhere = client.post("/api/v1/vms/vm2/admission", json={"vrnic_ids": [a["id"]]})
     assert elsewhere.status_code == 409 and "attached to VM vm1" in elsewhere.json()["detail"]
     assert client.post("/api/v1/vms/vm1/admission", json={"vrnic_ids": []}).status_code == 422
+    twice = client.put("/api/v1/vms/vm1/binding", json=_binding("vm1", a["id"], a["id"]))
+    assert twice.status_code == 400 and "named twice" in twice.json()["detail"]
     # tenants may not speak for the hook
     for method, path, body in (("post", "/api/v1/vms/vm1/admission", {"vrnic_ids": [a["id"]]}),
                                ("put", "/api/v1/vms/vm1/binding", _binding("vm1", a["id"])),

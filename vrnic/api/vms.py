@@ -9,6 +9,7 @@ is observed from the backend; the database keeps which domain a vRNIC belongs to
 
 from __future__ import annotations
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from vrnic.api.auth import Principal
@@ -97,6 +98,9 @@ class Vms:
         """Every vRNIC exists, is live and paravirtual, and belongs to this domain or to none."""
         if len(set(vrnic_ids)) != len(vrnic_ids):
             raise InvalidArgument(f"a vRNIC is named twice for {domain}")
+        if for_update:  # one lock order for every writer (serial), so two bindings cannot deadlock (PostgreSQL)
+            s.execute(select(Vrnic.serial).where(Vrnic.public_id.in_(vrnic_ids)).order_by(Vrnic.serial)
+                      .with_for_update()).all()
         rows = []
         for vrnic_id in vrnic_ids:
             try:
@@ -105,6 +109,9 @@ class Vms:
                 raise NotFound(f"vRNIC {vrnic_id} does not exist; refusing to start {domain}") from None
             if row.state == VrnicState.RELEASED.value:
                 raise Conflict(f"vRNIC {vrnic_id} was released; refusing to start {domain}", current_state="released")
+            if row.host_id != self.inventory.host_id:
+                raise Conflict(f"vRNIC {vrnic_id} lives on another host; refusing to start {domain} here",
+                               current_state="elsewhere")
             if row.mode != VrnicMode.PARAVIRTUAL.value:
                 raise InvalidArgument(f"vRNIC {vrnic_id} is {row.mode}: its VF goes to {domain} as a hostdev "
                                       "interface, not through vrnicd")
