@@ -63,7 +63,16 @@ def _persistent_xml(name: str) -> str:
 
 
 def _canon(text: str) -> str:
-    return ET.canonicalize(text, strip_text=True)
+    """Canonical XML with <devices> in a fixed order: libvirt may list controllers it re-reads in another order
+    (their index, not their place, is what counts)."""
+    root = ET.fromstring(text)
+    devices = root.find("devices")
+    if devices is not None:
+        children = sorted(devices, key=lambda e: ET.canonicalize(ET.tostring(e, encoding="unicode"), strip_text=True))
+        for child in list(devices):
+            devices.remove(child)
+        devices.extend(children)
+    return ET.canonicalize(ET.tostring(root, encoding="unicode"), strip_text=True)
 
 
 def _undefine(lab: VmLab, name: str) -> None:
