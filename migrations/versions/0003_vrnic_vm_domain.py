@@ -18,11 +18,11 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 
+# Plain ALTER TABLE, not batch mode: on SQLite a batch rebuild of vrnics would lose its AUTOINCREMENT (serials,
+# and so virtual GIDs, must never be reused) and, with foreign keys on, null sriov_vfs.vrnic_serial.
 def upgrade() -> None:
-    with op.batch_alter_table('vrnics', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('vm_domain', sa.String(length=64), nullable=True))
+    op.add_column('vrnics', sa.Column('vm_domain', sa.String(length=64), nullable=True))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('vrnics', schema=None) as batch_op:
-        batch_op.drop_column('vm_domain')
+    op.drop_column('vrnics', 'vm_domain')

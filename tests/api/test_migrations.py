@@ -76,3 +76,27 @@ def test_sriov_desired_state_columns_and_one_live_holder_per_vf(migrated: Engine
     upgrade(migrated)
     with migrated.connect() as connection:
         assert connection.execute(text("SELECT vanished, netns FROM sriov_vfs")).all() == [(False, None)]
+
+
+def test_vrnic_vm_domain_is_added_and_dropped_in_place(migrated: Engine) -> None:
+    columns = {c["name"]: c for c in inspect(migrated).get_columns("vrnics")}
+    assert columns["vm_domain"]["nullable"]
+    with migrated.begin() as connection:
+        connection.execute(text("INSERT INTO hosts (name, version, registered_at, last_seen_at) "
+                                "VALUES ('h', '0', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
+        connection.execute(text("INSERT INTO tenants (name, vpc_id, default_quota, created_at) "
+                                "VALUES ('t', 1, '{}', CURRENT_TIMESTAMP)"))
+        connection.execute(text(
+            "INSERT INTO vrnics (public_id, tenant_id, mode, state, host_id, device_name, quota, qos, virtual_gid, "
+            "attach_extra, created_at, updated_at, vm_domain) VALUES ('vr-1', 1, 'paravirtual', 'allocated', 1, "
+            "'fake0', '{}', '{}', 'gid-1', '{}', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, 'vm-1')"))
+        connection.execute(text("INSERT INTO sriov_vfs (host_id, pf, vf_index, vanished, vrnic_serial, updated_at) "
+                                "VALUES (1, 'eth0', 0, false, 1, CURRENT_TIMESTAMP)"))
+    downgrade(migrated, "0002")
+    assert "vm_domain" not in {c["name"] for c in inspect(migrated).get_columns("vrnics")}
+    with migrated.connect() as connection:  # the rows stay, and so does what refers to them
+        assert connection.execute(text("SELECT public_id FROM vrnics")).all() == [("vr-1",)]
+        assert connection.execute(text("SELECT vrnic_serial FROM sriov_vfs")).all() == [(1,)]
+    upgrade(migrated)
+    with migrated.connect() as connection:
+        assert connection.execute(text("SELECT public_id, vm_domain FROM vrnics")).all() == [("vr-1", None)]
