@@ -61,9 +61,12 @@ class VmLab:
                                            stdout=log, stderr=subprocess.STDOUT)
             self._wait_api()
             self.say(f"vrnic daemon serving {self.url} (log {self.workdir / 'daemon.log'})")
+            token_file = self.state / "hook-token"  # what the hook reads: libvirtd gives it no environment
+            token_file.write_text(self.token)
+            token_file.chmod(0o600)
             out = self.vrnic("hook", "install", "--api-url", self.url, "--memory-backing-dir",
                              str(self.host.config.memory_backing_dir), "--log", str(self.hook_log),
-                             "--token-file", str(self.state / "operator-token"))
+                             "--token-file", str(token_file))
             self.say(out.strip())
             self.timings["libvirtd_restart_s"] = self.host.restart_libvirtd()
         except BaseException:
