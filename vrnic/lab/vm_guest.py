@@ -69,8 +69,9 @@ PYTHONPATH=$work PYTHONDONTWRITEBYTECODE=1 python3 -m vrnic.frontend.peer_progra
 program=$!
 for event in /sys/class/input/event*; do
   if [ "$(cat $event/device/name 2>/dev/null)" = "Power Button" ]; then
-    (head -c 1 /dev/input/${{event##*/}} >/dev/null; echo "{mark} power button"; kill -TERM $program; sleep 3;
-     echo o > /proc/sysrq-trigger) &
+    # evdev reads whole events (24 bytes on x86_64); any shorter read fails with EINVAL
+    (dd if=/dev/input/${{event##*/}} bs=24 count=1 status=none >/dev/null && {{ echo "{mark} power button";
+     kill -TERM $program; sleep 3; echo o > /proc/sysrq-trigger; }}) &
   fi
 done
 wait $program
