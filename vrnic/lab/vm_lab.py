@@ -74,7 +74,7 @@ class VmLab:
             raise
         return self
 
-    def _wait_api(self, timeout: float = 60) -> None:
+    def _wait_api(self, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout
         while True:
             assert self.daemon is not None
@@ -85,7 +85,7 @@ class VmLab:
                 if httpx.get(f"{self.url}/api/v1/health", timeout=2).status_code == 200:
                     return
             if time.monotonic() > deadline:
-                raise LabError("vrnic daemon did not answer within 60 s")
+                raise LabError(f"vrnic daemon did not answer within {timeout:.0f} s")
             time.sleep(0.2)
 
     # ----- tools -------------------------------------------------------------------------------
