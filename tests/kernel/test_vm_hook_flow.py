@@ -29,6 +29,7 @@ from vrnic.errors import LabError
 from vrnic.lab.vm_guest import HostPeer, peer_domain
 from vrnic.lab.vm_host import URI, leftover_processes
 from vrnic.lab.vm_lab import PROJECT, VmLab
+from vrnic.vm.domain_edit import canonical
 from vrnic.vm.domain_xml import DomainType
 
 from .conftest import wait_for_baseline
@@ -63,16 +64,7 @@ def _persistent_xml(name: str) -> str:
 
 
 def _canon(text: str) -> str:
-    """Canonical XML with <devices> in a fixed order: libvirt may list controllers it re-reads in another order
-    (their index, not their place, is what counts)."""
-    root = ET.fromstring(text)
-    devices = root.find("devices")
-    if devices is not None:
-        children = sorted(devices, key=lambda e: ET.canonicalize(ET.tostring(e, encoding="unicode"), strip_text=True))
-        for child in list(devices):
-            devices.remove(child)
-        devices.extend(children)
-    return ET.canonicalize(ET.tostring(root, encoding="unicode"), strip_text=True)
+    return canonical(text)
 
 
 def _undefine(lab: VmLab, name: str) -> None:

@@ -15,13 +15,10 @@ Run: vrnic lab run --topology single -e PYTHONPATH=$PWD -- python -m pytest -s t
 
 from __future__ import annotations
 
-import gzip
-import lzma
 import os
 import secrets
 import shutil
 import socket
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +29,8 @@ import pytest
 from vrnic.backend.guest_memory import GuestMemory
 from vrnic.backend.sysfs import rdma_devices
 from vrnic.core.proto import MAX_BODY, FrameDecoder, encode
-from vrnic.lab.kernel import kernel_image, module_files
+from vrnic.lab.kernel import kernel_image
+from vrnic.lab.vm_guest import busybox_initramfs
 from vrnic.lab.vm_host import URI, VmHost, VmHostConfig, leftover_processes, ram_file
 from vrnic.vm.domain_xml import (
     DEFAULT_CHANNEL,
@@ -102,25 +100,8 @@ sleep 3600
 
 def build_nested_initramfs(version: str, target: Path) -> Path:
     """busybox + virtio_pci/virtio_console modules + NESTED_INIT as a gzip'd newc cpio."""
-    root = target.parent / "nested-root"
-    for d in ("bin", "dev", "proc", "sys", "modules"):
-        (root / d).mkdir(parents=True, exist_ok=True)
-    shutil.copy2(BUSYBOX, root / "bin" / "busybox")
-    names = []
-    for module in module_files(version, NESTED_MODULES):
-        data = module.read_bytes()
-        if module.suffix == ".xz":
-            data = lzma.decompress(data)
-        name = module.name.removesuffix(".xz")
-        (root / "modules" / name).write_bytes(data)
-        names.append(name)
-    (root / "init").write_text(NESTED_INIT.format(modules=" ".join(names), port=DEFAULT_CHANNEL))
-    (root / "init").chmod(0o755)
-    listing = "\n".join(sorted(str(p.relative_to(root)) for p in root.rglob("*")))
-    archive = subprocess.run(["cpio", "--quiet", "-o", "-H", "newc"], cwd=root, input=listing.encode(),
-                             capture_output=True, check=True)
-    target.write_bytes(gzip.compress(archive.stdout, compresslevel=1))
-    return target
+    return busybox_initramfs(version, NESTED_MODULES,
+                             lambda names: NESTED_INIT.format(modules=" ".join(names), port=DEFAULT_CHANNEL), target)
 
 
 @pytest.fixture(scope="module")

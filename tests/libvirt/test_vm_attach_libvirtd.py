@@ -22,6 +22,7 @@ from vrnic.cli.main import app
 from vrnic.config import DaemonSettings
 from vrnic.core.specs import VrnicMode
 from vrnic.daemon import serve_in_process
+from vrnic.vm.domain_edit import canonical
 from vrnic.vm.domain_xml import DirectKernelBoot, DomainType, VmDomain
 
 OPERATOR = "operator-token-of-the-libvirt-tier"
@@ -41,16 +42,7 @@ def api_url(tmp_path: Path) -> Iterator[str]:
 
 
 def _canon(text: str) -> str:
-    """Canonical XML with <devices> in a fixed order: libvirt may list controllers it re-reads in another order
-    (their index, not their place, is what counts)."""
-    root = ET.fromstring(text)
-    devices = root.find("devices")
-    if devices is not None:
-        children = sorted(devices, key=lambda e: ET.canonicalize(ET.tostring(e, encoding="unicode"), strip_text=True))
-        for child in list(devices):
-            devices.remove(child)
-        devices.extend(children)
-    return ET.canonicalize(ET.tostring(root, encoding="unicode"), strip_text=True)
+    return canonical(text)
 
 
 def test_attach_and_detach_round_trip_the_persistent_xml(libvirt_conn: Any, api_url: str,

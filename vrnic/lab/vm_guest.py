@@ -20,6 +20,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +82,10 @@ sleep 5
 """
 
 
-def build_initramfs(version: str, target: Path) -> Path:
-    """busybox, the virtio-serial and 9p modules, and INIT, as a gzip'd newc cpio."""
+def busybox_initramfs(version: str, modules: Sequence[str], init: Callable[[list[str]], str], target: Path,
+                      files: Mapping[str, str] | None = None) -> Path:
+    """A gzip'd newc cpio: busybox, the kernel modules (and what they need, in load order, decompressed),
+    /init made from their file names, and extra text files."""
     if not BUSYBOX.exists():
         raise LabError("busybox is missing; run `make setup`")
     with tempfile.TemporaryDirectory() as tmp:
@@ -91,21 +94,29 @@ def build_initramfs(version: str, target: Path) -> Path:
             (root / d).mkdir()
         shutil.copy2(BUSYBOX, root / "bin" / "busybox")
         names = []
-        for module in module_files(version, MODULES):
+        for module in module_files(version, modules):
             data = module.read_bytes()
             if module.suffix == ".xz":
                 data = lzma.decompress(data)
             name = module.name.removesuffix(".xz")
             (root / "modules" / name).write_bytes(data)
             names.append(name)
-        (root / "init").write_text(INIT.format(mark=MARK, modules=" ".join(names), hugepages=HUGEPAGES))
+        (root / "init").write_text(init(names))
         (root / "init").chmod(0o755)
-        (root / "run.sh").write_text(RUN.format(mark=MARK, control=CONTROL_PORT))
+        for name, text in (files or {}).items():
+            (root / name).write_text(text)
         listing = "\n".join(sorted(str(p.relative_to(root)) for p in root.rglob("*")))
         archive = subprocess.run(["cpio", "--quiet", "-o", "-H", "newc"], cwd=root, input=listing.encode(),
                                  capture_output=True, check=True)
     target.write_bytes(gzip.compress(archive.stdout, compresslevel=1))
     return target
+
+
+def build_initramfs(version: str, target: Path) -> Path:
+    """The peer VM's boot image: INIT mounts the lab root over 9p and runs RUN (the peer program)."""
+    return busybox_initramfs(
+        version, MODULES, lambda names: INIT.format(mark=MARK, modules=" ".join(names), hugepages=HUGEPAGES), target,
+        {"run.sh": RUN.format(mark=MARK, control=CONTROL_PORT)})
 
 
 def peer_domain(name: str, workdir: Path, project: Path, vrnic_id: str | None, domain_type: DomainType,

@@ -225,6 +225,19 @@ def detach_vrnic(domain_xml: str, vrnic_id: str | None = None) -> tuple[str, lis
     return _text(root), removed
 
 
+def canonical(domain_xml: str) -> str:
+    """Canonical XML with <devices> in a fixed order, to compare definitions: libvirt may re-list controllers in
+    another order when it reads a definition back (their index, not their place, is what counts)."""
+    root = _parse(domain_xml)
+    devices = root.find("devices")
+    if devices is not None:
+        children = sorted(devices, key=lambda e: ET.canonicalize(ET.tostring(e, encoding="unicode"), strip_text=True))
+        for child in list(devices):
+            devices.remove(child)
+        devices.extend(children)
+    return ET.canonicalize(_text(root), strip_text=True)
+
+
 def domain_facts(domain_xml: str) -> tuple[str, str | None]:
     """(name, uuid) of a domain XML."""
     root = _parse(domain_xml)
