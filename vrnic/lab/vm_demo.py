@@ -133,7 +133,7 @@ def run(console: Console, workdir: Path) -> int:
 
 
 def main() -> int:
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)  # long ids and paths stay on one line
     with tempfile.TemporaryDirectory(prefix="vrnic-demo-vm-", dir="/run") as tmp:
         return run(console, Path(tmp))
 
