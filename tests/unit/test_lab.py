@@ -164,8 +164,20 @@ def test_initramfs_init_loads_modules_in_order_and_reports_failures() -> None:
 def test_sriov_nic_is_an_igb_behind_a_pcie_root_port() -> None:
     argv = qemu_argv(GuestSpec(**{**SPEC.__dict__, "sriov_nic": True}))
     assert _option(argv, "-machine") == ["q35"]  # SR-IOV is a PCIe extended capability
-    assert _option(argv, "-device") == ["pcie-root-port,id=rp0,slot=1", "igb,bus=rp0,romfile="]
+    # an emulated VT-d first (before the devices it translates), so a VF can go to vfio-pci and a nested VM
+    assert _option(argv, "-device") == ["intel-iommu,intremap=on", "pcie-root-port,id=rp0,slot=1",
+                                        "igb,bus=rp0,romfile="]
+    cmdline = _option(argv, "-append")[0].split()
+    assert "intel_iommu=on" in cmdline and "iommu=pt" in cmdline
     script = guest_script(_plan(sriov_nic=True))
     assert "modprobe igb && modprobe igbvf" in script and "VRNIC_LAB_SRIOV_PF" in script
     with pytest.raises(InvalidArgument):
         guest_script(_plan(sriov_nic=True, topology=Topology.TWO_HOSTS))
+
+
+def test_the_iommu_comes_only_with_the_sriov_nic_and_can_be_left_out() -> None:
+    argv = qemu_argv(GuestSpec(**{**SPEC.__dict__, "sriov_nic": True, "sriov_iommu": False}))
+    assert _option(argv, "-device") == ["pcie-root-port,id=rp0,slot=1", "igb,bus=rp0,romfile="]
+    assert "intel_iommu=on" not in _option(argv, "-append")[0]
+    plain = qemu_argv(SPEC)
+    assert not any("iommu" in arg for arg in plain)

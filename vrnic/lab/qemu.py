@@ -11,6 +11,11 @@ from vrnic.errors import InvalidArgument
 # a panic or oops ends the guest instead of hanging it.
 KERNEL_ARGS = ("console=ttyS0", "quiet", "loglevel=4", "panic=-1", "oops=panic", "mitigations=off")
 NINEP_OPTS = "security_model=none,multidevs=remap"  # without remap the guest lost /proc
+# The emulated VT-d for --sriov-nic. It must come before the PCI devices it translates. Under TCG the
+# interrupt controller is QEMU's own, so interrupt remapping needs no kernel-irqchip=split.
+# iommu=pt: host-owned devices (the PF, virtio) keep identity DMA; only vfio-pci domains translate.
+IOMMU_DEVICE = "intel-iommu,intremap=on"
+IOMMU_KERNEL_ARGS = ("intel_iommu=on", "iommu=pt")
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,8 @@ class GuestSpec:
     memory_mb: int = 2048
     link: DgramLink | None = None
     sriov_nic: bool = False  # an emulated Intel 82576 (igb) with real SR-IOV VFs; needs QEMU >= 8.0
+    # With sriov_nic: an emulated Intel IOMMU, so a VF can be bound to vfio-pci and handed to a nested VM.
+    sriov_iommu: bool = True
     qemu: str = "qemu-system-x86_64"
     extra_kernel_args: tuple[str, ...] = field(default_factory=tuple)
 
@@ -56,7 +63,8 @@ def kernel_cmdline(spec: GuestSpec) -> str:
     work = _check_path("work_dir", spec.work_dir)
     run = _check_path("run_dir", spec.run_dir)
     ours = (f"vrnic.work={work}", f"vrnic.run={run}", f"vrnic.role={spec.role}")
-    return " ".join((*KERNEL_ARGS, *ours, *spec.extra_kernel_args))
+    iommu = IOMMU_KERNEL_ARGS if spec.sriov_nic and spec.sriov_iommu else ()
+    return " ".join((*KERNEL_ARGS, *iommu, *ours, *spec.extra_kernel_args))
 
 
 def qemu_argv(spec: GuestSpec) -> list[str]:
@@ -78,7 +86,10 @@ def qemu_argv(spec: GuestSpec) -> list[str]:
     ]
     if spec.sriov_nic:
         # SR-IOV is a PCIe extended capability: a q35 machine with the NIC behind a root port.
-        argv += ["-machine", "q35", "-device", "pcie-root-port,id=rp0,slot=1", "-device", "igb,bus=rp0,romfile="]
+        argv += ["-machine", "q35"]
+        if spec.sriov_iommu:
+            argv += ["-device", IOMMU_DEVICE]
+        argv += ["-device", "pcie-root-port,id=rp0,slot=1", "-device", "igb,bus=rp0,romfile="]
     if spec.link is None:
         argv += ["-nic", "none"]
     else:
