@@ -13,8 +13,6 @@ Run: vrnic lab run --sriov-nic --topology single -e PYTHONPATH=$PWD \
 
 from __future__ import annotations
 
-import gzip
-import lzma
 import os
 import re
 import shutil
@@ -25,13 +23,13 @@ from pathlib import Path
 
 import pytest
 
-from vrnic.lab.kernel import kernel_image, module_files
+from vrnic.lab.kernel import kernel_image
+from vrnic.lab.vm_guest import busybox_initramfs
 from vrnic.lab.vm_host import URI, VmHost, VmHostConfig, leftover_processes
 from vrnic.sriov.libvirt_xml import HostdevInterface, PciAddress
 from vrnic.vm.domain_xml import DirectKernelBoot, DomainType, SerialConsole, VmDomain
 
 PF = os.environ.get("VRNIC_LAB_SRIOV_PF", "")
-BUSYBOX = Path("/bin/busybox")
 MARK = "vrnic-sriov-vm:"
 VF_MAC = "52:54:00:5a:1f:01"
 ZERO = "00:00:00:00:00:00"
@@ -64,25 +62,8 @@ sleep 3600
 
 
 def build_initramfs(version: str, target: Path) -> Path:
-    root = target.parent / "sriov-root"
-    for d in ("bin", "dev", "proc", "sys", "modules"):
-        (root / d).mkdir(parents=True, exist_ok=True)
-    shutil.copy2(BUSYBOX, root / "bin" / "busybox")
-    names = []
-    for module in module_files(version, ("igbvf",)):
-        data = module.read_bytes()
-        if module.suffix == ".xz":
-            data = lzma.decompress(data)
-        name = module.name.removesuffix(".xz")
-        (root / "modules" / name).write_bytes(data)
-        names.append(name)
-    (root / "init").write_text(INIT.format(modules=" ".join(names), mark=MARK))
-    (root / "init").chmod(0o755)
-    listing = "\n".join(sorted(str(p.relative_to(root)) for p in root.rglob("*")))
-    archive = subprocess.run(["cpio", "--quiet", "-o", "-H", "newc"], cwd=root, input=listing.encode(),
-                             capture_output=True, check=True)
-    target.write_bytes(gzip.compress(archive.stdout, compresslevel=1))
-    return target
+    return busybox_initramfs(version, ("igbvf",), lambda names: INIT.format(modules=" ".join(names), mark=MARK),
+                             target)
 
 
 def driver_of(pci: str) -> str | None:
