@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from vrnic.errors import LabError
 from vrnic.lab.kernel import kernel_image
 from vrnic.lab.vm_guest import busybox_initramfs
 from vrnic.lab.vm_host import URI, VmHost, VmHostConfig, leftover_processes
@@ -34,6 +35,7 @@ MARK = "vrnic-sriov-vm:"
 VF_MAC = "52:54:00:5a:1f:01"
 ZERO = "00:00:00:00:00:00"
 TIMINGS: dict[str, float] = {}
+SYSTEM_QEMU_MODULE = Path("/usr/lib/x86_64-linux-gnu/qemu/accel-tcg-x86_64.so")  # Debian's QEMU 7.2
 
 pytestmark = [
     pytest.mark.kernel,
@@ -114,7 +116,14 @@ def host(vf: str) -> Iterator[VmHost]:
         if shutil.which(tool) is None:
             pytest.skip(f"{tool} is not installed")
     vm_host = VmHost(VmHostConfig())
-    vm_host.start()
+    try:
+        vm_host.start()
+    except LabError:
+        if not SYSTEM_QEMU_MODULE.exists():
+            pytest.fail(f"{SYSTEM_QEMU_MODULE} is hidden in this lab guest, so libvirtd's QEMU 7.2 cannot start: "
+                        "the lab's QEMU 10 wrapper is an old one that bind-mounts its modules over the system's "
+                        "(run `make setup` to install scripts/qemu-sriov.sh)")
+        raise
     yield vm_host
     problems = vm_host.stop()
     print(f"\nTIMINGS {dict((k, round(v, 2)) for k, v in {**vm_host.timings, **TIMINGS}.items())}")
@@ -172,10 +181,11 @@ def test_a_vm_sees_the_vf_as_an_igbvf_nic_and_the_host_gets_it_back(host: VmHost
         assert "driver=igbvf" in nics[0] and "vendor=0x8086 device=0x10ca" in nics[0], nics[0]
         assert any("igbvf" in line and "Intel(R) 82576 Virtual Function" in line for line in lines), lines
         # The tenant MAC reaches igbvf only through the PF mailbox (VF_RESET answered with the MAC). In this
-        # lab that handshake times out on the lab host too ("PF still in reset state", then a random MAC),
-        # VM or not; when it does answer, the MAC must be the one libvirt set.
-        if not any("PF still in reset state" in line for line in lines):
-            assert f"mac={VF_MAC}" in nics[0], nics[0]
+        # lab that handshake times out on the lab host too, with or without the IOMMU ("PF still in reset
+        # state", then a random MAC), VM or not; when it does answer, the MAC is the one libvirt set.
+        # (re-probing igbvf does not help: 3 of 3 probes timed out the same way)
+        if f"mac={VF_MAC}" not in nics[0]:
+            assert any("PF still in reset state" in line for line in lines), lines
         # and back on the host: libvirt re-binds the VF to igbvf (managed='yes') and takes the tenant MAC off
         # the PF (it restores the MAC it saved; when that was the zero MAC, igbvf's own random one stays)
         t1 = time.monotonic()
