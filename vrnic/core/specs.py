@@ -17,6 +17,13 @@ class VrnicMode(StrEnum):
     SRIOV = "sriov"  # a whole VF, hardware-isolated
 
 
+class DataEngine(StrEnum):
+    """How a paravirtual vRNIC's posts and completions move (the control path is mediated either way)."""
+
+    RING = "ring"  # vrnicd's engine thread moves WRs between rings shared with the guest and the NIC
+    DIRECT = "direct"  # the guest drives the NIC's own queues and doorbell; vrnicd does nothing per post
+
+
 class Quota(BaseModel):
     """Per-vRNIC limits vrnicd enforces on the control path."""
 
@@ -83,6 +90,13 @@ class VrnicSpec(BaseModel):
     qos: QosPolicy = QosPolicy()
     vpc_id: int = 0
     virtual_gid: str  # the identity peers name; physical GIDs never reach guests
+    engine: DataEngine = DataEngine.RING
+
+    @model_validator(mode="after")
+    def _direct_is_paravirtual(self) -> VrnicSpec:
+        if self.engine is DataEngine.DIRECT and self.mode is not VrnicMode.PARAVIRTUAL:
+            raise ValueError("the direct engine is for paravirtual vRNICs (an SR-IOV VF is direct already)")
+        return self
 
 
 class AttachInfo(BaseModel):
