@@ -16,7 +16,7 @@ import pytest
 
 from vrnic.backend.rdma_tool import resource_counts
 from vrnic.backend.sysfs import rdma_devices
-from vrnic.core.specs import AttachInfo, Quota, VrnicSpec, active_roce_v2_gid
+from vrnic.core.specs import AttachInfo, DataEngine, Quota, VrnicSpec, active_roce_v2_gid
 from vrnic.core.vaddr import make_virtual_gid
 from vrnic.errors import VrnicError
 
@@ -74,12 +74,19 @@ def driver(device_pair: tuple[str, str], tmp_path: Path) -> Iterator[object]:
 
 @pytest.fixture
 def make_vrnic(driver: object, device_pair: tuple[str, str]) -> Callable[..., AttachInfo]:
-    def make(tenant: str = "t1", device: str | None = None, vpc: int = 1, **quota: int) -> AttachInfo:
-        """A vRNIC on device (default: the first of the pair)."""
+    def make(tenant: str = "t1", device: str | None = None, vpc: int = 1, engine: str = "ring",
+             **quota: int) -> AttachInfo:
+        """A vRNIC on device (default: the first of the pair), on the ring or the direct engine."""
         serial = next(_serial)
         device = device_pair[0] if device is None else device
         spec = VrnicSpec(id=f"v{serial}", tenant=tenant, vpc_id=vpc, quota=Quota(**quota),
-                         virtual_gid=make_virtual_gid(vpc, serial))
+                         virtual_gid=make_virtual_gid(vpc, serial), engine=DataEngine(engine))
         return driver.create_vrnic(spec, device)  # type: ignore[attr-defined, no-any-return]
 
     return make
+
+
+@pytest.fixture(params=["ring", "direct"])
+def engine(request: pytest.FixtureRequest) -> str:
+    """Data-path tests run on both engines."""
+    return str(request.param)

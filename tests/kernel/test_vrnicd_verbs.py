@@ -1,4 +1,5 @@
-"""Every mediated verb works end to end through vrnicd on real rxe and moves real data."""
+"""Every mediated verb works end to end through vrnicd on real rxe and moves real data, on both engines:
+the shared-ring one (vrnicd posts) and the direct one (the guest drives the NIC's own queues)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from vrnic.frontend import (
     Access,
     Conflict,
     Context,
+    InvalidArgument,
     RecvRequest,
     SendRequest,
     WcOpcode,
@@ -52,8 +54,9 @@ def _close(g: Guest) -> None:
 
 
 @pytest.fixture
-def connected(make_vrnic: Callable[..., AttachInfo]) -> Iterator[tuple[Guest, Guest]]:
-    a, b = _guest(make_vrnic(device="rxe0")), _guest(make_vrnic(device="rxe1"))
+def connected(make_vrnic: Callable[..., AttachInfo], engine: str) -> Iterator[tuple[Guest, Guest]]:
+    a, b = _guest(make_vrnic(device="rxe0", engine=engine)), _guest(make_vrnic(device="rxe1", engine=engine))
+    assert a.ctx.engine == b.ctx.engine == engine
     a.qp.connect(b.ctx.gid, b.qp.qpn)
     b.qp.connect(a.ctx.gid, a.qp.qpn)
     yield a, b
@@ -176,9 +179,10 @@ def test_modify_to_err_flushes_and_reset_allows_reconnect(connected: tuple[Guest
 
 
 def test_objects_in_use_cannot_be_destroyed_and_teardown_is_complete(make_vrnic: Callable[..., AttachInfo],
-                                                                     device_pair: tuple[str, str]) -> None:
+                                                                     device_pair: tuple[str, str],
+                                                                     engine: str) -> None:
     before = resource_counts()
-    g = _guest(make_vrnic(device=device_pair[0]))
+    g = _guest(make_vrnic(device=device_pair[0], engine=engine))
     during = resource_counts()[device_pair[0]]
     assert during["qp"] == before[device_pair[0]]["qp"] + 1 and during["mr"] == before[device_pair[0]]["mr"] + 1
     with pytest.raises(Conflict) as err:
@@ -192,8 +196,9 @@ def test_objects_in_use_cannot_be_destroyed_and_teardown_is_complete(make_vrnic:
 
 
 def test_busy_poll_mode_moves_data_and_can_be_switched_off(make_vrnic: Callable[..., AttachInfo],
-                                                           device_pair: tuple[str, str]) -> None:
-    a, b = _guest(make_vrnic(device=device_pair[0])), _guest(make_vrnic(device=device_pair[1]))
+                                                           device_pair: tuple[str, str], engine: str) -> None:
+    a, b = _guest(make_vrnic(device=device_pair[0], engine=engine)), _guest(make_vrnic(device=device_pair[1],
+                                                                                       engine=engine))
     try:
         a.ctx.set_busy_poll(True)
         b.ctx.set_busy_poll(True)
@@ -209,6 +214,42 @@ def test_busy_poll_mode_moves_data_and_can_be_switched_off(make_vrnic: Callable[
         b.qp.post_recv(RecvRequest(99, (b.mr.sge(0, 64),)))
         a.qp.post_send(SendRequest(99, WrOpcode.SEND, (a.mr.sge(0, 64),)))
         assert b.cq.wait(1)[0].wr_id == 99
+    finally:
+        _close(a)
+        _close(b)
+
+
+def test_direct_engine_keeps_ud_on_the_ring_engine(make_vrnic: Callable[..., AttachInfo],
+                                                   device_pair: tuple[str, str]) -> None:
+    """rxe takes a UD destination from the WQE, which a direct guest writes: UD is refused there."""
+    ctx = Context.attach(make_vrnic(device=device_pair[0], engine="direct"), arena_bytes=1 << 20)
+    try:
+        with PD(ctx) as pd, CQ(ctx, 16) as cq:
+            with pytest.raises(InvalidArgument, match="UD"):
+                QP(pd, cq, cq, qp_type="ud")
+    finally:
+        ctx.close()
+
+
+def test_direct_guest_gets_a_mapped_nic_queue_and_vrnicd_posts_nothing(
+        make_vrnic: Callable[..., AttachInfo], device_pair: tuple[str, str], driver: object) -> None:
+    """The guest's WQEs reach the NIC without vrnicd: its session has no engine thread and no rings."""
+    a = _guest(make_vrnic(device=device_pair[0], engine="direct"))
+    b = _guest(make_vrnic(device=device_pair[1], engine="direct"))
+    try:
+        a.qp.connect(b.ctx.gid, b.qp.qpn)
+        b.qp.connect(a.ctx.gid, a.qp.qpn)
+        session = driver.registry.get(a.ctx.vrnic_id).session  # type: ignore[attr-defined]
+        assert type(session.engine).__name__ == "DirectEngine"
+        assert all(cq.ring is None for _, cq in session.state.cqs.items())
+        assert a.qp.direct is not None and a.qp.direct.sq.elem_size >= 208  # rxe_send_wqe and its SGEs
+        for i in range(50):
+            b.qp.post_recv(RecvRequest(i, (b.mr.sge(0, 64),)))
+            a.mr.write(i.to_bytes(8, "little"))
+            a.qp.post_send(SendRequest(i, WrOpcode.SEND, (a.mr.sge(0, 64),)))
+            assert a.cq.wait(1)[0].status == WcStatus.SUCCESS
+            wc = b.cq.wait(1)[0]
+            assert (wc.wr_id, wc.qp) == (i, b.qp.qpn) and b.mr.read(8) == i.to_bytes(8, "little")
     finally:
         _close(a)
         _close(b)

@@ -34,6 +34,9 @@ class AttachedSession(Protocol):
     def attach_result(self) -> dict[str, Any]:
         """The body of the reply to a successful attach."""
 
+    def attach_fds(self) -> list[int]:
+        """Descriptors sent back with that reply (the session keeps its own; the channel sends copies)."""
+
     def close(self) -> None:
         """Release every kernel object of the session; safe to call twice."""
 

@@ -290,7 +290,7 @@ class ChannelServer:
                 _send(conn, reply_error(request.id, internal_error(exc, "attach")))
                 return
             log.info("vRNIC %s attached by pid %d uid %d", session.vrnic_id, pending.cred.pid, pending.cred.uid)
-            _send(conn, reply_ok(request.id, session.attach_result()))
+            _send(conn, reply_ok(request.id, session.attach_result()), session.attach_fds())
             if self._serve_messages(conn, session, backlog):
                 return
             while not self._stopping.is_set():
@@ -368,9 +368,14 @@ def _bind(path: Path, limits: ChannelLimits) -> socket.socket:
     return sock
 
 
-def _send(conn: socket.socket, message: dict[str, Any]) -> None:
+def _send(conn: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
     with contextlib.suppress(OSError):
-        conn.sendall(encode(message))
+        data = encode(message)
+        if fds:  # SCM_RIGHTS rides on the first byte; the rest follows as a plain stream
+            sent = socket.send_fds(conn, [data], fds)
+            data = data[sent:]
+        if data:
+            conn.sendall(data)
 
 
 def _close_fds(fds: list[int]) -> None:

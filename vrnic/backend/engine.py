@@ -213,12 +213,15 @@ class SharedRingEngine(DataPathEngine):
     # ----- guest -> NIC ------------------------------------------------------------------------
     def _drain_queues(self, qp: QpEntry) -> bool:
         worked = False
+        sq, rq = qp.sq, qp.rq
+        if sq is None or rq is None:  # not a shared-ring QP
+            return False
         try:
             retry, qp.pending = qp.pending, []
             for wr in retry:
                 self._post(qp, wr)
             # While the NIC's send queue is full, leave WRs in the ring: that is the guest's backpressure.
-            for slot in [] if qp.pending else qp.sq.consume(BATCH):
+            for slot in [] if qp.pending else sq.consume(BATCH):
                 worked = True
                 try:
                     wr = unpack_send(slot)
@@ -230,11 +233,11 @@ class SharedRingEngine(DataPathEngine):
                     qp.pending.append(wr)
                 else:
                     self._post(qp, wr)
-            for slot in qp.rq.consume(BATCH):
+            for slot in rq.consume(BATCH):
                 worked = True
                 self._post_recv(qp, slot)
         except RingCorrupt as exc:
-            qp.sq.set_flag(RingFlags.CORRUPT)
+            sq.set_flag(RingFlags.CORRUPT)
             log.warning("vRNIC %s QP %d: %s; queue marked corrupt", self.host.vrnic_id, qp.vqpn, exc)
         return worked
 
@@ -295,12 +298,13 @@ class SharedRingEngine(DataPathEngine):
 
     # ----- NIC -> guest ------------------------------------------------------------------------
     def _drain_cq(self, cq: CqEntry) -> bool:
-        if cq.ring.flags & (RingFlags.CORRUPT | RingFlags.FAILED):
+        ring = cq.ring
+        if ring is None or ring.flags & (RingFlags.CORRUPT | RingFlags.FAILED):
             return False
         try:
-            room = cq.ring.entries - cq.ring.count()
+            room = ring.entries - ring.count()
         except RingCorrupt as exc:  # the guest scribbled on its own ring: that CQ is dead, nobody else's
-            cq.ring.set_flag(RingFlags.CORRUPT)
+            ring.set_flag(RingFlags.CORRUPT)
             log.warning("vRNIC %s: CQ ring corrupt (%s); CQ stopped", self.host.vrnic_id, exc)
             return False
         if room <= 0:
@@ -321,8 +325,11 @@ class SharedRingEngine(DataPathEngine):
 
     @staticmethod
     def _complete(cq: CqEntry, wc: Completion) -> None:
+        ring = cq.ring
+        if ring is None:
+            return
         try:
-            if not cq.ring.produce(pack_completion(wc)):
-                cq.ring.set_flag(RingFlags.OVERFLOW)
+            if not ring.produce(pack_completion(wc)):
+                ring.set_flag(RingFlags.OVERFLOW)
         except RingCorrupt:
-            cq.ring.set_flag(RingFlags.CORRUPT)
+            ring.set_flag(RingFlags.CORRUPT)

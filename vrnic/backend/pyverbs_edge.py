@@ -316,3 +316,8 @@ class PyverbsEdge(RnicEdge):
 
     def open(self, name: str) -> PyverbsContext:
         return PyverbsContext(name)
+
+    def open_direct(self, name: str) -> DeviceContext:
+        from vrnic.backend.uverbs_edge import DirectContext
+
+        return DirectContext(name, queries=PyverbsContext(name))

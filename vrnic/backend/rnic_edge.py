@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vrnic.core.specs import DeviceInfo
-from vrnic.errors import DeviceError
+from vrnic.errors import DeviceError, NotSupported
 
 PORT = 1  # a vRNIC has one port
 
@@ -198,3 +198,7 @@ class RnicEdge(ABC):
 
     @abstractmethod
     def open(self, name: str) -> DeviceContext: ...
+
+    def open_direct(self, name: str) -> DeviceContext:
+        """A context for the direct engine: objects whose queues the guest maps (see vrnic.backend.direct)."""
+        raise NotSupported(f"{type(self).__name__} has no direct data path")

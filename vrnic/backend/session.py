@@ -88,7 +88,11 @@ class GuestSession:
     def attach_result(self) -> dict[str, Any]:
         spec = self.vrnic.spec
         return {"vrnic_id": spec.id, "virtual_gid": spec.virtual_gid, "arena_bytes": self.memory.size,
-                "quota": spec.quota.model_dump()}
+                "quota": spec.quota.model_dump(), "engine": "ring"}
+
+    def attach_fds(self) -> list[int]:
+        """Descriptors that go back to the guest with the attach reply (the direct engine's uverbs fd)."""
+        return []
 
     # ----- queries -----------------------------------------------------------------------------
     def op_query_device(self, _: verb_args.NoArgs) -> dict[str, Any]:
@@ -157,7 +161,9 @@ class GuestSession:
         return {}
 
     # ----- CQ ----------------------------------------------------------------------------------
-    def _ring(self, address: int, entries: int, slot_size: int, slot: Any, what: str) -> Ring:
+    def _ring(self, address: int | None, entries: int, slot_size: int, slot: Any, what: str) -> Ring:
+        if address is None:
+            raise InvalidArgument(f"the shared-ring engine needs the address of the {what}")
         at = self.state.locate(address, Ring.bytes_needed(entries, slot_size), what)
         return Ring(self.memory.view, at, entries, slot, self.memory.words)
 
@@ -165,7 +171,7 @@ class GuestSession:
         self.state.ledger.check_cqe(args.cqe)
         ring = self._ring(args.ring, args.cqe, CQ_SLOT.size, CQ_SLOT, "CQ ring")
         with self.state.ledger.reserve((Resource.CQ, 1)):
-            cq = CqEntry(args.cqe, ring, args.ring, self.device.create_cq(args.cqe))
+            cq = CqEntry(args.cqe, ring, args.ring or 0, self.device.create_cq(args.cqe))
             try:
                 self.state.add_cq(cq, handle)
             except BaseException:
@@ -193,7 +199,8 @@ class GuestSession:
             obj, phys_qpn = self.device.create_qp(pd.obj, send_cq.obj, recv_cq.obj, args.qp_type,
                                                   QpCaps(args.max_send_wr, args.max_recv_wr, args.max_sge))
             qp = QpEntry(vqpn or state.new_vqpn(), args.qp_type, phys_qpn, pd, send_cq, recv_cq, sq, rq,
-                         max_sge=args.max_sge, sq_addr=args.sq_ring, rq_addr=args.rq_ring, obj=obj)
+                         max_sge=args.max_sge, max_send_wr=args.max_send_wr, max_recv_wr=args.max_recv_wr,
+                         sq_addr=args.sq_ring or 0, rq_addr=args.rq_ring or 0, obj=obj)
             try:
                 state.add_qp(qp, handle)
             except BaseException:
@@ -242,8 +249,9 @@ class GuestSession:
             self.device.qp_to_state(qp.obj, args.state)
             if args.state == "reset":
                 qp.peer_id = qp.peer_gid = qp.peer_vqpn = None
-                qp.sq.reset()
-                qp.rq.reset()
+                for ring in (qp.sq, qp.rq):
+                    if ring is not None:
+                        ring.reset()
                 qp.pending.clear()
         qp.state = args.state
         return {"state": args.state}
@@ -262,6 +270,9 @@ class GuestSession:
             self.op_modify_qp(verb_args.ModifyQp(qp=args.qp, state=state, access=args.access,
                                                  remote_gid=args.remote_gid, remote_qpn=args.remote_qpn))
         return {"state": "rts"}
+
+    def op_resolve_rkey(self, _: verb_args.ResolveRkey) -> dict[str, Any]:
+        raise InvalidArgument("resolve_rkey is for the direct engine; on this one vrnicd translates keys itself")
 
     def op_busy_poll(self, args: verb_args.BusyPoll) -> dict[str, Any]:
         self.engine.busy_poll = args.enabled
@@ -294,12 +305,11 @@ class GuestSession:
         with self.lock:
             if self._closed:
                 return
-            for _, cq in self.state.cqs.items():
+            rings = [cq.ring for _, cq in self.state.cqs.items()] + [qp.sq for _, qp in self.state.qps.items()]
+            for ring in rings:
                 with contextlib.suppress(Exception):  # a corrupt ring must not stop the others being marked
-                    cq.ring.set_flag(RingFlags.FAILED)
-            for _, qp in self.state.qps.items():
-                with contextlib.suppress(Exception):
-                    qp.sq.set_flag(RingFlags.FAILED)
+                    if ring is not None:
+                        ring.set_flag(RingFlags.FAILED)
             if self.notify_fd is not None:
                 with contextlib.suppress(OSError):
                     os.eventfd_write(self.notify_fd, 1)

@@ -34,7 +34,7 @@ class PdEntry:
 @dataclass(eq=False)
 class CqEntry:
     cqe: int
-    ring: Ring = field(repr=False)
+    ring: Ring | None = field(repr=False)  # None on the direct engine: the guest polls the NIC's own CQ
     ring_addr: int = 0  # where the guest put the ring, in its own addresses
     obj: Any = field(default=None, repr=False)  # the edge's CQ, with its completion channel
     handle: int = 0
@@ -58,9 +58,11 @@ class QpEntry:
     pd: PdEntry
     send_cq: CqEntry
     recv_cq: CqEntry
-    sq: Ring = field(repr=False)
-    rq: Ring = field(repr=False)
+    sq: Ring | None = field(repr=False)  # None on the direct engine: the guest posts to the NIC's own queues
+    rq: Ring | None = field(repr=False)
     max_sge: int = 1
+    max_send_wr: int = 0
+    max_recv_wr: int = 0
     sq_addr: int = 0  # where the guest put its rings, in its own addresses
     rq_addr: int = 0
     obj: Any = field(default=None, repr=False)
@@ -252,7 +254,7 @@ class SessionState:
                       for h, m in self.mrs.items()),
             cqs=tuple(CqRecord(h, c.cqe, c.ring_addr) for h, c in self.cqs.items()),
             qps=tuple(QpRecord(h, q.vqpn, q.qp_type, q.pd.handle, q.send_cq.handle, q.recv_cq.handle, q.sq_addr,
-                               q.rq_addr, q.sq.entries, q.rq.entries, q.max_sge, q.state, q.access, q.qkey,
+                               q.rq_addr, q.max_send_wr, q.max_recv_wr, q.max_sge, q.state, q.access, q.qkey,
                                q.peer_gid, q.peer_vqpn)
                       for h, q in self.qps.items()),
             used=self.ledger.used())

@@ -57,7 +57,7 @@ class MrRef(Args):
 
 class CreateCq(Args):
     cqe: int = Field(ge=1)
-    ring: int = Field(ge=0)  # arena offset of the completion ring (cqe slots)
+    ring: int | None = Field(None, ge=0)  # arena offset of the completion ring (cqe slots); direct engine: none
 
 
 class CqRef(Args):
@@ -72,8 +72,8 @@ class CreateQp(Args):
     max_send_wr: int = Field(ge=1)
     max_recv_wr: int = Field(ge=1)
     max_sge: int = Field(1, ge=1, le=MAX_SGE)
-    sq_ring: int = Field(ge=0)
-    rq_ring: int = Field(ge=0)
+    sq_ring: int | None = Field(None, ge=0)  # the shared-ring engine's rings; the direct engine has the NIC's
+    rq_ring: int | None = Field(None, ge=0)
 
 
 class QpRef(Args):
@@ -108,6 +108,13 @@ class Connect(Args):
     access: int = Field(15, ge=0, le=15)
 
 
+class ResolveRkey(Args):
+    """Direct engine: the physical rkey (and address base) behind a virtual rkey of qp's connected peer."""
+
+    qp: Handle
+    rkey: int = Field(ge=0, lt=U32)
+
+
 class BusyPoll(Args):
     enabled: bool
 
@@ -118,5 +125,5 @@ OPS: dict[str, type[Args]] = {
     "reg_mr": RegMr, "dereg_mr": MrRef,
     "create_cq": CreateCq, "destroy_cq": CqRef,
     "create_qp": CreateQp, "destroy_qp": QpRef, "modify_qp": ModifyQp, "query_qp": QpRef,
-    "connect": Connect, "busy_poll": BusyPoll, "sync": NoArgs, "detach": NoArgs,
+    "connect": Connect, "resolve_rkey": ResolveRkey, "busy_poll": BusyPoll, "sync": NoArgs, "detach": NoArgs,
 }

@@ -30,6 +30,11 @@ class Channel(ABC):
         # still arrive, so ids start somewhere new and replies to other ids are skipped.
         self._ids = itertools.count(random.randrange(1, 1 << 40))
         self._lock = threading.Lock()
+        self.received_fds: list[int] = []  # descriptors vrnicd sent (the direct engine's uverbs fd)
+
+    def take_fds(self) -> list[int]:
+        fds, self.received_fds = self.received_fds, []
+        return fds
 
     def call(self, op: str, fds: list[int] | None = None, **args: Any) -> dict[str, Any]:
         request_id = next(self._ids)
@@ -92,9 +97,13 @@ class UnixChannel(Channel):
             self.sock.sendall(data)
 
     def _recv(self) -> bytes:
-        return self.sock.recv(65536)
+        data, fds, _flags, _addr = socket.recv_fds(self.sock, 65536, 4)
+        self.received_fds += fds
+        return data
 
     def close(self) -> None:
+        for fd in self.take_fds():
+            os.close(fd)
         self.sock.close()
 
 

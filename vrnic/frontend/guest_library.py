@@ -28,6 +28,7 @@ from vrnic.core.rings import (
 )
 from vrnic.errors import DeviceError, InvalidArgument, VrnicError
 from vrnic.frontend.channel import DEFAULT_PORT, Channel, PortChannel, UnixChannel
+from vrnic.frontend.direct import DirectCq, DirectDevice, DirectQp
 from vrnic.frontend.memory import Arena, MemfdArena, VmArena
 
 if TYPE_CHECKING:  # pydantic: not imported in a VM guest
@@ -36,6 +37,8 @@ if TYPE_CHECKING:  # pydantic: not imported in a VM guest
 DEFAULT_ARENA = 16 << 20
 DEFAULT_VM_ARENA = 8 << 20  # four 2 MiB hugepages
 VM_POLL_SLEEP_S = 0.0002  # a VM guest has no completion eventfd: it polls, sleeping this long between polls
+DIRECT_SPIN_S = 0.002  # a direct guest polls the NIC's CQ; it spins this long before sleeping between polls
+DIRECT_POLL_SLEEP_S = 0.00005
 
 
 class _Resource:
@@ -104,9 +107,21 @@ class Context(_Resource):
         self.words = arena.words
         self.allocator = arena.allocator
         self.channel: Channel | None = None
+        self.direct: DirectDevice | None = None
         try:
             self.channel = connect()
             info = attach(self.channel)
+            fds = self.channel.take_fds()
+            self.engine: str = info.get("engine", "ring")
+            if self.engine == "direct":
+                if len(fds) != 1:
+                    for fd in fds:
+                        os.close(fd)
+                    raise DeviceError("vrnicd chose the direct engine but sent no uverbs descriptor")
+                self.direct = DirectDevice(fds[0], str(info.get("queue_format")), self.call)
+            else:
+                for fd in fds:
+                    os.close(fd)
         except BaseException:
             self._release_local()
             raise
@@ -174,6 +189,8 @@ class Context(_Resource):
         self._release_local()
 
     def _release_local(self) -> None:
+        if self.direct is not None:
+            self.direct.close()
         if self.channel is not None:
             self.channel.close()
         self.arena.close()
@@ -214,6 +231,8 @@ class MR(_Resource):
         self.handle = int(reply["mr"])
         self.lkey = int(reply["lkey"])
         self.rkey = int(reply["rkey"])
+        if pd.ctx.direct is not None:
+            pd.ctx.direct.learn_mr(reply)
 
     @property
     def addr(self) -> int:
@@ -235,6 +254,8 @@ class MR(_Resource):
 
     def close(self) -> None:
         if not self.closed and not self.pd.ctx.closed:
+            if self.pd.ctx.direct is not None:
+                self.pd.ctx.direct.forget_mr(self.lkey)
             self.pd.ctx.call("dereg_mr", mr=self.handle)
             if self.owned:
                 self.pd.ctx.free(self.buffer)
@@ -244,6 +265,16 @@ class MR(_Resource):
 class CQ(_Resource):
     def __init__(self, ctx: Context, cqe: int = 64) -> None:
         self.ctx = ctx
+        self.direct: DirectCq | None = None
+        if ctx.direct is not None:  # the NIC's own CQ, mapped here
+            reply = ctx.call("create_cq", cqe=cqe)
+            self.handle = int(reply["cq"])
+            try:
+                self.direct = DirectCq(ctx.direct, reply)
+            except BaseException:
+                ctx.call("destroy_cq", cq=self.handle)
+                raise
+            return
         self.ring_buffer = ctx.alloc(Ring.bytes_needed(cqe, CQ_SLOT.size))
         try:
             self.handle = int(ctx.call("create_cq", cqe=cqe, ring=self.ring_buffer.addr)["cq"])
@@ -253,7 +284,9 @@ class CQ(_Resource):
         self.ring = Ring(ctx.view, self.ring_buffer.offset, cqe, CQ_SLOT, ctx.words)
 
     def poll(self, max_entries: int = 16) -> list[Completion]:
-        """Completions waiting in the shared ring; never a round trip to vrnicd."""
+        """Completions waiting in the shared ring (or the NIC's CQ); never a round trip to vrnicd."""
+        if self.direct is not None:
+            return self.direct.poll(max_entries)
         if self.ring.flags & RingFlags.OVERFLOW:
             raise DeviceError("CQ overflow: completions were lost", errno.EOVERFLOW)
         if self.ring.flags & RingFlags.CORRUPT:
@@ -267,7 +300,8 @@ class CQ(_Resource):
         done: list[Completion] = []
         deadline = time.monotonic() + timeout
         spins = 0
-        notify = self.ctx.notify_fd
+        notify = None if self.direct is not None else self.ctx.notify_fd
+        spin_until = time.monotonic() + DIRECT_SPIN_S if self.direct is not None else 0.0
         while len(done) < count:
             got = self.poll(count - len(done))
             done += got
@@ -279,7 +313,10 @@ class CQ(_Resource):
             spins += 1
             if spins <= spin:
                 continue
-            if notify is None:
+            if self.direct is not None:  # nobody rings for the NIC's CQ: poll, briefly spinning first
+                if time.monotonic() > spin_until:
+                    time.sleep(DIRECT_POLL_SLEEP_S)
+            elif notify is None:
                 time.sleep(VM_POLL_SLEEP_S)
             # The ring is re-checked after every wake-up, so a stale notification costs one loop.
             elif select.select([notify], [], [], min(left, 0.05))[0]:
@@ -290,7 +327,10 @@ class CQ(_Resource):
     def close(self) -> None:
         if not self.closed and not self.ctx.closed:
             self.ctx.call("destroy_cq", cq=self.handle)
-            self.ctx.free(self.ring_buffer)
+            if self.direct is not None:
+                self.direct.close()
+            else:
+                self.ctx.free(self.ring_buffer)
         self.closed = True
 
 
@@ -299,6 +339,19 @@ class QP(_Resource):
                  max_recv_wr: int = 64, max_sge: int = 1) -> None:
         self.pd = pd
         ctx = pd.ctx
+        self.qp_type = qp_type
+        self.direct: DirectQp | None = None
+        if ctx.direct is not None:  # the NIC's own queues, mapped here
+            reply = ctx.call("create_qp", pd=pd.handle, send_cq=send_cq.handle, recv_cq=recv_cq.handle,
+                             qp_type=qp_type, max_send_wr=max_send_wr, max_recv_wr=max_recv_wr, max_sge=max_sge)
+            self.handle = int(reply["qp"])
+            self.qpn = int(reply["qpn"])
+            try:
+                self.direct = DirectQp(ctx.direct, self.handle, reply)
+            except BaseException:
+                ctx.call("destroy_qp", qp=self.handle)
+                raise
+            return
         self.sq_buffer = ctx.alloc(Ring.bytes_needed(max_send_wr, SQ_SLOT.size))
         self.rq_buffer = ctx.alloc(Ring.bytes_needed(max_recv_wr, RQ_SLOT.size))
         try:
@@ -311,7 +364,6 @@ class QP(_Resource):
             raise
         self.handle = int(reply["qp"])
         self.qpn = int(reply["qpn"])  # virtual: what a peer names this QP by
-        self.qp_type = qp_type
         self.sq = Ring(ctx.view, self.sq_buffer.offset, max_send_wr, SQ_SLOT, ctx.words)
         self.rq = Ring(ctx.view, self.rq_buffer.offset, max_recv_wr, RQ_SLOT, ctx.words)
 
@@ -327,6 +379,9 @@ class QP(_Resource):
 
     def post_send(self, wrs: SendRequest | Iterable[SendRequest], doorbell: bool = True) -> None:
         """Write the WRs into the shared send ring, then ring the doorbell once (batching)."""
+        if self.direct is not None:
+            self.direct.post_send([wrs] if isinstance(wrs, SendRequest) else list(wrs), doorbell)
+            return
         for wr in [wrs] if isinstance(wrs, SendRequest) else wrs:
             if not self.sq.produce(pack_send(wr)):
                 raise DeviceError("send queue full", errno.ENOMEM)
@@ -337,7 +392,11 @@ class QP(_Resource):
                   sync: bool = False) -> None:
         """Queue receives. vrnicd hands them to the NIC asynchronously; RC's RNR retry covers the
         gap, but a UD receiver that must be ready before its peer sends passes sync=True, which
-        returns only once the NIC holds them (one round trip to vrnicd)."""
+        returns only once the NIC holds them (one round trip to vrnicd). On the direct engine a receive
+        is in the NIC's queue when this returns."""
+        if self.direct is not None:
+            self.direct.post_recv([wrs] if isinstance(wrs, RecvRequest) else list(wrs))
+            return
         for wr in [wrs] if isinstance(wrs, RecvRequest) else wrs:
             if not self.rq.produce(pack_recv(wr)):
                 raise DeviceError("receive queue full", errno.ENOMEM)
@@ -350,6 +409,9 @@ class QP(_Resource):
         ctx = self.pd.ctx
         if not self.closed and not ctx.closed:
             ctx.call("destroy_qp", qp=self.handle)
-            ctx.free(self.sq_buffer)
-            ctx.free(self.rq_buffer)
+            if self.direct is not None:
+                self.direct.close()
+            else:
+                ctx.free(self.sq_buffer)
+                ctx.free(self.rq_buffer)
         self.closed = True

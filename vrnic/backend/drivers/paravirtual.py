@@ -16,20 +16,22 @@ import secrets
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
 from vrnic.backend.attachment import Disconnect, PeerCred
 from vrnic.backend.channel import ChannelLimits, ChannelServer
+from vrnic.backend.direct import DirectEngine, DirectSession
 from vrnic.backend.driver import RnicDriver
-from vrnic.backend.engine import EngineHost, SharedRingEngine
+from vrnic.backend.engine import DataPathEngine, EngineHost, SharedRingEngine
 from vrnic.backend.guest_memory import GuestMemory
 from vrnic.backend.registry import Registry, VirtualRnic
 from vrnic.backend.rnic_edge import DeviceContext, RnicEdge
 from vrnic.backend.session import GuestSession
 from vrnic.backend.vm_link import VmLink, connect_channel
-from vrnic.core.specs import AttachInfo, DeviceInfo, VmBinding, VrnicMode, VrnicSpec, active_roce_v2_gid
+from vrnic.core.specs import AttachInfo, DataEngine, DeviceInfo, VmBinding, VrnicMode, VrnicSpec, active_roce_v2_gid
 from vrnic.core.verb_args import Attach, VmAttach
 from vrnic.errors import Conflict
 
@@ -91,12 +93,19 @@ class VerbsDriver(RnicDriver):
         try:
             if vrnic.session is not None:  # checked again, atomically, by registry.attach
                 raise Conflict(f"vRNIC {vrnic.spec.id} already has a guest attached", current_state="attached")
-            device = self.edge.open(vrnic.device)
-
-            def engine(host: EngineHost) -> SharedRingEngine:
-                return SharedRingEngine(host, busy_poll=busy_poll)
-
-            session = GuestSession(vrnic, self.registry, device, memory, cred, doorbell_fd=doorbell_fd,
+            session_type: type[GuestSession]
+            engine: Callable[[EngineHost], DataPathEngine]
+            if vrnic.spec.engine is DataEngine.DIRECT:
+                if vm_domain is not None:
+                    raise Conflict(f"vRNIC {vrnic.spec.id} uses the direct engine, which VMs cannot: QEMU cannot "
+                                   f"map rxe's kernel queues into guest memory", current_state="direct")
+                device = self.edge.open_direct(vrnic.device)
+                session_type, engine = DirectSession, DirectEngine
+            else:
+                device = self.edge.open(vrnic.device)
+                session_type = GuestSession
+                engine = functools.partial(SharedRingEngine, busy_poll=busy_poll)
+            session = session_type(vrnic, self.registry, device, memory, cred, doorbell_fd=doorbell_fd,
                                    notify_fd=notify_fd, engine_factory=engine, disconnect=disconnect)
             self.registry.attach(vrnic, session, vm_domain)
         except BaseException:
@@ -121,6 +130,11 @@ class VerbsDriver(RnicDriver):
                     return  # libvirtd's `reconnect`, or a repeated `started`
                 self._unbind(binding.domain)  # changed, or QEMU was replaced: bind afresh
             vrnics = [self.registry.get(v.vrnic_id) for v in binding.vrnics]
+            direct = [v.spec.id for v in vrnics if v.spec.engine is DataEngine.DIRECT]
+            if direct:
+                raise Conflict(f"vRNIC(s) {', '.join(direct)} use the direct engine, which VMs cannot: QEMU cannot "
+                               f"map rxe's kernel queues into guest memory (VMs keep the ring engine)",
+                               current_state="direct")
             memory = GuestMemory.from_vm_ram(Path(binding.ram_path), binding.machine)
             state = _BoundVm(binding, memory)
             try:

@@ -1,0 +1,131 @@
+"""The direct engine: the guest drives its vRNIC's own NIC queues; vrnicd mediates only the control path.
+
+vrnicd still runs every control verb (quotas, virtual identities, connect
+checks by tenant and VPC), but creates the vRNIC's objects with raw uverbs
+commands on a ucontext of its own (vrnic.backend.uverbs_edge) and leaves the
+queues unmapped. The guest gets that ucontext's fd with the attach reply, and
+with each create_cq/create_qp reply where its queue lies; with each reg_mr
+reply the physical lkey and address base; and, on request, the physical rkey
+behind a virtual rkey of a connected peer. It translates its own work requests
+from that table, so vrnicd does nothing per post.
+
+Trust: the fd carries the whole ucontext. What contains a guest that abuses
+it is the kernel's own PD check (one ucontext and PD set per vRNIC), the rdma
+cgroup and RLIMIT_MEMLOCK for objects it creates itself, and the RoCE packet
+guard for QPs it points elsewhere (see README, "Two engines").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vrnic.backend.engine import DataPathEngine, EngineHost
+from vrnic.backend.rnic_edge import QpCaps
+from vrnic.backend.session import GuestSession
+from vrnic.backend.uverbs_edge import DirectContext, RawCq, RawQp
+from vrnic.core import verb_args
+from vrnic.core.quota import Resource
+from vrnic.core.rings import Access
+from vrnic.core.session_state import CqEntry, QpEntry, SessionSnapshot
+from vrnic.errors import InvalidArgument, NotFound, NotSupported
+
+
+class DirectEngine(DataPathEngine):
+    """Nothing to move: the guest writes WQEs, rings the doorbell and polls CQEs itself."""
+
+    busy_poll = False
+
+    def __init__(self, host: EngineHost) -> None:
+        self.host = host
+
+    def start(self) -> None:
+        return None
+
+    def wake(self) -> None:
+        return None
+
+    def drain_queues(self) -> int:
+        return 0  # posted WRs are already in the NIC's queues
+
+    def stop(self) -> None:
+        return None
+
+
+class DirectSession(GuestSession):
+    """A guest session on the direct engine: same verbs and checks, different replies."""
+
+    device: DirectContext
+    queue_format = "rxe"
+
+    def attach_result(self) -> dict[str, Any]:
+        return {**super().attach_result(), "engine": "direct", "queue_format": self.queue_format}
+
+    def attach_fds(self) -> list[int]:
+        return [self.device.fd]
+
+    def op_reg_mr(self, args: verb_args.RegMr, handle: int | None = None, vkey: int | None = None) -> dict[str, Any]:
+        result = super().op_reg_mr(args, handle, vkey)
+        window = self.state.mrs.get(result["mr"]).window
+        # The NIC knows the MR by vrnicd's address of it: guest address + iova_base.
+        return {**result, "phys_lkey": window.phys_lkey, "iova_base": window.base}
+
+    def op_create_cq(self, args: verb_args.CreateCq, handle: int | None = None) -> dict[str, Any]:
+        if handle is not None:
+            raise NotSupported("direct-engine sessions cannot be restored")
+        self.state.ledger.check_cqe(args.cqe)
+        with self.state.ledger.reserve((Resource.CQ, 1)):
+            raw: RawCq = self.device.create_cq(args.cqe)
+            cq = CqEntry(args.cqe, None, 0, raw)
+            try:
+                self.state.add_cq(cq, None)
+            except BaseException:
+                self.device.destroy(raw)
+                raise
+        return {"cq": cq.handle, "cqe": raw.cqe, "queue": raw.queue.as_dict()}
+
+    def op_create_qp(self, args: verb_args.CreateQp, handle: int | None = None,
+                     vqpn: int | None = None) -> dict[str, Any]:
+        if handle is not None:
+            raise NotSupported("direct-engine sessions cannot be restored")
+        if args.qp_type != "rc":
+            raise InvalidArgument("on the direct engine QPs are RC: rxe takes a UD destination from the WQE, "
+                                  "which the guest writes (use a vRNIC with engine=ring for UD)")
+        state = self.state
+        pd = state.pds.get(args.pd)
+        send_cq, recv_cq = state.cqs.get(args.send_cq), state.cqs.get(args.recv_cq)
+        state.ledger.check_wr(args.max_send_wr)
+        state.ledger.check_wr(args.max_recv_wr)
+        with state.ledger.reserve((Resource.QP, 1)):
+            raw, phys_qpn = self.device.create_qp(pd.obj, send_cq.obj, recv_cq.obj, args.qp_type,
+                                                  QpCaps(args.max_send_wr, args.max_recv_wr, args.max_sge))
+            qp = QpEntry(state.new_vqpn(), args.qp_type, phys_qpn, pd, send_cq, recv_cq, None, None,
+                         max_sge=args.max_sge, max_send_wr=args.max_send_wr, max_recv_wr=args.max_recv_wr, obj=raw)
+            try:
+                state.add_qp(qp, None)
+            except BaseException:
+                self.device.destroy(raw)
+                raise
+        self.registry.publish_qp(self.vrnic, qp.vqpn, phys_qpn)
+        return {"qp": qp.handle, "qpn": qp.vqpn, **_queues(raw)}
+
+    def op_resolve_rkey(self, args: verb_args.ResolveRkey) -> dict[str, Any]:
+        qp = self.state.qps.get(args.qp)
+        peer_mrs = self.peer_mrs(qp)
+        if peer_mrs is None:
+            raise InvalidArgument("the QP is not connected: remote keys are those of its connected peer")
+        window = peer_mrs.get(args.rkey)
+        if window is None or not window.access & (Access.REMOTE_WRITE | Access.REMOTE_READ | Access.REMOTE_ATOMIC):
+            raise NotFound(f"rkey {args.rkey:#x} is not a remote key of this QP's peer")
+        return {"rkey": window.phys_rkey, "iova_base": window.base}
+
+    def snapshot(self) -> SessionSnapshot:
+        raise NotSupported("direct-engine sessions cannot be snapshotted yet: their queues are the NIC's")
+
+    def restore(self, snapshot: SessionSnapshot) -> None:
+        raise NotSupported("direct-engine sessions cannot be restored yet")
+
+
+def _queues(raw: RawQp) -> dict[str, Any]:
+    """What a guest needs to drive a QP: its physical QPN, the doorbell's handle and the queues."""
+    return {"phys_qpn": raw.qpn, "doorbell_handle": raw.handle, "sq": raw.sq.as_dict(), "rq": raw.rq.as_dict(),
+            "max_send_wr": raw.caps.max_send_wr, "max_recv_wr": raw.caps.max_recv_wr, "max_sge": raw.caps.max_sge}

@@ -1,0 +1,173 @@
+"""The guest's end of the direct engine: the NIC's own queues, mapped here and driven without vrnicd.
+
+vrnicd created the objects on the vRNIC's own ucontext and passed its fd with
+the attach reply. Here each queue is mapped from that fd, WRs are translated
+(virtual lkeys, rkeys and QPNs to physical ones, guest addresses to the
+addresses the NIC registered) and written in the NIC's format, and the send
+doorbell is one ioctl. Posting a receive and polling are plain memory access.
+Translations come from vrnicd's replies and are kept in a table here; vrnicd
+can replace an entry (live migration will need that). Standard library only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from vrnic.core.queue_format.base import PhysWr
+from vrnic.core.queue_format.rxe import (
+    CMD_POST_SEND,
+    POST_SEND_IN,
+    RDMA_VERBS_IOCTL,
+    RxeFormat,
+    RxeQueue,
+    doorbell_command,
+    invoke_write,
+)
+from vrnic.core.rings import Completion, RecvRequest, SendRequest, WrOpcode
+from vrnic.errors import DeviceError, NotSupported, VrnicError
+
+FORMATS = {"rxe": RxeFormat}
+REMOTE_OPS = (WrOpcode.RDMA_WRITE, WrOpcode.RDMA_WRITE_WITH_IMM, WrOpcode.RDMA_READ,
+              WrOpcode.ATOMIC_CMP_AND_SWP, WrOpcode.ATOMIC_FETCH_AND_ADD)
+
+
+@dataclass(frozen=True)
+class PhysKey:
+    key: int  # the physical lkey or rkey
+    iova_base: int  # the NIC knows address a of this MR (as its owner names it) as iova_base + a
+
+
+class DirectDevice:
+    """The vRNIC's uverbs fd and the guest's translation table."""
+
+    def __init__(self, fd: int, queue_format: str, call: Callable[..., dict[str, Any]]) -> None:
+        fmt = FORMATS.get(queue_format)
+        if fmt is None:
+            os.close(fd)
+            raise NotSupported(f"no direct queue format {queue_format!r} in this frontend")
+        self.fd = fd
+        self.format = fmt()
+        self.call = call
+        self.local: dict[int, PhysKey] = {}  # virtual lkey -> physical
+        self.remote: dict[tuple[int, int], PhysKey] = {}  # (QP handle, virtual rkey) -> physical
+        self.vqpn: dict[int, int] = {}  # physical QPN -> virtual
+
+    def map(self, queue: dict[str, int]) -> tuple[mmap.mmap, RxeQueue]:
+        try:
+            mapping = mmap.mmap(self.fd, queue["size"], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE,
+                                offset=queue["offset"])
+        except OSError as exc:
+            raise DeviceError(f"map the NIC queue at {queue['offset']:#x}: {exc.strerror}", exc.errno or 0) from exc
+        view = memoryview(mapping)
+        return mapping, RxeQueue(view, view.cast("I"))
+
+    def learn_mr(self, reply: dict[str, Any]) -> None:
+        self.local[int(reply["lkey"])] = PhysKey(int(reply["phys_lkey"]), int(reply["iova_base"]))
+
+    def forget_mr(self, vkey: int) -> None:
+        self.local.pop(vkey, None)
+
+    def sges(self, sges: Iterable[Any]) -> list[tuple[int, int, int]]:
+        """Guest SGEs in the NIC's terms. An unknown key goes through as it is: the kernel's PD check
+        turns it into an error completion, as it would on the shared-ring engine."""
+        out = []
+        for sge in sges:
+            key = self.local.get(sge.lkey)
+            out.append((sge.addr, sge.length, sge.lkey) if key is None
+                       else (key.iova_base + sge.addr, sge.length, key.key))
+        return out
+
+    def remote_key(self, qp_handle: int, rkey: int) -> PhysKey | None:
+        found = self.remote.get((qp_handle, rkey))
+        if found is None:
+            try:
+                reply = self.call("resolve_rkey", qp=qp_handle, rkey=rkey)
+            except VrnicError:
+                return None  # the NIC refuses it with a remote access error
+            found = self.remote[(qp_handle, rkey)] = PhysKey(int(reply["rkey"]), int(reply["iova_base"]))
+        return found
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class DirectCq:
+    def __init__(self, device: DirectDevice, reply: dict[str, Any]) -> None:
+        self.device = device
+        self.mapping, self.queue = device.map(reply["queue"])
+
+    def poll(self, max_entries: int) -> list[Completion]:
+        queue, parse, vqpn = self.queue, self.device.format.parse_cqe, self.device.vqpn
+        done: list[Completion] = []
+        while len(done) < max_entries and not queue.empty():
+            wc = parse(queue.buf, queue.slot(queue.consumer))
+            queue.advance_consumer()
+            done.append(Completion(wc.wr_id, wc.status, wc.opcode, wc.byte_len, wc.imm_data, vqpn.get(wc.qp_num, 0),
+                                   wc.src_qp, wc.wc_flags, wc.vendor_err))
+        return done
+
+    def close(self) -> None:
+        self.queue.words.release()
+        self.queue.buf.release()
+        self.mapping.close()
+
+
+class DirectQp:
+    def __init__(self, device: DirectDevice, handle: int, reply: dict[str, Any]) -> None:
+        self.device = device
+        self.handle = handle
+        self.sq_mapping, self.sq = device.map(reply["sq"])
+        self.rq_mapping, self.rq = device.map(reply["rq"])
+        device.vqpn[int(reply["phys_qpn"])] = int(reply["qpn"])
+        self.ssn = 0
+        # The doorbell: an empty POST_SEND through the ioctl path, built once.
+        self._in = ctypes.create_string_buffer(doorbell_command(int(reply["doorbell_handle"])), POST_SEND_IN.size)
+        self._out = ctypes.create_string_buffer(4)
+        self._doorbell = invoke_write(CMD_POST_SEND, (ctypes.addressof(self._in), POST_SEND_IN.size),
+                                      (ctypes.addressof(self._out), 4))
+
+    def post_send(self, wrs: list[SendRequest], doorbell: bool = True) -> None:
+        device, sq, encode = self.device, self.sq, self.device.format.send_wqe
+        for wr in wrs:
+            if sq.full():
+                raise DeviceError("send queue full", errno.ENOMEM)
+            phys = PhysWr(wr.wr_id, int(wr.opcode), device.sges(wr.sges), wr.signaled, wr.imm, wr.remote_addr,
+                          wr.rkey, wr.compare_add, wr.swap)
+            if wr.opcode in REMOTE_OPS:
+                key = device.remote_key(self.handle, wr.rkey)
+                if key is not None:
+                    phys.rkey, phys.remote_addr = key.key, key.iova_base + wr.remote_addr
+            encode(sq.buf, sq.slot(sq.producer), phys, self.ssn)
+            self.ssn += 1
+            sq.advance_producer()
+        if doorbell:
+            self.ring()
+
+    def ring(self) -> None:
+        try:
+            fcntl.ioctl(self.device.fd, RDMA_VERBS_IOCTL, self._doorbell)
+        except OSError as exc:
+            raise DeviceError(f"send doorbell: {exc.strerror}", exc.errno or 0) from exc
+
+    def post_recv(self, wrs: list[RecvRequest]) -> None:
+        device, rq, encode = self.device, self.rq, self.device.format.recv_wqe
+        for wr in wrs:
+            if rq.full():
+                raise DeviceError("receive queue full", errno.ENOMEM)
+            encode(rq.buf, rq.slot(rq.producer), wr.wr_id, device.sges(wr.sges))
+            rq.advance_producer()
+
+    def close(self) -> None:
+        for queue, mapping in ((self.sq, self.sq_mapping), (self.rq, self.rq_mapping)):
+            queue.words.release()
+            queue.buf.release()
+            mapping.close()
