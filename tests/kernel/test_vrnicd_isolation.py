@@ -115,10 +115,10 @@ def test_memory_outside_the_arena_and_foreign_keys_are_refused(make_vrnic: Calla
 
 @pytest.mark.parametrize("limit", ["max_pds", "max_cqs", "max_qps", "max_mrs", "max_pinned_bytes",
                                    "max_cqe", "max_wr"])
-def test_each_quota_limit_is_hit_and_reported(make_vrnic: Callable[..., AttachInfo], limit: str) -> None:
+def test_each_quota_limit_is_hit_and_reported(make_vrnic: Callable[..., AttachInfo], limit: str, engine: str) -> None:
     quota = {"max_pds": 2, "max_cqs": 2, "max_qps": 2, "max_mrs": 2, "max_pinned_bytes": 64 * 1024,
              "max_cqe": 64, "max_wr": 32}
-    with Context.attach(make_vrnic(**quota), 4 << 20) as ctx:
+    with Context.attach(make_vrnic(engine=engine, **quota), 4 << 20) as ctx:
         held: list[object] = []
         pd = PD(ctx)
         held.append(pd)
@@ -203,10 +203,10 @@ def test_malformed_truncated_and_oversized_messages_never_hurt_the_daemon(
 
 
 def test_a_guest_killed_mid_traffic_leaves_no_kernel_objects(make_vrnic: Callable[..., AttachInfo],
-                                                             device_pair: tuple[str, str]) -> None:
+                                                             device_pair: tuple[str, str], engine: str) -> None:
     baseline = resource_counts()
-    target_info = make_vrnic(device=device_pair[1])
-    writer_info = make_vrnic(device=device_pair[0])
+    target_info = make_vrnic(device=device_pair[1], engine=engine)
+    writer_info = make_vrnic(device=device_pair[0], engine=engine)
     with Context.attach(target_info, 1 << 20) as target:
         pd, cq = PD(target), CQ(target, 16)
         mr = MR(pd, 65536, ALL)

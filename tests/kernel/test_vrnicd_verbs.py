@@ -224,9 +224,8 @@ def test_direct_engine_keeps_ud_on_the_ring_engine(make_vrnic: Callable[..., Att
     """rxe takes a UD destination from the WQE, which a direct guest writes: UD is refused there."""
     ctx = Context.attach(make_vrnic(device=device_pair[0], engine="direct"), arena_bytes=1 << 20)
     try:
-        with PD(ctx) as pd, CQ(ctx, 16) as cq:
-            with pytest.raises(InvalidArgument, match="UD"):
-                QP(pd, cq, cq, qp_type="ud")
+        with PD(ctx) as pd, CQ(ctx, 16) as cq, pytest.raises(InvalidArgument, match="UD"):
+            QP(pd, cq, cq, qp_type="ud")
     finally:
         ctx.close()
 

@@ -58,6 +58,7 @@ class DirectDevice:
         self.local: dict[int, PhysKey] = {}  # virtual lkey -> physical
         self.remote: dict[tuple[int, int], PhysKey] = {}  # (QP handle, virtual rkey) -> physical
         self.vqpn: dict[int, int] = {}  # physical QPN -> virtual
+        self.mapped: list[DirectCq | DirectQp] = []  # a mapping holds the ucontext open: unmap all at close
 
     def map(self, queue: dict[str, int]) -> tuple[mmap.mmap, RxeQueue]:
         try:
@@ -95,6 +96,8 @@ class DirectDevice:
         return found
 
     def close(self) -> None:
+        for queue in list(self.mapped):
+            queue.close()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -104,6 +107,7 @@ class DirectCq:
     def __init__(self, device: DirectDevice, reply: dict[str, Any]) -> None:
         self.device = device
         self.mapping, self.queue = device.map(reply["queue"])
+        device.mapped.append(self)
 
     def poll(self, max_entries: int) -> list[Completion]:
         queue, parse, vqpn = self.queue, self.device.format.parse_cqe, self.device.vqpn
@@ -116,6 +120,8 @@ class DirectCq:
         return done
 
     def close(self) -> None:
+        if self in self.device.mapped:
+            self.device.mapped.remove(self)
         self.queue.words.release()
         self.queue.buf.release()
         self.mapping.close()
@@ -126,7 +132,14 @@ class DirectQp:
         self.device = device
         self.handle = handle
         self.sq_mapping, self.sq = device.map(reply["sq"])
-        self.rq_mapping, self.rq = device.map(reply["rq"])
+        try:
+            self.rq_mapping, self.rq = device.map(reply["rq"])
+        except BaseException:
+            self.sq.words.release()
+            self.sq.buf.release()
+            self.sq_mapping.close()
+            raise
+        device.mapped.append(self)
         device.vqpn[int(reply["phys_qpn"])] = int(reply["qpn"])
         self.ssn = 0
         # The doorbell: an empty POST_SEND through the ioctl path, built once.
@@ -167,6 +180,8 @@ class DirectQp:
             rq.advance_producer()
 
     def close(self) -> None:
+        if self in self.device.mapped:
+            self.device.mapped.remove(self)
         for queue, mapping in ((self.sq, self.sq_mapping), (self.rq, self.rq_mapping)):
             queue.words.release()
             queue.buf.release()
