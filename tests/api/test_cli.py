@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from fastapi import FastAPI
@@ -13,6 +14,7 @@ from typer.testing import CliRunner
 from vrnic.api.app import create_app
 from vrnic.backend.drivers.fake import FakeDriver
 from vrnic.backend.service import BackendService
+from vrnic.cli import vm as vm_cli
 from vrnic.cli.main import app as cli
 from vrnic.config import DaemonSettings
 from vrnic.core.specs import VrnicMode
@@ -90,6 +92,53 @@ def test_errors_are_one_line_with_a_non_zero_exit(run, api_url: str) -> None:  #
     assert code == 1 and err.strip() == "vrnic: 401 unauthenticated: invalid or revoked token"
     code, _, err = run("vrnics", "allocate", "--mode", "sriov", "--tenant", "acme")
     assert code == 1 and "not_supported" in err and len(err.strip().splitlines()) == 1
+
+
+def test_engine_is_chosen_at_allocation_and_a_direct_vrnic_stays_out_of_vms(  # type: ignore[no-untyped-def]
+        run, backend: BackendService, monkeypatch: pytest.MonkeyPatch) -> None:
+    run("tenants", "create", "acme")
+    code, out, _ = run("vrnics", "allocate", "--tenant", "acme", "--engine", "direct", "--json")
+    assert code == 0
+    direct = json.loads(out)
+    assert direct["engine"] == "direct"
+    code, out, _ = run("vrnics", "allocate", "--tenant", "acme", "--json")
+    assert code == 0 and json.loads(out)["engine"] == "ring"
+    code, out, _ = run("vrnics", "list")
+    assert code == 0 and "engine" in out and "direct" in out and "ring" in out
+    code, out, _ = run("vrnics", "show", direct["id"])
+    assert code == 0 and "direct" in out
+    code, _, err = run("vrnics", "allocate", "--tenant", "acme", "--mode", "sriov", "--engine", "direct")
+    assert code == 1 and "the direct engine is for paravirtual vRNICs" in err and len(err.strip().splitlines()) == 1
+    # vm attach: the API refuses before the domain's XML is touched
+    defined: list[str] = []
+
+    class Domain:
+        name = "vm1"
+
+        def persistent_xml(self) -> str:
+            return "<domain type='kvm'><name>vm1</name><devices/></domain>"
+
+        def is_active(self) -> bool:
+            return False
+
+    class Libvirt:
+        def domain(self, name: str) -> Domain:
+            return Domain()
+
+        def define(self, domain_xml: str, name: str) -> None:
+            defined.append(domain_xml)
+
+    @contextmanager
+    def connect(uri: str) -> Iterator[Libvirt]:
+        yield Libvirt()
+
+    monkeypatch.setattr(vm_cli, "connect", connect)
+    code, _, err = run("vm", "attach", "vm1", "--vrnic", direct["id"])
+    assert code == 1 and len(err.strip().splitlines()) == 1
+    assert f"400 invalid_argument: vRNIC {direct['id']} uses the direct engine, which a VM cannot use" in err
+    assert defined == []
+    code, out, _ = run("vrnics", "show", direct["id"], "--json")
+    assert json.loads(out)["vm_domain"] is None
 
 
 def test_unreachable_api_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -100,3 +100,33 @@ def test_vrnic_vm_domain_is_added_and_dropped_in_place(migrated: Engine) -> None
     upgrade(migrated)
     with migrated.connect() as connection:
         assert connection.execute(text("SELECT public_id, vm_domain FROM vrnics")).all() == [("vr-1", None)]
+
+
+def test_vrnic_engine_is_added_as_ring_and_dropped_in_place(migrated: Engine) -> None:
+    column = {c["name"]: c for c in inspect(migrated).get_columns("vrnics")}["engine"]
+    assert not column["nullable"]
+    downgrade(migrated, "0003")
+    assert "engine" not in {c["name"] for c in inspect(migrated).get_columns("vrnics")}
+    row = ("INSERT INTO vrnics (public_id, tenant_id, mode, state, host_id, device_name, quota, qos, virtual_gid, "
+           "attach_extra, created_at, updated_at{}) VALUES ('vr-{}', 1, 'paravirtual', 'allocated', 1, 'fake0', "
+           "'{{}}', '{{}}', 'gid-{}', '{{}}', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP{})")
+    with migrated.begin() as connection:  # a vRNIC from before engines existed
+        connection.execute(text("INSERT INTO hosts (name, version, registered_at, last_seen_at) "
+                                "VALUES ('h', '0', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
+        connection.execute(text("INSERT INTO tenants (name, vpc_id, default_quota, created_at) "
+                                "VALUES ('t', 1, '{}', CURRENT_TIMESTAMP)"))
+        connection.execute(text(row.format("", 1, 1, "")))
+        connection.execute(text("INSERT INTO sriov_vfs (host_id, pf, vf_index, vanished, vrnic_serial, updated_at) "
+                                "VALUES (1, 'eth0', 0, false, 1, CURRENT_TIMESTAMP)"))
+    upgrade(migrated)
+    with migrated.begin() as connection:  # it keeps the engine it always had
+        assert connection.execute(text("SELECT public_id, engine FROM vrnics")).all() == [("vr-1", "ring")]
+        connection.execute(text(row.format(", engine", 2, 2, ", 'direct'")))
+    if migrated.dialect.name == "sqlite":  # altered in place: serials are still never reused
+        with migrated.connect() as connection:
+            assert "AUTOINCREMENT" in connection.scalar(text("SELECT sql FROM sqlite_master WHERE name = 'vrnics'"))
+    downgrade(migrated, "0003")
+    assert "engine" not in {c["name"] for c in inspect(migrated).get_columns("vrnics")}
+    with migrated.connect() as connection:  # the rows stay, and so does what refers to them
+        assert connection.execute(text("SELECT public_id FROM vrnics ORDER BY serial")).all() == [("vr-1",), ("vr-2",)]
+        assert connection.execute(text("SELECT vrnic_serial FROM sriov_vfs")).all() == [(1,)]

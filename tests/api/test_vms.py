@@ -74,6 +74,28 @@ def test_attach_records_the_domain_and_refuses_what_it_must(client: TestClient, 
     assert actions.count("vrnic.vm_attach") == 2 and actions.count("vrnic.vm_detach") == 1
 
 
+def test_a_direct_vrnic_cannot_go_to_a_vm(client: TestClient, backend: BackendService,
+                                          make_tenant: Callable[..., Tenant]) -> None:
+    acme = make_tenant("acme")
+    direct = client.post("/api/v1/vrnics", json={"engine": "direct"}, headers=_as(acme)).json()
+    refused = client.put(f"/api/v1/vrnics/{direct['id']}/vm", json={"domain": "vm1"}, headers=_as(acme))
+    assert refused.status_code == 400 and refused.headers["content-type"] == "application/problem+json"
+    assert refused.json()["code"] == "invalid_argument"
+    assert f"vRNIC {direct['id']} uses the direct engine, which a VM cannot use" in refused.json()["detail"]
+    assert "ring engine" in refused.json()["detail"]
+    assert client.get(f"/api/v1/vrnics/{direct['id']}", headers=_as(acme)).json()["vm_domain"] is None
+    # nor can the hook start a domain whose XML names it
+    admission = client.post("/api/v1/vms/vm1/admission", json={"vrnic_ids": [direct["id"]]})
+    assert admission.status_code == 400 and admission.json()["detail"].endswith("refusing to start vm1")
+    ring = _allocate(client, acme)
+    bound = client.put("/api/v1/vms/vm1/binding", json=_binding("vm1", ring["id"], direct["id"]))
+    assert bound.status_code == 400 and "direct engine" in bound.json()["detail"]
+    assert backend.vm_bindings() == {}
+    assert client.get(f"/api/v1/vrnics/{ring['id']}").json()["vm_domain"] is None  # all or nothing
+    actions = [e["action"] for e in client.get("/api/v1/events", params={"limit": 200}).json()["items"]]
+    assert "vrnic.vm_attach" not in actions and "vm.bind" not in actions
+
+
 def test_hook_admission_bind_unbind(client: TestClient, backend: BackendService,
                                     make_tenant: Callable[..., Tenant]) -> None:
     acme = make_tenant("acme")

@@ -6,6 +6,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine
 
@@ -14,7 +15,7 @@ from vrnic.backend.driver import load_driver
 from vrnic.backend.drivers.fake import FakeDriver
 from vrnic.backend.service import BackendService
 from vrnic.config import DaemonSettings
-from vrnic.core.specs import VrnicMode
+from vrnic.core.specs import DataEngine, VrnicMode, VrnicSpec
 from vrnic.core.vaddr import parse_virtual_gid
 
 Tenant = dict[str, str]
@@ -196,6 +197,53 @@ def test_bad_requests_are_problems_and_allocate_nothing(client: TestClient, back
     assert client.post("/api/v1/vrnics", json={}).json()["code"] == "invalid_argument"  # operator: which tenant?
     assert backend.vrnic_ids() == set()
     assert client.get("/api/v1/vrnics").json()["items"] == []
+
+
+def test_engine_is_ring_by_default_and_direct_is_kept(client: TestClient, backend: BackendService,
+                                                     make_tenant: Callable[..., Tenant],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    acme = make_tenant("acme")
+    asked: list[VrnicSpec] = []
+    create = backend.create_vrnic
+    monkeypatch.setattr(backend, "create_vrnic", lambda spec: asked.append(spec) or create(spec))
+    ring = _allocate(client, acme)
+    direct = _allocate(client, acme, engine="direct")
+    assert (ring["engine"], direct["engine"]) == ("ring", "direct")
+    assert [s.engine for s in asked] == [DataEngine.RING, DataEngine.DIRECT]  # vrnicd is asked for it
+    for vrnic in (ring, direct):  # stored: reads show it
+        assert client.get(f"/api/v1/vrnics/{vrnic['id']}", headers=_as(acme)).json()["engine"] == vrnic["engine"]
+    listed = client.get("/api/v1/vrnics", headers=_as(acme)).json()["items"]
+    assert [(v["id"], v["engine"]) for v in listed] == [(ring["id"], "ring"), (direct["id"], "direct")]
+    allocated = client.get("/api/v1/events", params={"subject": f"vrnic/{direct['id']}"}).json()["items"][0]
+    assert allocated["action"] == "vrnic.allocate" and allocated["detail"]["engine"] == "direct"
+    released = client.delete(f"/api/v1/vrnics/{direct['id']}", headers=_as(acme))
+    assert released.status_code == 200 and released.json()["engine"] == "direct"
+
+
+def test_sriov_with_the_direct_engine_is_a_problem_and_allocates_nothing(
+        client: TestClient, backend: BackendService, make_tenant: Callable[..., Tenant]) -> None:
+    acme = make_tenant("acme")
+    for body in ({"mode": "sriov", "engine": "direct"}, {"engine": "turbo"}):
+        response = client.post("/api/v1/vrnics", json=body, headers=_as(acme))
+        assert response.status_code == 422, response.text
+        assert response.headers["content-type"] == "application/problem+json"
+        problem = response.json()
+        assert problem["code"] == "invalid_request" and problem["status"] == 422 and problem["errors"]
+    assert "the direct engine is for paravirtual vRNICs" in client.post(
+        "/api/v1/vrnics", json={"mode": "sriov", "engine": "direct"}, headers=_as(acme)).json()["detail"]
+    assert backend.vrnic_ids() == set()
+    assert client.get("/api/v1/vrnics").json()["items"] == []
+
+
+def test_idempotency_key_tells_the_engines_apart(client: TestClient, make_tenant: Callable[..., Tenant]) -> None:
+    acme = make_tenant("acme")
+    key = {"Idempotency-Key": str(uuid.uuid4()), **_as(acme)}
+    first = client.post("/api/v1/vrnics", json={}, headers=key)
+    assert first.status_code == 201
+    same = client.post("/api/v1/vrnics", json={"engine": "ring"}, headers=key)  # the default, said out loud
+    assert same.status_code == 200 and same.json()["id"] == first.json()["id"]
+    other = client.post("/api/v1/vrnics", json={"engine": "direct"}, headers=key)
+    assert other.status_code == 409 and "different request" in other.json()["detail"]
 
 
 def test_operator_allocates_for_a_tenant_and_lists_paginate(client: TestClient,

@@ -18,7 +18,7 @@ from vrnic.api.schemas import (
     VrnicOut,
 )
 from vrnic.core.lifecycle import VrnicState
-from vrnic.core.specs import AttachInfo, PortInfo, QosPolicy, Quota, VrnicMode
+from vrnic.core.specs import AttachInfo, DataEngine, PortInfo, QosPolicy, Quota, VrnicMode
 from vrnic.db.tables import ApiToken, Device, Event, Host, Tenant, Vrnic
 from vrnic.sriov.manager import PfInventory
 from vrnic.sriov.vf_types import Allocation, VfConfig, VfEvent, VfInfo
@@ -37,9 +37,9 @@ def vrnic_out(row: Vrnic, *, tenant: str, host: str, state: VrnicState | None = 
     """state: the observed state when it differs from the stored one (not persisted yet)."""
     mode = VrnicMode(row.mode)
     return VrnicOut(
-        id=row.public_id, tenant=tenant, mode=mode, state=state or VrnicState(row.state), host=host,
-        device=row.device_name, virtual_gid=row.virtual_gid, quota=Quota.model_validate(row.quota),
-        qos=QosPolicy.model_validate(row.qos),
+        id=row.public_id, tenant=tenant, mode=mode, engine=DataEngine(row.engine),
+        state=state or VrnicState(row.state), host=host, device=row.device_name, virtual_gid=row.virtual_gid,
+        quota=Quota.model_validate(row.quota), qos=QosPolicy.model_validate(row.qos),
         attach=AttachInfo(vrnic_id=row.public_id, mode=mode, device=row.device_name, virtual_gid=row.virtual_gid,
                           socket_path=row.socket_path, extra=row.attach_extra),
         vm_domain=row.vm_domain, created_at=row.created_at, updated_at=row.updated_at, released_at=row.released_at)

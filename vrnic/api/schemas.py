@@ -5,10 +5,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vrnic.core.lifecycle import VrnicState
-from vrnic.core.specs import AttachInfo, PortInfo, QosPolicy, Quota, VrnicMode
+from vrnic.core.specs import AttachInfo, DataEngine, PortInfo, QosPolicy, Quota, VrnicMode, check_engine
 
 T = TypeVar("T")
 
@@ -86,12 +86,21 @@ class VrnicCreate(BaseModel):
     device: str | None = Field(None, max_length=64, description="a physical device; default: the least loaded")
     quota: Quota | None = Field(None, description="default: the tenant's default quota")
     qos: QosPolicy = QosPolicy()
+    engine: DataEngine = Field(DataEngine.RING, description="ring (vrnicd moves posts and completions) or direct "
+                                                            "(the guest drives the NIC's queues; mode paravirtual "
+                                                            "only, and not for VMs)")
+
+    @model_validator(mode="after")
+    def _engine_fits_the_mode(self) -> VrnicCreate:
+        check_engine(self.mode, self.engine)
+        return self
 
 
 class VrnicOut(BaseModel):
     id: str
     tenant: str
     mode: VrnicMode
+    engine: DataEngine = Field(description="the data-path engine (paravirtual; SR-IOV vRNICs show ring)")
     state: VrnicState
     host: str
     device: str

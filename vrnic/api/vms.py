@@ -20,7 +20,7 @@ from vrnic.api.transactions import Transactions
 from vrnic.api.vrnics import find_vrnic
 from vrnic.backend.service import BackendService
 from vrnic.core.lifecycle import VrnicState
-from vrnic.core.specs import VmBinding, VrnicMode
+from vrnic.core.specs import DataEngine, VmBinding, VrnicMode
 from vrnic.db.tables import Vrnic
 from vrnic.errors import Conflict, InvalidArgument, NotFound
 
@@ -37,6 +37,7 @@ class Vms:
             row, tenant = find_vrnic(uow.session, principal, vrnic_id, for_update=True)
             if row.state == VrnicState.RELEASED.value:
                 raise Conflict(f"vRNIC {vrnic_id} was released", current_state="released")
+            _refuse_direct(row, "give the VM a vRNIC with the ring engine")
             if row.vm_domain not in (None, domain):
                 raise Conflict(f"vRNIC {vrnic_id} is attached to VM {row.vm_domain}; detach it there first",
                                current_state="attached")
@@ -95,7 +96,7 @@ class Vms:
     # -- rules -------------------------------------------------------------------------------------
     def _admit(self, s: Session, principal: Principal, domain: str, vrnic_ids: list[str], *,
                for_update: bool = False) -> list[Vrnic]:
-        """Every vRNIC exists, is live and paravirtual, and belongs to this domain or to none."""
+        """Every vRNIC exists, is live, paravirtual with the ring engine, and belongs to this domain or to none."""
         if len(set(vrnic_ids)) != len(vrnic_ids):
             raise InvalidArgument(f"a vRNIC is named twice for {domain}")
         if for_update:  # one lock order for every writer (serial), so two bindings cannot deadlock (PostgreSQL)
@@ -115,6 +116,7 @@ class Vms:
             if row.mode != VrnicMode.PARAVIRTUAL.value:
                 raise InvalidArgument(f"vRNIC {vrnic_id} is {row.mode}: its VF goes to {domain} as a hostdev "
                                       "interface, not through vrnicd")
+            _refuse_direct(row, f"refusing to start {domain}")
             if row.vm_domain not in (None, domain):
                 raise Conflict(f"vRNIC {vrnic_id} is attached to VM {row.vm_domain}; refusing to start {domain}",
                                current_state="attached")
@@ -128,3 +130,9 @@ class Vms:
     def _out(self, s: Session, row: Vrnic, tenant: str) -> VrnicOut:
         return vrnic_out(row, tenant=tenant, host=self.inventory.host_name_of(s, row.host_id))
 
+
+def _refuse_direct(row: Vrnic, then: str) -> None:
+    """A VM's vRNIC keeps the ring engine: stock QEMU cannot map the NIC's kernel queues into guest memory."""
+    if row.engine == DataEngine.DIRECT.value:
+        raise InvalidArgument(f"vRNIC {row.public_id} uses the direct engine, which a VM cannot use (stock QEMU "
+                              f"cannot map the NIC's queues into guest memory); {then}")

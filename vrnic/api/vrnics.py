@@ -25,7 +25,7 @@ from vrnic.api.tenants import find_tenant, live_vrnics
 from vrnic.api.transactions import Transactions
 from vrnic.backend.service import BackendService
 from vrnic.core.lifecycle import VrnicAction, VrnicState, check_vrnic_count, next_state, observed_state
-from vrnic.core.specs import Quota, VrnicMode, VrnicSpec
+from vrnic.core.specs import DataEngine, Quota, VrnicMode, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
 from vrnic.db.tables import Tenant, Vrnic, utcnow
 from vrnic.db.unit_of_work import DAEMON_ACTOR, UnitOfWork
@@ -83,7 +83,9 @@ class Vrnics:
         """(the vRNIC, replayed): replayed is True when idempotency_key matched an earlier allocation."""
         if idempotency_key is not None and not 1 <= len(idempotency_key) <= 255:
             raise InvalidArgument("Idempotency-Key must be 1 to 255 characters")
-        request_hash = hashlib.sha256(json.dumps(body.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+        # The default engine is left out, so a key recorded before `engine` existed still matches its retry.
+        request = body.model_dump(mode="json", exclude={"engine"} if body.engine is DataEngine.RING else None)
+        request_hash = hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()
         try:
             return self._allocate(principal, body, idempotency_key, request_hash), False
         except Replayed as replay:
@@ -116,7 +118,8 @@ class Vrnics:
             quota = body.quota or Quota.model_validate(tenant.default_quota)
             public_id, now = f"vr-{uuid.uuid4().hex}", utcnow()
             values: dict[str, Any] = dict(
-                public_id=public_id, tenant_id=tenant.id, mode=body.mode.value, state=VrnicState.ALLOCATED.value,
+                public_id=public_id, tenant_id=tenant.id, mode=body.mode.value, engine=body.engine.value,
+                state=VrnicState.ALLOCATED.value,
                 host_id=self.inventory.host_id, device_id=None, device_name="", quota=quota.model_dump(),
                 qos=body.qos.model_dump(), virtual_gid=public_id, socket_path=None, attach_extra={},
                 idempotency_key=idempotency_key, request_hash=request_hash, created_at=now, updated_at=now,
@@ -126,7 +129,7 @@ class Vrnics:
             serial = int(s.execute(_INSERT_VRNIC, values).scalar_one())
             virtual_gid = make_virtual_gid(tenant.vpc_id, serial)
             spec = VrnicSpec(id=public_id, tenant=tenant.name, mode=body.mode, device=body.device, quota=quota,
-                             qos=body.qos, vpc_id=tenant.vpc_id, virtual_gid=virtual_gid)
+                             qos=body.qos, vpc_id=tenant.vpc_id, virtual_gid=virtual_gid, engine=body.engine)
             info = self.backend.create_vrnic(spec)
             # the backend holds it: if the database does not end up holding it too, undo
             uow.on_failure(lambda: self._release_backend(public_id))
@@ -136,7 +139,8 @@ class Vrnics:
                           attach_extra=dict(info.extra), device_id=device_id, updated_at=now)
             s.execute(_PLACE_VRNIC, {**placed, "b_serial": serial})
             uow.record("vrnic.allocate", f"vrnic/{public_id}", tenant.id,
-                       {"mode": body.mode.value, "device": info.device, "virtual_gid": virtual_gid,
+                       {"mode": body.mode.value, "engine": body.engine.value, "device": info.device,
+                        "virtual_gid": virtual_gid,
                         **({"idempotency_key": idempotency_key} if idempotency_key else {})})
             # a transient row (never added to the session) so the one converter serves this path too
             out = vrnic_out(Vrnic(serial=serial, **{**values, **placed}), tenant=tenant.name,

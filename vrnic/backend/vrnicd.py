@@ -21,7 +21,7 @@ from pathlib import Path
 
 from vrnic.backend.channel import ChannelLimits, group_id
 from vrnic.backend.drivers.paravirtual import DEFAULT_SOCKET, VerbsDriver
-from vrnic.core.specs import Quota, VrnicSpec
+from vrnic.core.specs import DataEngine, Quota, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
 from vrnic.errors import InvalidArgument, VrnicError
 
@@ -29,13 +29,16 @@ log = logging.getLogger("vrnicd")
 
 
 def parse_vrnic(text: str, serial: int, quota: Quota) -> tuple[VrnicSpec, str]:
-    """'ID:TENANT:DEVICE[:VPC]' -> (spec, device)."""
+    """'ID:TENANT:DEVICE[:VPC[:ENGINE]]' -> (spec, device); ENGINE is ring (the default) or direct."""
     parts = text.split(":")
-    if len(parts) not in (3, 4) or not all(parts):
-        raise InvalidArgument(f"--vrnic takes ID:TENANT:DEVICE[:VPC], not {text!r}")
-    vpc = int(parts[3]) if len(parts) == 4 else 0
+    engines = {e.value for e in DataEngine}
+    if len(parts) not in (3, 4, 5) or not all(parts) or (len(parts) == 5 and parts[4] not in engines):
+        raise InvalidArgument(f"--vrnic takes ID:TENANT:DEVICE[:VPC[:ENGINE]] with ENGINE ring or direct, "
+                              f"not {text!r}")
+    vpc = int(parts[3]) if len(parts) >= 4 else 0
+    engine = DataEngine(parts[4]) if len(parts) == 5 else DataEngine.RING
     spec = VrnicSpec(id=parts[0], tenant=parts[1], vpc_id=vpc, quota=quota,
-                     virtual_gid=make_virtual_gid(vpc, serial))
+                     virtual_gid=make_virtual_gid(vpc, serial), engine=engine)
     return spec, parts[2]
 
 
@@ -52,7 +55,7 @@ def parse_quota(items: list[str]) -> Quota:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--socket", type=Path, default=DEFAULT_SOCKET)
-    parser.add_argument("--vrnic", action="append", default=[], help="ID:TENANT:DEVICE[:VPC]")
+    parser.add_argument("--vrnic", action="append", default=[], help="ID:TENANT:DEVICE[:VPC[:ENGINE]]")
     parser.add_argument("--quota", action="append", default=[], help="NAME=INT, for every vRNIC")
     parser.add_argument("--attach-out", type=Path, help="write the attach records here instead of stdout")
     parser.add_argument("--socket-mode", type=lambda text: int(text, 8), default=0o660,

@@ -8,12 +8,12 @@ import typer
 
 from vrnic.cli.client import AllOpt, CursorOpt, JsonFlag, LimitOpt, api, parse_pairs, show, show_fields
 from vrnic.core.lifecycle import VrnicState
-from vrnic.core.specs import VrnicMode
+from vrnic.core.specs import DataEngine, VrnicMode
 
 app = typer.Typer(help="vRNICs: allocate, list, show, release (attach state is what vrnicd observes).",
                   no_args_is_help=True)
 
-COLUMNS = ["id", "tenant", "mode", "state", "host", "device", "virtual_gid", "created_at"]
+COLUMNS = ["id", "tenant", "mode", "engine", "state", "host", "device", "virtual_gid", "created_at"]
 
 
 def _flat(vrnic: dict[str, Any]) -> dict[str, Any]:
@@ -26,6 +26,9 @@ def _flat(vrnic: dict[str, Any]) -> dict[str, Any]:
 def allocate(
     tenant: Annotated[str | None, typer.Option(help="Operator: the tenant to allocate for.")] = None,
     mode: Annotated[VrnicMode, typer.Option(help="paravirtual or sriov.")] = VrnicMode.PARAVIRTUAL,
+    engine: Annotated[DataEngine, typer.Option(help="Paravirtual data path: ring (vrnicd moves posts) or direct "
+                                                    "(the guest drives the NIC's queues; not for VMs).")
+                      ] = DataEngine.RING,
     device: Annotated[str | None, typer.Option(help="A physical device (default: the least loaded).")] = None,
     quota: Annotated[list[str] | None, typer.Option(help="Quota KEY=N (repeat), e.g. max_qps=8.")] = None,
     rate_cap: Annotated[int | None, typer.Option(help="QoS rate cap, Mbit/s.")] = None,
@@ -36,6 +39,8 @@ def allocate(
 ) -> None:
     """Allocate a vRNIC and print its attach information (the attach token is shown only now)."""
     body: dict[str, Any] = {"mode": mode.value, "qos": {"rate_cap_mbps": rate_cap, "guarantee_mbps": guarantee}}
+    if engine is not DataEngine.RING:
+        body["engine"] = engine.value
     if tenant:
         body["tenant"] = tenant
     if device:

@@ -94,9 +94,14 @@ class VrnicSpec(BaseModel):
 
     @model_validator(mode="after")
     def _direct_is_paravirtual(self) -> VrnicSpec:
-        if self.engine is DataEngine.DIRECT and self.mode is not VrnicMode.PARAVIRTUAL:
-            raise ValueError("the direct engine is for paravirtual vRNICs (an SR-IOV VF is direct already)")
+        check_engine(self.mode, self.engine)
         return self
+
+
+def check_engine(mode: VrnicMode, engine: DataEngine) -> None:
+    """The one rule for which mode an engine serves (VrnicSpec and the REST request both apply it)."""
+    if engine is DataEngine.DIRECT and mode is not VrnicMode.PARAVIRTUAL:
+        raise ValueError("the direct engine is for paravirtual vRNICs (an SR-IOV VF is direct already)")
 
 
 class AttachInfo(BaseModel):

@@ -136,6 +136,7 @@ class Vrnic(Base):
     public_id: Mapped[str] = mapped_column(String(40), unique=True)  # "vr-<hex>", what the API shows
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="RESTRICT"))
     mode: Mapped[str] = mapped_column(String(16))  # vrnic.core.specs.VrnicMode
+    engine: Mapped[str] = mapped_column(String(16), default="ring", server_default="ring")  # specs.DataEngine
     state: Mapped[str] = mapped_column(String(16), index=True)  # vrnic.core.lifecycle.VrnicState
     host_id: Mapped[int] = mapped_column(ForeignKey("hosts.id", ondelete="RESTRICT"), index=True)
     device_id: Mapped[int | None] = mapped_column(ForeignKey("devices.id", ondelete="SET NULL"))
