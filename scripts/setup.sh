@@ -10,6 +10,8 @@ packages=(
   qemu-system-x86 linux-image-amd64 busybox-static cpio kmod xz-utils
   # the RDMA stack (used inside the lab, off the read-only host root)
   rdma-core ibverbs-utils ibverbs-providers python3-pyverbs perftest rdmacm-utils iproute2
+  # the RoCEv2 packet guard of the direct data path (kernel/roce_guard), and its kernel test
+  nftables
   # libvirt (the libvirt tier and the VM hook) and what libvirt-python builds with
   libvirt-daemon-system libvirt-clients libvirt-dev pkg-config
   # Python from Debian (pyverbs is built for it), and the netdevsim build

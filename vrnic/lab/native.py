@@ -41,13 +41,17 @@ class EndpointInfo:
         return asdict(self)
 
 
-def connect_rc(qp: QP, remote_gid: str, remote_qpn: int, sgid_index: int) -> None:
-    """RESET -> INIT -> RTR -> RTS for an RC QP towards one remote QP."""
+def connect_rc(qp: QP, remote_gid: str, remote_qpn: int, sgid_index: int, *, timeout: int = 14,
+               retry_cnt: int = 7, flow_label: int = 0) -> None:
+    """RESET -> INIT -> RTR -> RTS for an RC QP towards one remote QP.
+
+    timeout is the ack timeout exponent (4.096 us << timeout); flow_label also picks rxe's UDP source port.
+    """
     attr = QPAttr(qp_state=e.IBV_QPS_INIT, port_num=PORT)
     attr.qp_access_flags = ACCESS
     attr.pkey_index = 0
     qp.to_init(attr)
-    route = GlobalRoute(dgid=GID(remote_gid), sgid_index=sgid_index, hop_limit=64)
+    route = GlobalRoute(dgid=GID(remote_gid), sgid_index=sgid_index, hop_limit=64, flow_label=flow_label)
     attr = QPAttr(port_num=PORT)
     attr.ah_attr = AHAttr(gr=route, is_global=1, port_num=PORT)
     attr.path_mtu = e.IBV_MTU_1024
@@ -57,8 +61,8 @@ def connect_rc(qp: QP, remote_gid: str, remote_qpn: int, sgid_index: int) -> Non
     attr.min_rnr_timer = 12
     qp.to_rtr(attr)
     attr.sq_psn = 0
-    attr.timeout = 14
-    attr.retry_cnt = 7
+    attr.timeout = timeout
+    attr.retry_cnt = retry_cnt
     attr.rnr_retry = 7
     attr.max_rd_atomic = 4
     qp.to_rts(attr)
@@ -82,8 +86,9 @@ class RcEndpoint:
         return EndpointInfo(gid=self.gid, qpn=self.qp.qp_num, rkey=self.mr.rkey, addr=self.mr.buf,
                             length=self.mr.length)
 
-    def connect(self, remote: EndpointInfo) -> None:
-        connect_rc(self.qp, remote.gid, remote.qpn, self.gid_index)
+    def connect(self, remote: EndpointInfo, **path: int) -> None:
+        """path: connect_rc's timeout, retry_cnt and flow_label."""
+        connect_rc(self.qp, remote.gid, remote.qpn, self.gid_index, **path)
 
     def _sge(self, length: int, offset: int = 0) -> SGE:
         return SGE(self.mr.buf + offset, length, self.mr.lkey)
