@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -58,6 +58,8 @@ class DaemonSettings(BaseSettings):
     channel_max_pending_per_uid: int = Field(32, ge=1)
     channel_max_pending_total: int = Field(256, ge=1)
     channel_max_sessions: int = Field(1024, ge=1)
+    # The direct engine hands a guest its uverbs fd; "required" refuses guests whose cgroup cannot be limited.
+    direct_containment: Literal["required", "best-effort"] = "required"
     sriov_reconcile_interval: float = Field(30.0, ge=0)  # seconds between SR-IOV reconcile passes; 0: startup only
     log_level: str = "info"
 

@@ -43,7 +43,8 @@ def build_backend(settings: DaemonSettings) -> BackendService:
             log.info("mode %s: disabled (no driver configured)", mode)
             continue
         if mode is VrnicMode.PARAVIRTUAL and name == "verbs":
-            options = {"channel": channel_limits(settings), **options}
+            options = {"channel": channel_limits(settings), "direct_containment": settings.direct_containment,
+                       **options}
         try:
             driver = build_sriov_driver(settings, options) if mode is VrnicMode.SRIOV and name == "sriov" \
                 else load_driver(name, **options)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from vrnic.backend.engine import DataPathEngine, EngineHost
+from vrnic.backend.rdma_cgroup import Confinement
 from vrnic.backend.rnic_edge import QpCaps
 from vrnic.backend.session import GuestSession
 from vrnic.backend.uverbs_edge import DirectContext, RawCq, RawQp
@@ -57,8 +58,20 @@ class DirectSession(GuestSession):
     device: DirectContext
     queue_format = "rxe"
 
+    def __init__(self, *args: Any, confinement: Confinement | None = None, **kwargs: Any) -> None:
+        self.confinement = confinement  # the guest's cgroup limit, released with the session
+        super().__init__(*args, **kwargs)
+
     def attach_result(self) -> dict[str, Any]:
-        return {**super().attach_result(), "engine": "direct", "queue_format": self.queue_format}
+        return {**super().attach_result(), "engine": "direct", "queue_format": self.queue_format,
+                "contained": self.confinement is not None}
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self.confinement is not None:
+                self.confinement.release()
 
     def attach_fds(self) -> list[int]:
         return [self.device.fd]

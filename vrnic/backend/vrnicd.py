@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket-mode", type=lambda text: int(text, 8), default=0o660,
                         help="octal mode of the guest socket (default 660)")
     parser.add_argument("--socket-group", help="group (name or number) that owns the guest socket")
+    parser.add_argument("--direct-containment", choices=("required", "best-effort"), default="required",
+                        help="refuse direct-engine guests whose cgroup cannot be limited (default), or warn")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -71,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         quota = parse_quota(args.quota)
         driver = VerbsDriver(socket_path=args.socket, channel=ChannelLimits(socket_mode=args.socket_mode,
-                                                                            socket_gid=group_id(args.socket_group)))
+                                                                            socket_gid=group_id(args.socket_group)),
+                             direct_containment=args.direct_containment)
     except (VrnicError, ValueError) as exc:
         print(f"vrnicd: {exc}", file=sys.stderr)
         return 2

@@ -27,13 +27,14 @@ from vrnic.backend.direct import DirectEngine, DirectSession
 from vrnic.backend.driver import RnicDriver
 from vrnic.backend.engine import DataPathEngine, EngineHost, SharedRingEngine
 from vrnic.backend.guest_memory import GuestMemory
+from vrnic.backend.rdma_cgroup import Confinement
 from vrnic.backend.registry import Registry, VirtualRnic
 from vrnic.backend.rnic_edge import DeviceContext, RnicEdge
 from vrnic.backend.session import GuestSession
 from vrnic.backend.vm_link import VmLink, connect_channel
 from vrnic.core.specs import AttachInfo, DataEngine, DeviceInfo, VmBinding, VrnicMode, VrnicSpec, active_roce_v2_gid
 from vrnic.core.verb_args import Attach, VmAttach
-from vrnic.errors import Conflict
+from vrnic.errors import Conflict, DeviceError, InvalidArgument, VrnicError
 
 log = logging.getLogger(__name__)
 DEFAULT_SOCKET = Path("/run/vrnic/vrnicd.sock")
@@ -45,7 +46,13 @@ class VerbsDriver(RnicDriver):
     modes: ClassVar[frozenset[VrnicMode]] = frozenset({VrnicMode.PARAVIRTUAL})
 
     def __init__(self, socket_path: Path | str = DEFAULT_SOCKET, devices: list[str] | None = None,
-                 edge: RnicEdge | None = None, channel: ChannelLimits | None = None) -> None:
+                 edge: RnicEdge | None = None, channel: ChannelLimits | None = None,
+                 direct_containment: str = "required") -> None:
+        """direct_containment: "required" refuses a direct-engine guest whose cgroup vrnicd cannot limit
+        (rdma.max); "best-effort" lets it attach uncontained, with a warning and `contained: false`."""
+        if direct_containment not in ("required", "best-effort"):
+            raise InvalidArgument(f"direct_containment is 'required' or 'best-effort', not {direct_containment!r}")
+        self.direct_containment = direct_containment
         if edge is None:
             from vrnic.backend.pyverbs_edge import PyverbsEdge  # pyverbs only where a real device is used
 
@@ -90,6 +97,7 @@ class VerbsDriver(RnicDriver):
         """Memory, device context, engine: one session. It owns memory and the fds, also when it raises."""
         device: DeviceContext | None = None
         session: GuestSession | None = None
+        confined: Confinement | None = None
         try:
             if vrnic.session is not None:  # checked again, atomically, by registry.attach
                 raise Conflict(f"vRNIC {vrnic.spec.id} already has a guest attached", current_state="attached")
@@ -100,7 +108,9 @@ class VerbsDriver(RnicDriver):
                     raise Conflict(f"vRNIC {vrnic.spec.id} uses the direct engine, which VMs cannot: QEMU cannot "
                                    f"map rxe's kernel queues into guest memory", current_state="direct")
                 device = self.edge.open_direct(vrnic.device)
-                session_type, engine = DirectSession, DirectEngine
+                confinement = confined = self._confine(vrnic, cred)
+                session_type = functools.partial(DirectSession, confinement=confinement)  # type: ignore[assignment]
+                engine = DirectEngine
             else:
                 device = self.edge.open(vrnic.device)
                 session_type = GuestSession
@@ -112,6 +122,8 @@ class VerbsDriver(RnicDriver):
             if session is not None:
                 session.close()  # closes memory, device and the fds it took
             else:
+                if confined is not None:
+                    confined.release()
                 if device is not None:
                     device.close()
                 memory.close()
@@ -119,6 +131,29 @@ class VerbsDriver(RnicDriver):
             raise
         session.start()
         return session
+
+    def _confine(self, vrnic: VirtualRnic, cred: PeerCred) -> Confinement | None:
+        """Zero rdma objects for the guest's own cgroup, and its memlock limit down to the quota: what it
+        could create through the fd it gets would escape vrnicd's quota otherwise."""
+        from vrnic.backend.rdma_cgroup import confine, limit_memlock
+
+        try:
+            confinement = confine(cred.pid, vrnic.device)
+        except (Conflict, DeviceError) as exc:
+            if self.direct_containment == "required":
+                raise Conflict(f"vRNIC {vrnic.spec.id}: the direct engine hands the guest its uverbs fd, and this "
+                               f"guest cannot be contained: {exc}", current_state="uncontained") from exc
+            log.warning("vRNIC %s: direct-engine guest pid %d is NOT contained (%s); objects it creates itself "
+                        "escape the quota", vrnic.spec.id, cred.pid, exc)
+            return None
+        try:
+            soft, _hard = limit_memlock(cred.pid, vrnic.spec.quota.max_pinned_bytes)
+        except VrnicError as exc:
+            confinement.release()
+            raise Conflict(f"vRNIC {vrnic.spec.id}: cannot limit the guest's locked memory: {exc}") from exc
+        log.info("vRNIC %s: guest pid %d confined (rdma.max 0 on %s, memlock %d bytes, was %d)", vrnic.spec.id,
+                 cred.pid, vrnic.device, vrnic.spec.quota.max_pinned_bytes, soft)
+        return confinement
 
     # ----- VMs: bound by the libvirt hook, served over their virtio-serial channels ----------------------
     def bind_vm(self, binding: VmBinding) -> None:
