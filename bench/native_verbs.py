@@ -85,6 +85,16 @@ def connect_and_data(pair: tuple[str, str] = ("rxe0", "rxe1"), repeat: int = 20)
             done += len(a.poll(1, timeout=30))
         seconds = time.perf_counter() - started
         records.append(Record("native.rdma_write_64k", "MB/s", total * size / seconds / 1e6, better="higher"))
+        # Small RDMA WRITEs: the message rate, where per-post overhead shows.
+        total, posted, done = 2000, 0, 0
+        started = time.perf_counter()
+        while done < total:
+            while posted < total and posted - done < window:
+                a.post_rdma(e.IBV_WR_RDMA_WRITE, b.info(), 4096)
+                posted += 1
+            done += len(a.poll(1, timeout=30))
+        records.append(Record("native.rdma_write_4k_msgs_per_s", "msgs/s", total / (time.perf_counter() - started),
+                              better="higher"))
     return records
 
 

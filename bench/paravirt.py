@@ -27,14 +27,23 @@ LATENCY_TARGET = 1.2
 
 
 @contextmanager
-def vrnicd(count: int, busy_poll: bool = False) -> Iterator[list[AttachInfo]]:
+def vrnicd(count: int, busy_poll: bool = False, engine: str = "ring",
+           pid_out: list[int] | None = None) -> Iterator[list[AttachInfo]]:
+    """vrnicd in a process of its own with count vRNICs on rxe0/rxe1; pid_out receives its pid.
+
+    The bench's guests share the bench's cgroup with vrnicd, so direct-engine guests run uncontained
+    (best-effort): containment costs nothing per post, and is proven by the kernel tests instead.
+    """
     with tempfile.TemporaryDirectory(dir="/run") as tmp:
         attach = Path(tmp) / "attach.json"
-        vrnics = [f"--vrnic=v{i}:bench:rxe{i % 2}" for i in range(count)]
+        vrnics = [f"--vrnic=v{i}:bench:rxe{i % 2}:1:{engine}" for i in range(count)]
         daemon = subprocess.Popen([sys.executable, "-m", "vrnic.backend.vrnicd", "--socket", f"{tmp}/s.sock",
+                                   "--direct-containment", "best-effort",
                                    "--attach-out", str(attach), "--quota", "max_pds=4096", "--quota", "max_cqs=4096",
                                    "--quota", "max_qps=4096", "--quota", "max_mrs=4096",
                                    "--quota", f"max_pinned_bytes={1 << 40}", *vrnics])
+        if pid_out is not None:
+            pid_out.append(daemon.pid)
         try:
             deadline = time.monotonic() + 60
             while not attach.exists():

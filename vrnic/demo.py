@@ -5,7 +5,9 @@ Run inside the lab: `vrnic lab run -- python -m vrnic.demo`.
 2. a native RDMA WRITE between them (the baseline: the stack works);
 3. examples/two_guests.py: vrnicd with two vRNICs of one tenant, two guest
    processes doing SEND/RECV ping-pong and RDMA WRITE + READ through it;
-4. the kernel's object counts back where they started: nothing leaked.
+4. SEND latency side by side: native pyverbs, the shared-ring engine (vrnicd posts
+   for the guest) and the direct engine (the guest drives the NIC's own queues);
+5. the kernel's object counts back where they started: nothing leaked.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from vrnic.backend.rdma_tool import resource_counts
 from vrnic.backend.sysfs import rdma_devices
 from vrnic.config import PROJECT_DIR
 from vrnic.errors import VrnicError
-from vrnic.lab import smoke
+from vrnic.lab import latency, smoke
 
 EXAMPLE = PROJECT_DIR / "examples" / "two_guests.py"
 
@@ -51,11 +53,21 @@ def main() -> int:
         console.print(f"[red]the two-guest example failed (exit {run.returncode})[/red]")
         console.print(run.stderr, markup=False)
         return 1
+    console.print("[bold]4. SEND/RECV latency, 64 bytes, one way (ping-pong / 2), same devices[/bold]")
+    try:
+        native = latency.native_send_latency_us((devices[0], devices[1]))
+        console.print(f"   native pyverbs         {native:8.1f} us")
+        for engine, label in (("ring", "vrnic, shared-ring"), ("direct", "vrnic, direct")):
+            value = latency.vrnic_send_latency_us((devices[0], devices[1]), engine)
+            console.print(f"   {label:<22} {value:8.1f} us   ({value / native:.2f}x native)")
+    except VrnicError as exc:
+        console.print(f"[red]latency run failed:[/red] {exc}")
+        return 1
     after = resource_counts()
     if after != before:
         console.print(f"[red]kernel objects leaked:[/red] before {before}, after {after}")
         return 1
-    console.print("[bold]4.[/bold] [green]ok[/green] kernel objects back to baseline (rdma res show): nothing leaked")
+    console.print("[bold]5.[/bold] [green]ok[/green] kernel objects back to baseline (rdma res show): nothing leaked")
     return 0
 
 

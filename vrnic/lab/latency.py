@@ -1,0 +1,81 @@
+"""SEND/RECV ping-pong latency: native pyverbs, and two guests through vrnicd on either engine (for the demo)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from vrnic.core.specs import AttachInfo
+from vrnic.errors import VrnicError
+from vrnic.frontend import CQ, MR, PD, QP, Access, Context, RecvRequest, SendRequest, WrOpcode
+from vrnic.lab.native import RcEndpoint
+
+
+def native_send_latency_us(pair: tuple[str, str], iterations: int = 100) -> float:
+    with RcEndpoint(pair[0], 4096) as a, RcEndpoint(pair[1], 4096) as b:
+        a.connect(b.info())
+        b.connect(a.info())
+        started = time.perf_counter()
+        for _ in range(iterations):
+            b.post_recv(64)
+            a.post_send(64)
+            a.poll()
+            b.poll()
+            a.post_recv(64)
+            b.post_send(64)
+            b.poll()
+            a.poll()
+        return (time.perf_counter() - started) / iterations / 2 * 1e6
+
+
+@contextmanager
+def standalone_vrnicd(pair: tuple[str, str], engine: str) -> Iterator[list[AttachInfo]]:
+    """vrnicd in its own process with one vRNIC per device. Its guests here share the demo's cgroup, so a
+    direct-engine guest is not contained (best-effort): fine for a latency demo, not for tenants."""
+    with tempfile.TemporaryDirectory(dir="/run") as tmp:
+        attach = Path(tmp) / "attach.json"
+        daemon = subprocess.Popen([sys.executable, "-m", "vrnic.backend.vrnicd", "--socket", f"{tmp}/s.sock",
+                                   "--attach-out", str(attach), "--direct-containment", "best-effort",
+                                   f"--vrnic=d0:demo:{pair[0]}:1:{engine}", f"--vrnic=d1:demo:{pair[1]}:1:{engine}"],
+                                  stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 60
+            while not attach.exists():
+                if daemon.poll() is not None or time.monotonic() > deadline:
+                    raise VrnicError("vrnicd did not start")
+                time.sleep(0.05)
+            yield [AttachInfo(**json.loads(line)) for line in attach.read_text().splitlines()]
+        finally:
+            daemon.terminate()
+            daemon.wait(timeout=30)
+
+
+def vrnic_send_latency_us(pair: tuple[str, str], engine: str, iterations: int = 100) -> float:
+    with standalone_vrnicd(pair, engine) as infos, Context.attach(infos[0], 1 << 20) as ca, \
+            Context.attach(infos[1], 1 << 20) as cb:
+        pa, pb = PD(ca), PD(cb)
+        cqa, cqb = CQ(ca, 64), CQ(cb, 64)
+        mra, mrb = MR(pa, 4096, Access.LOCAL_WRITE), MR(pb, 4096, Access.LOCAL_WRITE)
+        qa, qb = QP(pa, cqa, cqa), QP(pb, cqb, cqb)
+        qa.connect(cb.gid, qb.qpn)
+        qb.connect(ca.gid, qa.qpn)
+        started = time.perf_counter()
+        for i in range(iterations):
+            qb.post_recv(RecvRequest(i, (mrb.sge(0, 64),)))
+            qa.post_send(SendRequest(i, WrOpcode.SEND, (mra.sge(0, 64),)))
+            cqa.wait(1)
+            cqb.wait(1)
+            qa.post_recv(RecvRequest(i, (mra.sge(0, 64),)))
+            qb.post_send(SendRequest(i, WrOpcode.SEND, (mrb.sge(0, 64),)))
+            cqb.wait(1)
+            cqa.wait(1)
+        latency = (time.perf_counter() - started) / iterations / 2 * 1e6
+        for obj in (qa, qb, mra, mrb, cqa, cqb, pa, pb):
+            obj.close()
+        return latency
