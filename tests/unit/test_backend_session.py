@@ -17,9 +17,10 @@ from vrnic.backend.guest_memory import REQUIRED_SEALS
 from vrnic.backend.session import GuestSession
 from vrnic.core.rings import pack_send
 from vrnic.core.session_state import SessionSnapshot
-from vrnic.core.specs import AttachInfo
+from vrnic.core.specs import AttachInfo, VrnicSpec
+from vrnic.core.vaddr import make_virtual_gid
 from vrnic.core.verb_args import Attach
-from vrnic.errors import Conflict, InvalidArgument
+from vrnic.errors import Conflict, InvalidArgument, NotSupported
 from vrnic.frontend import CQ, MR, PD, QP, Access, Context, RecvRequest, SendRequest, WcStatus, WrOpcode
 
 ARENA = 1 << 20
@@ -120,3 +121,22 @@ def test_a_rejected_recv_and_send_complete_with_errors_in_order(make_vrnic: Call
         bad = type(mr.sge())(mr.addr, 8, mr.lkey ^ 0xFFFF)
         qp.post_recv(RecvRequest(1, (bad,)))
         assert [(c.wr_id, c.status) for c in cq.wait(1)] == [(1, WcStatus.LOC_PROT_ERR)]
+
+
+def test_the_ring_engine_needs_its_rings_and_the_fake_edge_has_no_direct_engine(
+        make_vrnic: Callable[..., AttachInfo], driver: VerbsDriver) -> None:
+    info = make_vrnic()
+    with Context.attach(info, ARENA) as ctx:
+        pd = PD(ctx).handle
+        with pytest.raises(InvalidArgument, match="needs the address of the CQ ring"):
+            ctx.call("create_cq", cqe=8)
+        cq = CQ(ctx, 8).handle
+        with pytest.raises(InvalidArgument, match="needs the address of the SQ ring"):
+            ctx.call("create_qp", pd=pd, send_cq=cq, recv_cq=cq, max_send_wr=8, max_recv_wr=8)
+        with pytest.raises(InvalidArgument, match="direct engine"):
+            ctx.call("resolve_rkey", qp=1, rkey=1)
+    spec = VrnicSpec(id="vdirect", tenant="t1", vpc_id=1, virtual_gid=make_virtual_gid(1, 999), engine="direct")
+    direct = driver.create_vrnic(spec, "fake0")
+    with pytest.raises(NotSupported, match="no direct data path"):
+        Context.attach(direct, ARENA)
+    assert driver.registry.get("vdirect").session is None

@@ -36,6 +36,7 @@ VALID: dict[str, dict[str, Any]] = {
     "modify_qp": {"qp": 8, "state": "init"},
     "connect": {"qp": 8, "remote_gid": "fd76:726e::2", "remote_qpn": 17},
     "busy_poll": {"enabled": True},
+    "resolve_rkey": {"qp": 1, "rkey": 0x1234},
 }
 
 
@@ -73,8 +74,9 @@ def test_required_fields() -> None:
     assert REQUIRED["query_port"] == REQUIRED["alloc_pd"] == []
     assert "attach" not in OPS  # attach is the channel's first message, checked with Attach
     assert [n for n, f in Attach.model_fields.items() if f.is_required()] == ["token"]
-    assert set(REQUIRED["create_qp"]) == {"pd", "send_cq", "recv_cq", "max_send_wr", "max_recv_wr", "sq_ring",
-                                          "rq_ring"}
+    # Rings are the shared-ring engine's (its session refuses a QP or CQ without them); direct has the NIC's.
+    assert set(REQUIRED["create_qp"]) == {"pd", "send_cq", "recv_cq", "max_send_wr", "max_recv_wr"}
+    assert REQUIRED["create_cq"] == ["cqe"]
 
 
 @pytest.mark.parametrize("op", sorted(op for op, names in REQUIRED.items() if names))
