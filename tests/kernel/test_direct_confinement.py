@@ -296,6 +296,7 @@ def test_a_guest_in_its_own_cgroup_is_confined_while_attached_and_still_moves_da
         print(f"guest cgroup rdma.max after detach: {(cgroups.guest / 'rdma.max').read_text().strip()!r}")
         assert after == (limit_before or RdmaLimit(device)), after
         assert after is not None and after.unlimited
+        assert memlock_of(guest.pid) == memlock_before  # and its memlock limit is back
         assert required.attached_ids() == {ring.vrnic_id}
         assert wait_for_baseline(counts_before) == counts_before, "the direct guest's objects outlived it"
         guest.finish()

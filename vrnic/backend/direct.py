@@ -17,10 +17,9 @@ guard for QPs it points elsewhere (see README, "Two engines").
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from vrnic.backend.engine import DataPathEngine, EngineHost
-from vrnic.backend.rdma_cgroup import Confinement
 from vrnic.backend.rnic_edge import QpCaps
 from vrnic.backend.session import GuestSession
 from vrnic.backend.uverbs_edge import DirectContext, RawCq, RawQp
@@ -29,6 +28,10 @@ from vrnic.core.quota import Resource
 from vrnic.core.rings import Access
 from vrnic.core.session_state import CqEntry, QpEntry, SessionSnapshot
 from vrnic.errors import InvalidArgument, NotFound, NotSupported
+
+
+class Releasable(Protocol):
+    def release(self) -> None: ...
 
 
 class DirectEngine(DataPathEngine):
@@ -58,7 +61,7 @@ class DirectSession(GuestSession):
     device: DirectContext
     queue_format = "rxe"
 
-    def __init__(self, *args: Any, confinement: Confinement | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, confinement: Releasable | None = None, **kwargs: Any) -> None:
         self.confinement = confinement  # the guest's cgroup limit, released with the session
         super().__init__(*args, **kwargs)
 

@@ -27,6 +27,7 @@ the guest's cgroup is bound by the limit on that device.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import resource
 import threading
@@ -50,6 +51,8 @@ from vrnic.core.containment import (
     zero_limit,
 )
 from vrnic.errors import Conflict, DeviceError, InvalidArgument, VrnicError
+
+log = logging.getLogger(__name__)
 
 PROC = Path("/proc")
 
@@ -238,3 +241,13 @@ def limit_memlock(pid: int, limit_bytes: int) -> tuple[int, int]:
     except OSError as e:
         raise DeviceError(f"prlimit({pid}, RLIMIT_MEMLOCK, {limit_bytes}): {e.strerror} "
                           f"({_errname(e.errno or 0)})", e.errno or 0) from e
+
+
+def restore_memlock(pid: int, previous: tuple[int, int]) -> None:
+    """Put back a RLIMIT_MEMLOCK that limit_memlock lowered; quietly if the process is gone."""
+    try:
+        resource.prlimit(pid, resource.RLIMIT_MEMLOCK, previous)
+    except ProcessLookupError:
+        return
+    except OSError as exc:
+        log.warning("cannot restore RLIMIT_MEMLOCK of pid %d: %s", pid, exc)

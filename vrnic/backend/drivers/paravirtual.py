@@ -97,7 +97,7 @@ class VerbsDriver(RnicDriver):
         """Memory, device context, engine: one session. It owns memory and the fds, also when it raises."""
         device: DeviceContext | None = None
         session: GuestSession | None = None
-        confined: Confinement | None = None
+        confined: GuestContainment | None = None
         try:
             if vrnic.session is not None:  # checked again, atomically, by registry.attach
                 raise Conflict(f"vRNIC {vrnic.spec.id} already has a guest attached", current_state="attached")
@@ -132,7 +132,7 @@ class VerbsDriver(RnicDriver):
         session.start()
         return session
 
-    def _confine(self, vrnic: VirtualRnic, cred: PeerCred) -> Confinement | None:
+    def _confine(self, vrnic: VirtualRnic, cred: PeerCred) -> GuestContainment | None:
         """Zero rdma objects for the guest's own cgroup, and its memlock limit down to the quota: what it
         could create through the fd it gets would escape vrnicd's quota otherwise."""
         from vrnic.backend.rdma_cgroup import confine, limit_memlock
@@ -147,13 +147,13 @@ class VerbsDriver(RnicDriver):
                         "escape the quota", vrnic.spec.id, cred.pid, exc)
             return None
         try:
-            soft, _hard = limit_memlock(cred.pid, vrnic.spec.quota.max_pinned_bytes)
+            soft, hard = limit_memlock(cred.pid, vrnic.spec.quota.max_pinned_bytes)
         except VrnicError as exc:
             confinement.release()
             raise Conflict(f"vRNIC {vrnic.spec.id}: cannot limit the guest's locked memory: {exc}") from exc
         log.info("vRNIC %s: guest pid %d confined (rdma.max 0 on %s, memlock %d bytes, was %d)", vrnic.spec.id,
                  cred.pid, vrnic.device, vrnic.spec.quota.max_pinned_bytes, soft)
-        return confinement
+        return GuestContainment(confinement, cred.pid, (soft, hard))
 
     # ----- VMs: bound by the libvirt hook, served over their virtio-serial channels ----------------------
     def bind_vm(self, binding: VmBinding) -> None:
@@ -251,6 +251,23 @@ class VerbsDriver(RnicDriver):
                 self._unbind(domain)
         super().close()
         self.server.stop()
+
+
+@dataclass
+class GuestContainment:
+    """What vrnicd limited for a direct-engine guest; release() puts both limits back."""
+
+    cgroup: Confinement
+    pid: int
+    memlock: tuple[int, int]  # the guest's RLIMIT_MEMLOCK before (soft, hard)
+
+    def release(self) -> None:
+        from vrnic.backend.rdma_cgroup import restore_memlock
+
+        try:
+            self.cgroup.release()
+        finally:
+            restore_memlock(self.pid, self.memlock)
 
 
 @dataclass
