@@ -60,6 +60,10 @@ class DaemonSettings(BaseSettings):
     channel_max_sessions: int = Field(1024, ge=1)
     # The direct engine hands a guest its uverbs fd; "required" refuses guests whose cgroup cannot be limited.
     direct_containment: Literal["required", "best-effort"] = "required"
+    # Filter RoCE egress of the served devices to the flows vrnicd connected (nftables; kernel/roce_guard/).
+    packet_guard: bool = False
+    # Refuse the direct engine where the guard cannot hold: guard off, or a device whose own traffic bypasses it.
+    strict_isolation: bool = False
     sriov_reconcile_interval: float = Field(30.0, ge=0)  # seconds between SR-IOV reconcile passes; 0: startup only
     log_level: str = "info"
 

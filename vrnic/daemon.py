@@ -44,6 +44,7 @@ def build_backend(settings: DaemonSettings) -> BackendService:
             continue
         if mode is VrnicMode.PARAVIRTUAL and name == "verbs":
             options = {"channel": channel_limits(settings), "direct_containment": settings.direct_containment,
+                       "packet_guard": settings.packet_guard, "strict_isolation": settings.strict_isolation,
                        **options}
         try:
             driver = build_sriov_driver(settings, options) if mode is VrnicMode.SRIOV and name == "sriov" \

@@ -101,6 +101,7 @@ BASE = """table inet vrnic_guard {
 
 	chain roce {
 		ip saddr . udp sport . ip daddr . @th,104,24 @flows accept
+		@th,64,8 { 0x64, 0x65 } accept
 		counter queue to 4791
 	}
 }
@@ -217,3 +218,12 @@ def test_elements_vrnic_did_not_write_are_reported(elem: object) -> None:
     listing = {"nftables": [{"set": {"name": "flows", "table": "vrnic_guard", "elem": [elem]}}]}
     with pytest.raises(ValueError):
         rg.parse_flows(listing)
+
+
+def test_drop_script_deletes_exactly_the_given_flows() -> None:
+    a = rg.GuardFlow("v1", "10.0.0.1", 0x11, "10.0.0.2", 0x12)
+    b = rg.GuardFlow("v1", "10.0.0.1", 0x13, "10.0.0.2", 0x14)
+    script = rg.drop_script([b, a, a])
+    assert script.startswith("delete element inet vrnic_guard flows { ")
+    assert script.count("10.0.0.1 . ") == 2 and "0x12" in script and "0x14" in script
+    assert rg.drop_script([]) == ""

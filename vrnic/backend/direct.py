@@ -67,7 +67,7 @@ class DirectSession(GuestSession):
 
     def attach_result(self) -> dict[str, Any]:
         return {**super().attach_result(), "engine": "direct", "queue_format": self.queue_format,
-                "contained": self.confinement is not None}
+                "contained": self.confinement is not None, "guarded": self.guard is not None}
 
     def close(self) -> None:
         try:

@@ -42,6 +42,13 @@ class PacketGuard:
         if script:
             self._apply(script, f"revoke guard flows of {vrnic_id}")
 
+    def drop(self, flows: list[GuardFlow]) -> None:
+        """Forget these flows (a QP destroyed or reset); flows not present are skipped."""
+        present = set(self.flows())
+        script = roce_guard.drop_script([f for f in flows if f in present], self.table)
+        if script:
+            self._apply(script, f"drop guard flows {flows}")
+
     def flows(self) -> list[GuardFlow]:
         """The allowed flows as the kernel holds them; none when the table is not installed."""
         listing = self._listing()

@@ -41,6 +41,7 @@ from vrnic.backend.rnic_edge import (
 from vrnic.core.specs import DeviceInfo, GidEntry, PortInfo
 from vrnic.errors import DeviceError, NotFound, NotSupported
 
+RXE_VENDOR_ID = 0xFFFFFF  # what rxe reports as its vendor id
 PORT_STATES = {1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
 GID_TYPES = {0: "IB", 1: "RoCE v1", 2: "RoCE v2"}  # enum ibv_gid_type
 MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
@@ -78,6 +79,10 @@ def describe(name: str) -> DeviceInfo:
     with open_context(name) as ctx, device_errors(f"query {name}"):
         attr = ctx.query_device()
         caps = {c: int(getattr(attr, c)) for c in CAPS}
+        if int(attr.vendor_id) == RXE_VENDOR_ID:
+            # The direct engine drives rxe's queues; traffic between QPs of one rxe device loops back inside
+            # rxe, past any netfilter hook, so the packet guard cannot hold there (README, "Two engines").
+            caps |= {"direct_engine": 1, "direct_guard_loopback_gap": 1}
         ports = []
         # One ioctl for the valid entries; sysfs would mean reading every slot (1024 on rxe).
         table = ctx.query_gid_table(attr.phys_port_cnt * 1024)

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from vrnic.backend.attachment import PeerCred
 from vrnic.backend.engine import DataPathEngine, EngineHost
+from vrnic.backend.flow_guard import FlowGuard
 from vrnic.backend.guest_memory import GuestMemory
 from vrnic.backend.registry import Registry, VirtualRnic
 from vrnic.backend.rnic_edge import PORT, DeviceContext, QpCaps, RtrParams, RtsParams
@@ -39,7 +40,7 @@ class GuestSession:
     def __init__(self, vrnic: VirtualRnic, registry: Registry, device: DeviceContext, memory: GuestMemory,
                  cred: PeerCred, doorbell_fd: int, notify_fd: int | None,
                  engine_factory: Callable[[EngineHost], DataPathEngine],
-                 disconnect: Callable[[], None] = lambda: None) -> None:
+                 disconnect: Callable[[], None] = lambda: None, guard: FlowGuard | None = None) -> None:
         self.vrnic = vrnic
         self.vrnic_id = vrnic.spec.id
         self.registry = registry
@@ -49,6 +50,7 @@ class GuestSession:
         self.doorbell_fd = doorbell_fd
         self.notify_fd = notify_fd
         self.disconnect = disconnect
+        self.guard = guard
         self.lock = threading.RLock()
         self.state = SessionState(vrnic.spec.quota, memory.layout)
         self._closed = False
@@ -219,6 +221,8 @@ class GuestSession:
     def _destroy_qp(self, qp: QpEntry) -> None:
         self.registry.withdraw_qp(self.vrnic, qp.vqpn)
         self.device.destroy(qp.obj, *qp.ahs.values())
+        if self.guard is not None:
+            self.guard.drop(qp.guard_flow)
 
     def op_query_qp(self, args: verb_args.QpRef) -> dict[str, Any]:
         qp = self.state.qps.get(args.qp)
@@ -237,9 +241,23 @@ class GuestSession:
             self.device.qp_to_rtr(qp.obj, qp.qp_type, None)  # UD destinations come per WR
         elif args.state == "rtr":
             peer, phys_qpn = self._resolve(args.remote_gid, args.remote_qpn)
-            self.device.qp_to_rtr(qp.obj, qp.qp_type, RtrParams(
-                dgid=peer.phys_gid, sgid_index=self.vrnic.gid_index, path_mtu=args.path_mtu, dest_qpn=phys_qpn,
-                rq_psn=args.rq_psn, max_dest_rd_atomic=args.max_dest_rd_atomic, min_rnr_timer=args.min_rnr_timer))
+            flow = None
+            if self.guard is not None:  # the guard lets this QP's packets out to that peer QP, and nowhere else
+                flow = self.guard.flow(self.vrnic_id, self.vrnic.phys_gid, qp.phys_qpn, peer.phys_gid, phys_qpn)
+                if flow != qp.guard_flow:
+                    self.guard.allow(flow)
+            try:
+                self.device.qp_to_rtr(qp.obj, qp.qp_type, RtrParams(
+                    dgid=peer.phys_gid, sgid_index=self.vrnic.gid_index, path_mtu=args.path_mtu, dest_qpn=phys_qpn,
+                    rq_psn=args.rq_psn, max_dest_rd_atomic=args.max_dest_rd_atomic,
+                    min_rnr_timer=args.min_rnr_timer))
+            except BaseException:
+                if self.guard is not None and flow != qp.guard_flow:
+                    self.guard.drop(flow)
+                raise
+            if self.guard is not None and qp.guard_flow not in (None, flow):
+                self.guard.drop(qp.guard_flow)
+            qp.guard_flow = flow
             qp.peer_id, qp.peer_gid, qp.peer_vqpn = peer.spec.id, args.remote_gid, args.remote_qpn
         elif args.state == "rts":
             self.device.qp_to_rts(qp.obj, qp.qp_type, RtsParams(sq_psn=args.sq_psn, timeout=args.timeout,
@@ -249,6 +267,9 @@ class GuestSession:
             self.device.qp_to_state(qp.obj, args.state)
             if args.state == "reset":
                 qp.peer_id = qp.peer_gid = qp.peer_vqpn = None
+                if self.guard is not None:
+                    self.guard.drop(qp.guard_flow)
+                qp.guard_flow = None
                 for ring in (qp.sq, qp.rq):
                     if ring is not None:
                         ring.reset()
@@ -372,6 +393,8 @@ class GuestSession:
             self.device.destroy(*(mr.obj for mr in mrs))
             self.device.destroy(*(pd.obj for pd in pds))
             self.device.close()
+            if self.guard is not None:  # whatever is left, e.g. a flow a failed destroy kept
+                self.guard.revoke(self.vrnic_id)
             self.registry.detach(self.vrnic, self)
             self.memory.close()
             for fd in (self.doorbell_fd, self.notify_fd):

@@ -63,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket-group", help="group (name or number) that owns the guest socket")
     parser.add_argument("--direct-containment", choices=("required", "best-effort"), default="required",
                         help="refuse direct-engine guests whose cgroup cannot be limited (default), or warn")
+    parser.add_argument("--packet-guard", action="store_true",
+                        help="filter RoCE egress to the flows vrnicd connected (nftables; see kernel/roce_guard)")
+    parser.add_argument("--strict-isolation", action="store_true",
+                        help="refuse the direct engine where the packet guard cannot hold")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -74,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         quota = parse_quota(args.quota)
         driver = VerbsDriver(socket_path=args.socket, channel=ChannelLimits(socket_mode=args.socket_mode,
                                                                             socket_gid=group_id(args.socket_group)),
-                             direct_containment=args.direct_containment)
+                             direct_containment=args.direct_containment, packet_guard=args.packet_guard,
+                             strict_isolation=args.strict_isolation)
     except (VrnicError, ValueError) as exc:
         print(f"vrnicd: {exc}", file=sys.stderr)
         return 2

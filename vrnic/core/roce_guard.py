@@ -53,6 +53,11 @@ FLOW_LABEL_MASK = 0xFFFFF  # IB_GRH_FLOWLABEL_MASK
 
 BTH_DEST_QPN = "@th,104,24"  # UDP header (64 bits) + opcode, flags, P_Key, reserved (40 bits)
 FLOW_KEY = f"ip saddr . udp sport . ip daddr . {BTH_DEST_QPN}"
+# BTH opcodes of UD SEND_ONLY and SEND_ONLY_WITH_IMMEDIATE. UD QPs exist only on the shared-ring engine, where
+# vrnicd resolves every datagram's destination itself; a direct guest has RC QPs only (and, contained, cannot
+# create any), and an RC QP never emits UD opcodes.
+BTH_OPCODE = "@th,64,8"
+UD_OPCODES = "{ 0x64, 0x65 }"
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 _VRNIC_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
@@ -189,6 +194,7 @@ def base_ruleset(table: str = TABLE) -> str:
 
 	chain roce {{
 		{FLOW_KEY} @{FLOWS_SET} accept
+		{BTH_OPCODE} {UD_OPCODES} accept
 		{deny}
 	}}
 }}
@@ -235,6 +241,14 @@ def allow_script(flows: Iterable[GuardFlow], table: str = TABLE) -> str:
 def revoke_script(vrnic_id: str, present: Iterable[GuardFlow], table: str = TABLE) -> str:
     """Delete every present flow of one vRNIC (all or nothing); empty when it has none."""
     keys = sorted({flow.key for flow in present if flow.vrnic_id == vrnic_id})
+    if not keys:
+        return ""
+    return f"delete element inet {table_name(table)} {FLOWS_SET} {{ {', '.join(_key_text(k) for k in keys)} }}\n"
+
+
+def drop_script(flows: Iterable[GuardFlow], table: str = TABLE) -> str:
+    """Delete these flows' elements (those present: nft refuses to delete a missing element)."""
+    keys = sorted({flow.key for flow in flows})
     if not keys:
         return ""
     return f"delete element inet {table_name(table)} {FLOWS_SET} {{ {', '.join(_key_text(k) for k in keys)} }}\n"

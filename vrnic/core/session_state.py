@@ -76,6 +76,7 @@ class QpEntry:
     ahs: dict[tuple[str, int], Any] = field(default_factory=dict, repr=False)  # UD address handles
     pending: list[Any] = field(default_factory=list, repr=False)  # WRs the NIC refused for lack of room
     grh_at: dict[int, int] = field(default_factory=dict, repr=False)  # UD recv wr_id -> address of its GRH
+    guard_flow: Any = field(default=None, repr=False)  # the packet guard's flow for this RC QP, when guarded
 
 
 # ----- snapshots: plain, JSON-able records -------------------------------------------------------------

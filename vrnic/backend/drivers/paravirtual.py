@@ -26,6 +26,7 @@ from vrnic.backend.channel import ChannelLimits, ChannelServer
 from vrnic.backend.direct import DirectEngine, DirectSession
 from vrnic.backend.driver import RnicDriver
 from vrnic.backend.engine import DataPathEngine, EngineHost, SharedRingEngine
+from vrnic.backend.flow_guard import FlowGuard
 from vrnic.backend.guest_memory import GuestMemory
 from vrnic.backend.rdma_cgroup import Confinement
 from vrnic.backend.registry import Registry, VirtualRnic
@@ -34,7 +35,7 @@ from vrnic.backend.session import GuestSession
 from vrnic.backend.vm_link import VmLink, connect_channel
 from vrnic.core.specs import AttachInfo, DataEngine, DeviceInfo, VmBinding, VrnicMode, VrnicSpec, active_roce_v2_gid
 from vrnic.core.verb_args import Attach, VmAttach
-from vrnic.errors import Conflict, DeviceError, InvalidArgument, VrnicError
+from vrnic.errors import Conflict, DeviceError, InvalidArgument, NotSupported, VrnicError
 
 log = logging.getLogger(__name__)
 DEFAULT_SOCKET = Path("/run/vrnic/vrnicd.sock")
@@ -47,12 +48,19 @@ class VerbsDriver(RnicDriver):
 
     def __init__(self, socket_path: Path | str = DEFAULT_SOCKET, devices: list[str] | None = None,
                  edge: RnicEdge | None = None, channel: ChannelLimits | None = None,
-                 direct_containment: str = "required") -> None:
+                 direct_containment: str = "required", packet_guard: bool | FlowGuard = False,
+                 strict_isolation: bool = False) -> None:
         """direct_containment: "required" refuses a direct-engine guest whose cgroup vrnicd cannot limit
-        (rdma.max); "best-effort" lets it attach uncontained, with a warning and `contained: false`."""
+        (rdma.max); "best-effort" lets it attach uncontained, with a warning and `contained: false`.
+        packet_guard: filter RoCE egress of the devices served to the flows vrnicd connected (nftables).
+        strict_isolation: refuse the direct engine wherever the guard cannot hold (no guard, or a device that
+        loops its own traffic back past it, as rxe does)."""
         if direct_containment not in ("required", "best-effort"):
             raise InvalidArgument(f"direct_containment is 'required' or 'best-effort', not {direct_containment!r}")
         self.direct_containment = direct_containment
+        self.guard: FlowGuard | None = (packet_guard if isinstance(packet_guard, FlowGuard)
+                                        else FlowGuard() if packet_guard else None)
+        self.strict_isolation = strict_isolation
         if edge is None:
             from vrnic.backend.pyverbs_edge import PyverbsEdge  # pyverbs only where a real device is used
 
@@ -71,13 +79,34 @@ class VerbsDriver(RnicDriver):
         return [self.edge.describe(n) for n in names]
 
     def create_vrnic(self, spec: VrnicSpec, device: str) -> AttachInfo:
-        gid_index, phys_gid = active_roce_v2_gid(self.edge.describe(device))  # NotFound for an unknown device
+        info = self.edge.describe(device)  # NotFound for an unknown device
+        gid_index, phys_gid = active_roce_v2_gid(info)
+        if spec.engine is DataEngine.DIRECT:
+            self._check_direct(spec, info)
+        if self.guard is not None:
+            self.guard.guard_address(phys_gid)
         vrnic = VirtualRnic(spec=spec, device=device, token=secrets.token_urlsafe(24), phys_gid=phys_gid,
                             gid_index=gid_index)
         self.registry.add(vrnic)
         log.info("vRNIC %s (tenant %s) created on %s", spec.id, spec.tenant, device)
         return AttachInfo(vrnic_id=spec.id, mode=spec.mode, device=device, virtual_gid=spec.virtual_gid,
                           socket_path=str(self.socket_path), token=vrnic.token)
+
+    def _check_direct(self, spec: VrnicSpec, info: DeviceInfo) -> None:
+        if not info.caps.get("direct_engine"):
+            raise NotSupported(f"{info.name} has no direct data path in vrnic (rxe has); use engine=ring")
+        if not self.strict_isolation:
+            if self.guard is None:
+                log.warning("vRNIC %s: direct engine with the packet guard off: its guest can point its QPs at "
+                            "any QP it can name (VRNIC_PACKET_GUARD=true filters that)", spec.id)
+            return
+        if self.guard is None:
+            raise Conflict(f"strict isolation: the direct engine needs the packet guard, which is off "
+                           f"(VRNIC_PACKET_GUARD); vRNIC {spec.id} is refused", current_state="unguarded")
+        if info.caps.get("direct_guard_loopback_gap"):
+            raise Conflict(f"strict isolation: {info.name} loops traffic between its own QPs back past the packet "
+                           f"guard, so a direct guest could reach other tenants' QPs on it; vRNIC {spec.id} is "
+                           f"refused (use engine=ring)", current_state="loopback_gap")
 
     def open_session(self, args: Attach, fds: list[int], cred: PeerCred,
                      disconnect: Disconnect = lambda: None) -> GuestSession:
@@ -116,7 +145,8 @@ class VerbsDriver(RnicDriver):
                 session_type = GuestSession
                 engine = functools.partial(SharedRingEngine, busy_poll=busy_poll)
             session = session_type(vrnic, self.registry, device, memory, cred, doorbell_fd=doorbell_fd,
-                                   notify_fd=notify_fd, engine_factory=engine, disconnect=disconnect)
+                                   notify_fd=notify_fd, engine_factory=engine, disconnect=disconnect,
+                                   guard=self.guard)
             self.registry.attach(vrnic, session, vm_domain)
         except BaseException:
             if session is not None:
@@ -251,6 +281,8 @@ class VerbsDriver(RnicDriver):
                 self._unbind(domain)
         super().close()
         self.server.stop()
+        if self.guard is not None:
+            self.guard.close()
 
 
 @dataclass
