@@ -165,3 +165,49 @@ def test_direct_receives_need_no_daemon_and_errors_are_the_nics(
     finally:
         a.close()
         b.close()
+
+
+def test_vrnicd_updates_the_guests_translation_table(make_vrnic: Callable[..., AttachInfo],
+                                                      device_pair: tuple[str, str], driver: Any) -> None:
+    """The guest translates from a table it caches; vrnicd bumps a shared generation when it changes what is
+    behind it, and the guest re-reads before its next post (migration re-keys everything this way)."""
+    from vrnic.core import verb_args
+
+    a = Guest(make_vrnic(engine="direct"))
+    b = Guest(make_vrnic(device=device_pair[1], engine="direct"))
+    try:
+        assert a.ctx.direct is not None
+        qa, _ = _pair(a, b)
+        qa.post_send(SendRequest(1, WrOpcode.RDMA_WRITE, (a.mr.sge(0, 64),), remote_addr=b.mr.addr, rkey=b.mr.rkey))
+        assert a.cq.wait(1)[0].status == WcStatus.SUCCESS
+        assert (qa.handle, b.mr.rkey) in a.ctx.direct.remote  # cached
+
+        # vrnicd re-registers a's MR under the same virtual key (new physical keys), without telling a: its
+        # cached lkey is stale and the kernel refuses it.
+        session = driver.registry.get(a.ctx.vrnic_id).session
+        with session.lock:
+            old = session.state.mrs.get(a.mr.handle).window
+            session.op_dereg_mr(verb_args.MrRef(mr=a.mr.handle))
+            session.op_reg_mr(verb_args.RegMr(pd=a.pd.handle, addr=old.offset, length=old.length,
+                                              access=int(old.access)), handle=a.mr.handle, vkey=old.vkey)
+            new = session.state.mrs.get(a.mr.handle).window
+        assert new.phys_lkey != old.phys_lkey and new.vkey == old.vkey
+        stale_generation = a.ctx.direct.seen
+        qa, _ = _pair(a, b)
+        qa.post_send(SendRequest(2, WrOpcode.RDMA_WRITE, (a.mr.sge(0, 64),), remote_addr=b.mr.addr, rkey=b.mr.rkey))
+        assert a.cq.wait(1)[0].status == WcStatus.LOC_QP_OP_ERR
+        # Now vrnicd bumps the generation: the next post re-reads the table and works.
+        session.translations_changed()
+        qa, _ = _pair(a, b)
+        qa.post_send(SendRequest(3, WrOpcode.RDMA_WRITE, (a.mr.sge(0, 64),), remote_addr=b.mr.addr, rkey=b.mr.rkey))
+        assert a.cq.wait(1)[0].status == WcStatus.SUCCESS
+        assert a.ctx.direct.seen > stale_generation and a.ctx.direct.local[a.mr.lkey].key == new.phys_lkey
+
+        # A peer's MR going away bumps the generation too: the cached rkey is dropped, not used.
+        seen = a.ctx.direct.seen
+        b.mr.close()
+        qa.post_recv([])  # any post brings the table up to date
+        assert a.ctx.direct.seen > seen and not a.ctx.direct.remote
+    finally:
+        a.close()
+        b.close()

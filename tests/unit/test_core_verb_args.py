@@ -37,6 +37,7 @@ VALID: dict[str, dict[str, Any]] = {
     "connect": {"qp": 8, "remote_gid": "fd76:726e::2", "remote_qpn": 17},
     "busy_poll": {"enabled": True},
     "resolve_rkey": {"qp": 1, "rkey": 0x1234},
+    "translations": {},
 }
 
 

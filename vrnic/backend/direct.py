@@ -17,6 +17,9 @@ guard for QPs it points elsewhere (see README, "Two engines").
 
 from __future__ import annotations
 
+import fcntl
+import mmap
+import os
 from typing import Any, Protocol
 
 from vrnic.backend.engine import DataPathEngine, EngineHost
@@ -32,6 +35,35 @@ from vrnic.errors import InvalidArgument, NotFound, NotSupported
 
 class Releasable(Protocol):
     def release(self) -> None: ...
+
+
+class TranslationGeneration:
+    """A page vrnicd shares with a direct guest: a 64-bit generation at offset 0. vrnicd bumps it whenever
+    translations the guest may have cached change (a peer's MR went away; migration will re-key everything);
+    the guest compares it before each post and re-reads its table when it moved. The guest maps it read-only."""
+
+    def __init__(self) -> None:
+        self.fd = os.memfd_create("vrnic-translations", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, mmap.PAGESIZE)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            self._map = mmap.mmap(self.fd, mmap.PAGESIZE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._words = memoryview(self._map).cast("Q")
+
+    @property
+    def value(self) -> int:
+        return int(self._words[0])
+
+    def bump(self) -> None:
+        self._words[0] = self._words[0] + 1  # one aligned 8-byte store
+
+    def close(self) -> None:
+        self._words.release()
+        self._map.close()
+        os.close(self.fd)
 
 
 class DirectEngine(DataPathEngine):
@@ -63,7 +95,12 @@ class DirectSession(GuestSession):
 
     def __init__(self, *args: Any, confinement: Releasable | None = None, **kwargs: Any) -> None:
         self.confinement = confinement  # the guest's cgroup limit, released with the session
-        super().__init__(*args, **kwargs)
+        self.generation = TranslationGeneration()
+        try:
+            super().__init__(*args, **kwargs)
+        except BaseException:
+            self.generation.close()
+            raise
 
     def attach_result(self) -> dict[str, Any]:
         return {**super().attach_result(), "engine": "direct", "queue_format": self.queue_format,
@@ -75,9 +112,20 @@ class DirectSession(GuestSession):
         finally:
             if self.confinement is not None:
                 self.confinement.release()
+            if not self.generation._map.closed:
+                self.generation.close()
 
     def attach_fds(self) -> list[int]:
-        return [self.device.fd]
+        return [self.device.fd, self.generation.fd]
+
+    def translations_changed(self) -> None:
+        """Something the guest may have cached changed: it re-reads its table before its next post."""
+        self.generation.bump()
+
+    def op_translations(self, _: verb_args.NoArgs) -> dict[str, Any]:
+        """The guest's local table afresh (remote keys it resolves again, lazily)."""
+        mrs = [[w.vkey, w.phys_lkey, w.base] for _, mr in self.state.mrs.items() for w in [mr.window]]
+        return {"generation": self.generation.value, "mrs": mrs}
 
     def op_reg_mr(self, args: verb_args.RegMr, handle: int | None = None, vkey: int | None = None) -> dict[str, Any]:
         result = super().op_reg_mr(args, handle, vkey)

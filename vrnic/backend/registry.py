@@ -185,6 +185,11 @@ class Registry:
             published = self._published.get(vrnic.spec.id)
             if published is not None:
                 published.mrs.pop(vkey, None)
+            # Direct guests that may have cached this key as a peer's rkey must look again.
+            for other in self._by_id.values():
+                changed = getattr(other.session, "translations_changed", None)
+                if other is not vrnic and changed is not None and reachable(other.spec, vrnic.spec):
+                    changed()
 
     # ----- resolving peers -----------------------------------------------------------------------
     def peer(self, asker: VirtualRnic, virtual_gid: str) -> VirtualRnic:

@@ -295,6 +295,9 @@ class GuestSession:
     def op_resolve_rkey(self, _: verb_args.ResolveRkey) -> dict[str, Any]:
         raise InvalidArgument("resolve_rkey is for the direct engine; on this one vrnicd translates keys itself")
 
+    def op_translations(self, _: verb_args.NoArgs) -> dict[str, Any]:
+        raise InvalidArgument("translations are for the direct engine; on this one vrnicd translates itself")
+
     def op_busy_poll(self, args: verb_args.BusyPoll) -> dict[str, Any]:
         self.engine.busy_poll = args.enabled
         return {"busy_poll": args.enabled}

@@ -125,5 +125,6 @@ OPS: dict[str, type[Args]] = {
     "reg_mr": RegMr, "dereg_mr": MrRef,
     "create_cq": CreateCq, "destroy_cq": CqRef,
     "create_qp": CreateQp, "destroy_qp": QpRef, "modify_qp": ModifyQp, "query_qp": QpRef,
-    "connect": Connect, "resolve_rkey": ResolveRkey, "busy_poll": BusyPoll, "sync": NoArgs, "detach": NoArgs,
+    "connect": Connect, "resolve_rkey": ResolveRkey, "translations": NoArgs,
+    "busy_poll": BusyPoll, "sync": NoArgs, "detach": NoArgs,
 }

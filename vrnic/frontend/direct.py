@@ -47,11 +47,20 @@ class PhysKey:
 class DirectDevice:
     """The vRNIC's uverbs fd and the guest's translation table."""
 
-    def __init__(self, fd: int, queue_format: str, call: Callable[..., dict[str, Any]]) -> None:
+    def __init__(self, fd: int, generation_fd: int, queue_format: str, call: Callable[..., dict[str, Any]]) -> None:
         fmt = FORMATS.get(queue_format)
-        if fmt is None:
+        try:
+            if fmt is None:
+                raise NotSupported(f"no direct queue format {queue_format!r} in this frontend")
+            # vrnicd's generation of the translations (read-only here): when it moves, re-read the table.
+            self._generation_map = mmap.mmap(generation_fd, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ)
+        except BaseException:
             os.close(fd)
-            raise NotSupported(f"no direct queue format {queue_format!r} in this frontend")
+            raise
+        finally:
+            os.close(generation_fd)
+        self._generation = memoryview(self._generation_map).cast("Q")
+        self.seen = int(self._generation[0])
         self.fd = fd
         self.format = fmt()
         self.call = call
@@ -68,6 +77,15 @@ class DirectDevice:
             raise DeviceError(f"map the NIC queue at {queue['offset']:#x}: {exc.strerror}", exc.errno or 0) from exc
         view = memoryview(mapping)
         return mapping, RxeQueue(view, view.cast("I"))
+
+    def current(self) -> None:
+        """Bring the table up to vrnicd's generation (one memory read when nothing changed)."""
+        if self._generation[0] == self.seen:
+            return
+        reply = self.call("translations")
+        self.local = {int(v): PhysKey(int(k), int(b)) for v, k, b in reply["mrs"]}
+        self.remote.clear()  # resolved again on next use
+        self.seen = int(reply["generation"])
 
     def learn_mr(self, reply: dict[str, Any]) -> None:
         self.local[int(reply["lkey"])] = PhysKey(int(reply["phys_lkey"]), int(reply["iova_base"]))
@@ -98,6 +116,9 @@ class DirectDevice:
     def close(self) -> None:
         for queue in list(self.mapped):
             queue.close()
+        if not self._generation_map.closed:
+            self._generation.release()
+            self._generation_map.close()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -150,6 +171,7 @@ class DirectQp:
 
     def post_send(self, wrs: list[SendRequest], doorbell: bool = True) -> None:
         device, sq, encode = self.device, self.sq, self.device.format.send_wqe
+        device.current()
         for wr in wrs:
             if sq.full():
                 raise DeviceError("send queue full", errno.ENOMEM)
@@ -173,6 +195,7 @@ class DirectQp:
 
     def post_recv(self, wrs: list[RecvRequest]) -> None:
         device, rq, encode = self.device, self.rq, self.device.format.recv_wqe
+        device.current()
         for wr in wrs:
             if rq.full():
                 raise DeviceError("receive queue full", errno.ENOMEM)

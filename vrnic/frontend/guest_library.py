@@ -114,11 +114,12 @@ class Context(_Resource):
             fds = self.channel.take_fds()
             self.engine: str = info.get("engine", "ring")
             if self.engine == "direct":
-                if len(fds) != 1:
+                if len(fds) != 2:
                     for fd in fds:
                         os.close(fd)
-                    raise DeviceError("vrnicd chose the direct engine but sent no uverbs descriptor")
-                self.direct = DirectDevice(fds[0], str(info.get("queue_format")), self.call)
+                    raise DeviceError(f"vrnicd chose the direct engine but sent {len(fds)} descriptors, not the "
+                                      f"uverbs fd and the translation generation")
+                self.direct = DirectDevice(fds[0], fds[1], str(info.get("queue_format")), self.call)
             else:
                 for fd in fds:
                     os.close(fd)
