@@ -23,7 +23,9 @@ from typing import Any
 from vrnic.core.queue_format.base import PhysWr
 from vrnic.core.queue_format.rxe import (
     CMD_POST_SEND,
+    CONSUMER_OFFSET,
     POST_SEND_IN,
+    PRODUCER_OFFSET,
     RDMA_VERBS_IOCTL,
     RxeFormat,
     RxeQueue,
@@ -34,8 +36,9 @@ from vrnic.core.rings import Completion, RecvRequest, SendRequest, WrOpcode
 from vrnic.errors import DeviceError, NotSupported, VrnicError
 
 FORMATS = {"rxe": RxeFormat}
-REMOTE_OPS = (WrOpcode.RDMA_WRITE, WrOpcode.RDMA_WRITE_WITH_IMM, WrOpcode.RDMA_READ,
-              WrOpcode.ATOMIC_CMP_AND_SWP, WrOpcode.ATOMIC_FETCH_AND_ADD)
+REMOTE_OPS = frozenset({int(WrOpcode.RDMA_WRITE), int(WrOpcode.RDMA_WRITE_WITH_IMM), int(WrOpcode.RDMA_READ),
+                        int(WrOpcode.ATOMIC_CMP_AND_SWP), int(WrOpcode.ATOMIC_FETCH_AND_ADD)})
+_PRODUCER, _CONSUMER = PRODUCER_OFFSET // 4, CONSUMER_OFFSET // 4  # index words of an rxe queue
 
 
 @dataclass(frozen=True)
@@ -131,11 +134,18 @@ class DirectCq:
         device.mapped.append(self)
 
     def poll(self, max_entries: int) -> list[Completion]:
-        queue, parse, vqpn = self.queue, self.device.format.parse_cqe, self.device.vqpn
+        queue = self.queue
+        words, mask = queue.words, queue.mask
+        cons = words[_CONSUMER] & mask
+        available = (words[_PRODUCER] - cons) & mask  # the kernel stores its index after the CQE
+        if not available:
+            return []
+        parse, vqpn, buf = self.device.format.parse_cqe, self.device.vqpn, queue.buf
         done: list[Completion] = []
-        while len(done) < max_entries and not queue.empty():
-            wc = parse(queue.buf, queue.slot(queue.consumer))
-            queue.advance_consumer()
+        for _ in range(min(available, max_entries)):
+            wc = parse(buf, queue.slot(cons))
+            cons = (cons + 1) & mask
+            words[_CONSUMER] = cons  # the slot is free for the kernel once we have read it
             done.append(Completion(wc.wr_id, wc.status, wc.opcode, wc.byte_len, wc.imm_data, vqpn.get(wc.qp_num, 0),
                                    wc.src_qp, wc.wc_flags, wc.vendor_err))
         return done
@@ -172,18 +182,24 @@ class DirectQp:
     def post_send(self, wrs: list[SendRequest], doorbell: bool = True) -> None:
         device, sq, encode = self.device, self.sq, self.device.format.send_wqe
         device.current()
+        words, mask = sq.words, sq.mask
+        prod = words[_PRODUCER] & mask  # read, not cached: a QP reset rewinds the kernel's queue
+        cons = words[_CONSUMER] & mask
         for wr in wrs:
-            if sq.full():
-                raise DeviceError("send queue full", errno.ENOMEM)
+            if (prod + 1 - cons) & mask == 0:
+                cons = words[_CONSUMER] & mask
+                if (prod + 1 - cons) & mask == 0:
+                    raise DeviceError("send queue full", errno.ENOMEM)
             phys = PhysWr(wr.wr_id, int(wr.opcode), device.sges(wr.sges), wr.signaled, wr.imm, wr.remote_addr,
                           wr.rkey, wr.compare_add, wr.swap)
-            if wr.opcode in REMOTE_OPS:
+            if phys.opcode in REMOTE_OPS:
                 key = device.remote_key(self.handle, wr.rkey)
                 if key is not None:
                     phys.rkey, phys.remote_addr = key.key, key.iova_base + wr.remote_addr
-            encode(sq.buf, sq.slot(sq.producer), phys, self.ssn)
+            encode(sq.buf, sq.slot(prod), phys, self.ssn)
             self.ssn += 1
-            sq.advance_producer()
+            prod = (prod + 1) & mask
+            words[_PRODUCER] = prod  # after the WQE: the kernel reads the index, then the slot
         if doorbell:
             self.ring()
 

@@ -15,7 +15,8 @@ from typing import ClassVar
 from vrnic.core.queue_format.base import PhysWr, QueueFormat, RawCompletion
 
 # struct rxe_queue_buf: log2_elem_size, index_mask, then producer and consumer indices on their own lines.
-_LOG2_ELEM, _INDEX_MASK, _PRODUCER, _CONSUMER, DATA_OFFSET = 0, 4, 128, 256, 384
+_LOG2_ELEM, _INDEX_MASK, PRODUCER_OFFSET, CONSUMER_OFFSET, DATA_OFFSET = 0, 4, 128, 256, 384
+_PRODUCER, _CONSUMER = PRODUCER_OFFSET, CONSUMER_OFFSET
 
 SEND_WQE_HEADER = 208  # sizeof(struct rxe_send_wqe) before its SGEs
 RECV_WQE_HEADER = 40  # sizeof(struct rxe_recv_wqe) before its SGEs
@@ -24,18 +25,17 @@ CQE_BYTES = 48  # struct ib_uverbs_wc, how rxe writes a completion for a user CQ
 
 IB_SEND_SIGNALED = 2
 ATOMIC_OPCODES = (5, 6)  # IBV_WR_ATOMIC_CMP_AND_SWP, IBV_WR_ATOMIC_FETCH_AND_ADD
-_ZERO_SEND = bytes(SEND_WQE_HEADER)
-_ZERO_RECV = bytes(RECV_WQE_HEADER)
 
-# rxe_send_wr: wr_id, num_sge (librxe's name for the reserved word), opcode, send_flags, imm.
-_SEND_HEAD = struct.Struct("<QIIII")
-_RDMA = struct.Struct("<QI")  # wr.rdma: remote_addr, rkey (at 24)
-_ATOMIC = struct.Struct("<QQQI")  # wr.atomic: remote_addr, compare_add, swap, rkey (at 24)
-_IOVA = struct.Struct("<Q")  # at 152
-_SSN = struct.Struct("<I")  # at 176
-_DMA = struct.Struct("<IIIII")  # at 184: length, resid, cur_sge, num_sge, sge_offset
+# A whole rxe_send_wqe header in one pack (pad bytes are written as zeros, which also clears what the
+# slot's previous WQE and the kernel's bookkeeping for it left there):
+#   rxe_send_wr: wr_id, num_sge (librxe's name for the reserved word), opcode, send_flags, imm, then the
+#   wr union (120 bytes) as wr.rdma (remote_addr, rkey) or wr.atomic (remote_addr, compare_add, swap, rkey);
+#   status, state (zero: posted), iova at 152, mask, first_psn, last_psn, ack_length, ssn at 176, has_rd_atomic;
+#   dma at 184: length, resid, cur_sge, num_sge, sge_offset, reserved.
+_SEND_RDMA = struct.Struct("<QIIIIQI108xIIQIIIIII" + "IIIIII")
+_SEND_ATOMIC = struct.Struct("<QIIIIQQQI92xIIQIIIIII" + "IIIIII")
 _SGE = struct.Struct("<QII")
-_RECV_HEAD = struct.Struct("<QI")  # wr_id, num_sge
+_RECV = struct.Struct("<QII" + "IIIIII")  # rxe_recv_wqe: wr_id, num_sge, padding, then rxe_dma_info
 _WC = struct.Struct("<QIIIIIIII")  # wr_id status opcode vendor_err byte_len imm qp_num src_qp wc_flags
 
 
@@ -44,25 +44,23 @@ class RxeFormat(QueueFormat):
 
     def send_wqe(self, buf: memoryview, at: int, wr: PhysWr, ssn: int) -> None:
         sges = wr.sges
-        buf[at:at + SEND_WQE_HEADER] = _ZERO_SEND  # the slot held an earlier WQE and the kernel's state for it
-        _SEND_HEAD.pack_into(buf, at, wr.wr_id, len(sges), wr.opcode, IB_SEND_SIGNALED if wr.signaled else 0,
-                             wr.imm)
+        count = len(sges)
+        length = sges[0][1] if count == 1 else sum(s[1] for s in sges)
+        flags = IB_SEND_SIGNALED if wr.signaled else 0
         if wr.opcode in ATOMIC_OPCODES:
-            _ATOMIC.pack_into(buf, at + 24, wr.remote_addr, wr.compare_add, wr.swap, wr.rkey)
+            _SEND_ATOMIC.pack_into(buf, at, wr.wr_id, count, wr.opcode, flags, wr.imm, wr.remote_addr,
+                                   wr.compare_add, wr.swap, wr.rkey, 0, 0, wr.remote_addr, 0, 0, 0, 0,
+                                   ssn & 0xFFFFFFFF, 0, length, length, 0, count, 0, 0)
         else:
-            _RDMA.pack_into(buf, at + 24, wr.remote_addr, wr.rkey)
-        _IOVA.pack_into(buf, at + 152, wr.remote_addr)
-        _SSN.pack_into(buf, at + 176, ssn & 0xFFFFFFFF)
-        length = sum(s[1] for s in sges)
-        _DMA.pack_into(buf, at + 184, length, length, 0, len(sges), 0)
+            _SEND_RDMA.pack_into(buf, at, wr.wr_id, count, wr.opcode, flags, wr.imm, wr.remote_addr, wr.rkey,
+                                 0, 0, wr.remote_addr, 0, 0, 0, 0, ssn & 0xFFFFFFFF, 0, length, length, 0, count, 0, 0)
         for i, (addr, sge_len, lkey) in enumerate(sges):
             _SGE.pack_into(buf, at + SEND_WQE_HEADER + i * SGE_BYTES, addr, sge_len, lkey)
 
     def recv_wqe(self, buf: memoryview, at: int, wr_id: int, sges: list[tuple[int, int, int]]) -> None:
-        buf[at:at + RECV_WQE_HEADER] = _ZERO_RECV
-        _RECV_HEAD.pack_into(buf, at, wr_id, len(sges))
-        length = sum(s[1] for s in sges)
-        _DMA.pack_into(buf, at + 16, length, length, 0, len(sges), 0)
+        count = len(sges)
+        length = sges[0][1] if count == 1 else sum(s[1] for s in sges)
+        _RECV.pack_into(buf, at, wr_id, count, 0, length, length, 0, count, 0, 0)
         for i, (addr, sge_len, lkey) in enumerate(sges):
             _SGE.pack_into(buf, at + RECV_WQE_HEADER + i * SGE_BYTES, addr, sge_len, lkey)
 
