@@ -16,7 +16,8 @@ from pathlib import Path
 from bench.harness import Record
 from bench.paravirt import ALL, ARENA, vrnicd
 from vrnic.core.specs import AttachInfo
-from vrnic.frontend import CQ, MR, PD, QP, Context, RecvRequest, SendRequest, WrOpcode
+from vrnic.frontend import CQ, MR, PD, QP, Context, SendRequest, WrOpcode
+from vrnic.lab.latency import native_ping_pong_us, ping_pong_us
 
 LATENCY_TARGET = 1.10
 THROUGHPUT_TARGET = 0.97
@@ -43,20 +44,6 @@ def _windowed_writes(qa: QP, cqa: CQ, mra: MR, mrb: MR, size: int, total: int, w
     return time.perf_counter() - started
 
 
-def _ping_pong_us(qa: QP, qb: QP, cqa: CQ, cqb: CQ, mra: MR, mrb: MR, iterations: int = 200) -> float:
-    started = time.perf_counter()
-    for i in range(iterations):
-        qb.post_recv(RecvRequest(i, (mrb.sge(0, 64),)))
-        qa.post_send(SendRequest(i, WrOpcode.SEND, (mra.sge(0, 64),)))
-        cqa.wait(1)
-        cqb.wait(1)
-        qa.post_recv(RecvRequest(i, (mra.sge(0, 64),)))
-        qb.post_send(SendRequest(i, WrOpcode.SEND, (mrb.sge(0, 64),)))
-        cqb.wait(1)
-        cqa.wait(1)
-    return (time.perf_counter() - started) / iterations / 2 * 1e6
-
-
 def _native_round(pair: tuple[str, str] = ("rxe0", "rxe1")) -> dict[str, float]:
     """bench.native_verbs' data-path workloads, once more: the baseline, interleaved with the direct rounds."""
     import pyverbs.enums as e
@@ -67,17 +54,7 @@ def _native_round(pair: tuple[str, str] = ("rxe0", "rxe1")) -> dict[str, float]:
     with RcEndpoint(pair[0], 65536) as a, RcEndpoint(pair[1], 65536) as b:
         a.connect(b.info())
         b.connect(a.info())
-        started = time.perf_counter()
-        for _ in range(200):
-            b.post_recv(64)
-            a.post_send(64)
-            a.poll()
-            b.poll()
-            a.post_recv(64)
-            b.post_send(64)
-            b.poll()
-            a.poll()
-        out["send_lat_64b"] = (time.perf_counter() - started) / 200 / 2 * 1e6
+        out["send_lat_64b"] = native_ping_pong_us(a, b)
         for size, total, name in ((65536, 400, "rdma_write_64k"), (4096, 2000, "rdma_write_4k_msgs_per_s")):
             posted = done = 0
             started = time.perf_counter()
@@ -113,7 +90,7 @@ def data_path(infos: list[AttachInfo], prefix: str, daemon: int, rounds: int) ->
             for name, value in _native_round().items():
                 native.setdefault(name, []).append(value)
             if prefix == "direct":
-                direct.setdefault("send_lat_64b", []).append(_ping_pong_us(qa, qb, cqa, cqb, mra, mrb))
+                direct.setdefault("send_lat_64b", []).append(ping_pong_us(qa, qb, cqa, cqb, mra, mrb))
                 seconds = _windowed_writes(qa, cqa, mra, mrb, size, 400)
                 direct.setdefault("rdma_write_64k", []).append(400 * size / seconds / 1e6)
             seconds = _windowed_writes(qa, cqa, mra, mrb, 4096, 2000)

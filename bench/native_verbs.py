@@ -14,6 +14,7 @@ from pyverbs.pd import PD
 from pyverbs.qp import QP, QPCap, QPInitAttr
 
 from bench.harness import Record, median_ms
+from vrnic.lab.latency import native_ping_pong_us
 from vrnic.lab.native import ACCESS, RcEndpoint
 
 
@@ -62,19 +63,7 @@ def connect_and_data(pair: tuple[str, str] = ("rxe0", "rxe1"), repeat: int = 20)
         a.connect(b.info())
         b.connect(a.info())
         # Small SEND/RECV ping-pong: half a round trip is the one-way latency.
-        iterations = 200
-        started = time.perf_counter()
-        for _ in range(iterations):
-            b.post_recv(64)
-            a.post_send(64)
-            a.poll()
-            b.poll()
-            a.post_recv(64)
-            b.post_send(64)
-            b.poll()
-            a.poll()
-        records.append(Record("native.send_lat_64b", "us",
-                              (time.perf_counter() - started) / iterations / 2 * 1e6))
+        records.append(Record("native.send_lat_64b", "us", native_ping_pong_us(a, b)))
         # RDMA WRITE 64 KiB throughput with a window of outstanding writes.
         total, window, posted, done = 400, 16, 0, 0
         started = time.perf_counter()

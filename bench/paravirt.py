@@ -6,18 +6,14 @@ process, as the native baseline's two endpoints do.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 from bench.harness import Record, median_ms
 from vrnic.core.specs import AttachInfo
-from vrnic.frontend import CQ, MR, PD, QP, Access, Context, RecvRequest, SendRequest, WrOpcode
+from vrnic.frontend import CQ, MR, PD, QP, Access, Context, SendRequest, WrOpcode
+from vrnic.lab.latency import ping_pong_us, standalone_vrnicd
 
 ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 ARENA = 8 << 20
@@ -27,33 +23,14 @@ LATENCY_TARGET = 1.2
 
 
 @contextmanager
-def vrnicd(count: int, busy_poll: bool = False, engine: str = "ring",
+def vrnicd(count: int, engine: str = "ring",
            pid_out: list[int] | None = None) -> Iterator[list[AttachInfo]]:
-    """vrnicd in a process of its own with count vRNICs on rxe0/rxe1; pid_out receives its pid.
-
-    The bench's guests share the bench's cgroup with vrnicd, so direct-engine guests run uncontained
-    (best-effort): containment costs nothing per post, and is proven by the kernel tests instead.
-    """
-    with tempfile.TemporaryDirectory(dir="/run") as tmp:
-        attach = Path(tmp) / "attach.json"
-        vrnics = [f"--vrnic=v{i}:bench:rxe{i % 2}:1:{engine}" for i in range(count)]
-        daemon = subprocess.Popen([sys.executable, "-m", "vrnic.backend.vrnicd", "--socket", f"{tmp}/s.sock",
-                                   "--direct-containment", "best-effort",
-                                   "--attach-out", str(attach), "--quota", "max_pds=4096", "--quota", "max_cqs=4096",
-                                   "--quota", "max_qps=4096", "--quota", "max_mrs=4096",
-                                   "--quota", f"max_pinned_bytes={1 << 40}", *vrnics])
-        if pid_out is not None:
-            pid_out.append(daemon.pid)
-        try:
-            deadline = time.monotonic() + 60
-            while not attach.exists():
-                if daemon.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("vrnicd did not start")
-                time.sleep(0.05)
-            yield [AttachInfo(**json.loads(line)) for line in attach.read_text().splitlines()]
-        finally:
-            daemon.terminate()
-            daemon.wait(timeout=30)
+    """vrnicd in a process of its own with count vRNICs on rxe0/rxe1, quotas out of the way."""
+    quotas = [arg for q in ("max_pds=4096", "max_cqs=4096", "max_qps=4096", "max_mrs=4096",
+                            f"max_pinned_bytes={1 << 40}") for arg in ("--quota", q)]
+    with standalone_vrnicd([f"v{i}:bench:rxe{i % 2}:1:{engine}" for i in range(count)], *quotas,
+                           pid_out=pid_out) as infos:
+        yield infos
 
 
 def _ratio_record(name: str, unit: str, value: float, native: dict[str, float], target: float,
@@ -101,18 +78,7 @@ def connect_and_data(infos: list[AttachInfo], native: dict[str, float], repeat: 
         qa, qb = QP(pa, cqa, cqa, "rc", 64, 64), QP(pb, cqb, cqb, "rc", 64, 64)
         qa.connect(cb.gid, qb.qpn)
         qb.connect(ca.gid, qa.qpn)
-        iterations = 200
-        started = time.perf_counter()
-        for i in range(iterations):
-            qb.post_recv(RecvRequest(i, (mrb.sge(0, 64),)))
-            qa.post_send(SendRequest(i, WrOpcode.SEND, (mra.sge(0, 64),)))
-            cqa.wait(1)
-            cqb.wait(1)
-            qa.post_recv(RecvRequest(i, (mra.sge(0, 64),)))
-            qb.post_send(SendRequest(i, WrOpcode.SEND, (mrb.sge(0, 64),)))
-            cqb.wait(1)
-            cqa.wait(1)
-        latency = (time.perf_counter() - started) / iterations / 2 * 1e6
+        latency = ping_pong_us(qa, qb, cqa, cqb, mra, mrb)
         records.append(_ratio_record("send_lat_64b", "us", latency, native, LATENCY_TARGET))
         total, window, posted, done = 400, 16, 0, 0
         started = time.perf_counter()

@@ -20,12 +20,6 @@ from vrnic.core.queue_format.base import PhysWr
 from vrnic.core.queue_format.rxe import RDMA_VERBS_IOCTL, RxeFormat
 from vrnic.core.specs import AttachInfo
 from vrnic.frontend import (
-    CQ,
-    MR,
-    PD,
-    QP,
-    Access,
-    Context,
     DeviceError,
     RecvRequest,
     SendRequest,
@@ -36,40 +30,13 @@ from vrnic.frontend import (
 from vrnic.frontend.direct import PhysKey
 
 from .conftest import wait_for_baseline
-
-ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
-
-
-class Guest:
-    def __init__(self, info: AttachInfo) -> None:
-        self.ctx = Context.attach(info, 1 << 20)
-        assert self.ctx.direct is not None
-        self.pd = PD(self.ctx)
-        self.cq = CQ(self.ctx, 64)
-        self.mr = MR(self.pd, 65536, ALL)
-        self.qps: list[QP] = []
-
-    def qp(self) -> QP:
-        qp = QP(self.pd, self.cq, self.cq)
-        self.qps.append(qp)
-        return qp
-
-    def close(self) -> None:
-        for obj in (*self.qps, self.mr, self.cq, self.pd, self.ctx):
-            obj.close()
+from .guest_objects import Guest, connected_pair
 
 
 def _window(driver: Any, guest: Guest) -> Any:
     """What only vrnicd knows: the physical keys and iova of a guest's MR (the attacker's perfect guess)."""
     session = driver.registry.get(guest.ctx.vrnic_id).session
     return session.state.mr_by_vkey[guest.mr.lkey]
-
-
-def _pair(a: Guest, b: Guest) -> tuple[QP, QP]:
-    qa, qb = a.qp(), b.qp()
-    qa.connect(b.ctx.gid, qb.qpn)
-    qb.connect(a.ctx.gid, qa.qpn)
-    return qa, qb
 
 
 def test_foreign_lkeys_and_other_tenants_rkeys_are_refused_by_the_kernel(
@@ -83,14 +50,14 @@ def test_foreign_lkeys_and_other_tenants_rkeys_are_refused_by_the_kernel(
         assert a.ctx.direct is not None
         # a plants mallory's physical keys in its own translation table: its WQEs then carry them.
         a.ctx.direct.local[0xBAD] = PhysKey(victim.phys_lkey, victim.base)
-        qa, _ = _pair(a, b)
+        qa, _ = connected_pair(a, b)
         qa.post_send(SendRequest(1, WrOpcode.SEND, (Sge(mallory.mr.addr, 64, 0xBAD),)))
         wc = a.cq.wait(1)[0]
         # Mallory's lkey is not in a's PD: rxe's lookup fails with EINVAL, reported as a local QP operation
         # error (finish_packet in rxe_req.c; hardware says LOC_PROT_ERR). Nothing of mallory's is sent.
         assert wc.status == WcStatus.LOC_QP_OP_ERR
 
-        qa, _ = _pair(a, b)  # an RC error leaves the QP in ERR: a fresh pair for each attack
+        qa, _ = connected_pair(a, b)  # an RC error leaves the QP in ERR: a fresh pair for each attack
         a.ctx.direct.remote[(qa.handle, 0xBAD)] = PhysKey(victim.phys_rkey, victim.base)
         qa.post_send(SendRequest(2, WrOpcode.RDMA_READ, (a.mr.sge(0, 64),), remote_addr=mallory.mr.addr,
                                  rkey=0xBAD))
@@ -98,12 +65,12 @@ def test_foreign_lkeys_and_other_tenants_rkeys_are_refused_by_the_kernel(
         assert wc.status == WcStatus.REM_ACCESS_ERR  # b's QP answers, and mallory's MR is not in b's PD
         assert a.mr.read(64) != b"M" * 64
 
-        qa, _ = _pair(a, b)  # beyond the end of b's own MR
+        qa, _ = connected_pair(a, b)  # beyond the end of b's own MR
         qa.post_send(SendRequest(3, WrOpcode.RDMA_WRITE, (a.mr.sge(0, 64),), remote_addr=b.mr.addr + 65536 - 8,
                                  rkey=b.mr.rkey))
         assert a.cq.wait(1)[0].status == WcStatus.REM_ACCESS_ERR
 
-        qa, _ = _pair(a, b)  # and the honest path still works
+        qa, _ = connected_pair(a, b)  # and the honest path still works
         qa.post_send(SendRequest(4, WrOpcode.RDMA_WRITE, (a.mr.sge(0, 64),), remote_addr=b.mr.addr, rkey=b.mr.rkey))
         assert a.cq.wait(1)[0].status == WcStatus.SUCCESS
     finally:
@@ -116,7 +83,7 @@ def test_a_detached_guest_keeping_a_dup_of_the_fd_loses_the_data_path(
     baseline = resource_counts()
     a = Guest(make_vrnic(engine="direct"))
     b = Guest(make_vrnic(device=device_pair[1], engine="direct"))
-    qa, qb = _pair(a, b)
+    qa, qb = connected_pair(a, b)
     qa.post_send(SendRequest(1, WrOpcode.RDMA_WRITE, (a.mr.sge(0, 64),), remote_addr=b.mr.addr, rkey=b.mr.rkey))
     assert a.cq.wait(1)[0].status == WcStatus.SUCCESS
     assert a.ctx.direct is not None and qa.direct is not None
@@ -177,7 +144,7 @@ def test_vrnicd_updates_the_guests_translation_table(make_vrnic: Callable[..., A
     b = Guest(make_vrnic(device=device_pair[1], engine="direct"))
     try:
         assert a.ctx.direct is not None
-        qa, _ = _pair(a, b)
+        qa, _ = connected_pair(a, b)
         qa.post_send(SendRequest(1, WrOpcode.RDMA_WRITE, (a.mr.sge(0, 64),), remote_addr=b.mr.addr, rkey=b.mr.rkey))
         assert a.cq.wait(1)[0].status == WcStatus.SUCCESS
         assert (qa.handle, b.mr.rkey) in a.ctx.direct.remote  # cached
@@ -193,12 +160,12 @@ def test_vrnicd_updates_the_guests_translation_table(make_vrnic: Callable[..., A
             new = session.state.mrs.get(a.mr.handle).window
         assert new.phys_lkey != old.phys_lkey and new.vkey == old.vkey
         stale_generation = a.ctx.direct.seen
-        qa, _ = _pair(a, b)
+        qa, _ = connected_pair(a, b)
         qa.post_send(SendRequest(2, WrOpcode.RDMA_WRITE, (a.mr.sge(0, 64),), remote_addr=b.mr.addr, rkey=b.mr.rkey))
         assert a.cq.wait(1)[0].status == WcStatus.LOC_QP_OP_ERR
         # Now vrnicd bumps the generation: the next post re-reads the table and works.
         session.translations_changed()
-        qa, _ = _pair(a, b)
+        qa, _ = connected_pair(a, b)
         qa.post_send(SendRequest(3, WrOpcode.RDMA_WRITE, (a.mr.sge(0, 64),), remote_addr=b.mr.addr, rkey=b.mr.rkey))
         assert a.cq.wait(1)[0].status == WcStatus.SUCCESS
         assert a.ctx.direct.seen > stale_generation and a.ctx.direct.local[a.mr.lkey].key == new.phys_lkey

@@ -25,13 +25,13 @@ from vrnic.backend.uverbs_edge import DirectContext, UverbsFile
 from vrnic.core.specs import AttachInfo, DataEngine, Quota, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
 from vrnic.errors import Conflict
-from vrnic.frontend import CQ, MR, PD, QP, Access, Context, SendRequest, WcStatus, WrOpcode
+from vrnic.frontend import QP, SendRequest, WcStatus, WrOpcode
 from vrnic.frontend.direct import PhysKey
 
 from .conftest import wait_for_baseline
+from .guest_objects import ALL, Guest
 
 pytestmark = pytest.mark.kernel
-ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 TABLE = "vrnic_guard_test"
 
 
@@ -67,24 +67,6 @@ def _vrnic(driver: Any, device: str, tenant: str, engine: str = "direct") -> Att
     spec = VrnicSpec(id=f"g{serial}", tenant=tenant, vpc_id=1, quota=Quota(), engine=DataEngine(engine),
                      virtual_gid=make_virtual_gid(1, serial))
     return driver.create_vrnic(spec, device)  # type: ignore[no-any-return]
-
-
-class Guest:
-    def __init__(self, info: AttachInfo) -> None:
-        self.ctx = Context.attach(info, 1 << 20)
-        self.pd = PD(self.ctx)
-        self.cq = CQ(self.ctx, 64)
-        self.mr = MR(self.pd, 65536, ALL)
-        self.qps: list[QP] = []
-
-    def qp(self) -> QP:
-        qp = QP(self.pd, self.cq, self.cq)
-        self.qps.append(qp)
-        return qp
-
-    def close(self) -> None:
-        for obj in (*self.qps, self.mr, self.cq, self.pd, self.ctx):
-            obj.close()
 
 
 def _session(driver: Any, guest: Guest) -> Any:

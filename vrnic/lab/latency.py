@@ -17,33 +17,58 @@ from vrnic.frontend import CQ, MR, PD, QP, Access, Context, RecvRequest, SendReq
 from vrnic.lab.native import RcEndpoint
 
 
+def native_ping_pong_us(a: RcEndpoint, b: RcEndpoint, iterations: int = 200) -> float:
+    """64-byte SEND/RECV ping-pong between two connected native endpoints: half a round trip, in µs."""
+    started = time.perf_counter()
+    for _ in range(iterations):
+        b.post_recv(64)
+        a.post_send(64)
+        a.poll()
+        b.poll()
+        a.post_recv(64)
+        b.post_send(64)
+        b.poll()
+        a.poll()
+    return (time.perf_counter() - started) / iterations / 2 * 1e6
+
+
+def ping_pong_us(qa: QP, qb: QP, cqa: CQ, cqb: CQ, mra: MR, mrb: MR, iterations: int = 200) -> float:
+    """The same between two connected vrnic guests (either engine)."""
+    started = time.perf_counter()
+    for i in range(iterations):
+        qb.post_recv(RecvRequest(i, (mrb.sge(0, 64),)))
+        qa.post_send(SendRequest(i, WrOpcode.SEND, (mra.sge(0, 64),)))
+        cqa.wait(1)
+        cqb.wait(1)
+        qa.post_recv(RecvRequest(i, (mra.sge(0, 64),)))
+        qb.post_send(SendRequest(i, WrOpcode.SEND, (mrb.sge(0, 64),)))
+        cqb.wait(1)
+        cqa.wait(1)
+    return (time.perf_counter() - started) / iterations / 2 * 1e6
+
+
 def native_send_latency_us(pair: tuple[str, str], iterations: int = 100) -> float:
     with RcEndpoint(pair[0], 4096) as a, RcEndpoint(pair[1], 4096) as b:
         a.connect(b.info())
         b.connect(a.info())
-        started = time.perf_counter()
-        for _ in range(iterations):
-            b.post_recv(64)
-            a.post_send(64)
-            a.poll()
-            b.poll()
-            a.post_recv(64)
-            b.post_send(64)
-            b.poll()
-            a.poll()
-        return (time.perf_counter() - started) / iterations / 2 * 1e6
+        return native_ping_pong_us(a, b, iterations)
 
 
 @contextmanager
-def standalone_vrnicd(pair: tuple[str, str], engine: str) -> Iterator[list[AttachInfo]]:
-    """vrnicd in its own process with one vRNIC per device. Its guests here share the demo's cgroup, so a
-    direct-engine guest is not contained (best-effort): fine for a latency demo, not for tenants."""
+def standalone_vrnicd(vrnics: list[str], *extra: str, pid_out: list[int] | None = None,
+                      quiet: bool = False) -> Iterator[list[AttachInfo]]:
+    """`python -m vrnic.backend.vrnicd` in its own process with these --vrnic specs; pid_out gets its pid.
+
+    Its guests here share the caller's cgroup, so a direct-engine guest is not contained (best-effort):
+    fine for a demo or a benchmark (containment costs nothing per post), not for tenants."""
     with tempfile.TemporaryDirectory(dir="/run") as tmp:
         attach = Path(tmp) / "attach.json"
         daemon = subprocess.Popen([sys.executable, "-m", "vrnic.backend.vrnicd", "--socket", f"{tmp}/s.sock",
-                                   "--attach-out", str(attach), "--direct-containment", "best-effort",
-                                   f"--vrnic=d0:demo:{pair[0]}:1:{engine}", f"--vrnic=d1:demo:{pair[1]}:1:{engine}"],
-                                  stderr=subprocess.DEVNULL)
+                                   "--attach-out", str(attach), "--direct-containment", "best-effort", *extra,
+                                   *(f"--vrnic={v}" for v in vrnics)],
+                                  stderr=subprocess.DEVNULL if quiet else None)
+        if pid_out is not None:
+            pid_out.append(daemon.pid)
         try:
             deadline = time.monotonic() + 60
             while not attach.exists():
@@ -57,7 +82,8 @@ def standalone_vrnicd(pair: tuple[str, str], engine: str) -> Iterator[list[Attac
 
 
 def vrnic_send_latency_us(pair: tuple[str, str], engine: str, iterations: int = 100) -> float:
-    with standalone_vrnicd(pair, engine) as infos, Context.attach(infos[0], 1 << 20) as ca, \
+    specs = [f"d0:demo:{pair[0]}:1:{engine}", f"d1:demo:{pair[1]}:1:{engine}"]
+    with standalone_vrnicd(specs, quiet=True) as infos, Context.attach(infos[0], 1 << 20) as ca, \
             Context.attach(infos[1], 1 << 20) as cb:
         pa, pb = PD(ca), PD(cb)
         cqa, cqb = CQ(ca, 64), CQ(cb, 64)
@@ -65,17 +91,7 @@ def vrnic_send_latency_us(pair: tuple[str, str], engine: str, iterations: int = 
         qa, qb = QP(pa, cqa, cqa), QP(pb, cqb, cqb)
         qa.connect(cb.gid, qb.qpn)
         qb.connect(ca.gid, qa.qpn)
-        started = time.perf_counter()
-        for i in range(iterations):
-            qb.post_recv(RecvRequest(i, (mrb.sge(0, 64),)))
-            qa.post_send(SendRequest(i, WrOpcode.SEND, (mra.sge(0, 64),)))
-            cqa.wait(1)
-            cqb.wait(1)
-            qa.post_recv(RecvRequest(i, (mra.sge(0, 64),)))
-            qb.post_send(SendRequest(i, WrOpcode.SEND, (mrb.sge(0, 64),)))
-            cqb.wait(1)
-            cqa.wait(1)
-        latency = (time.perf_counter() - started) / iterations / 2 * 1e6
+        latency = ping_pong_us(qa, qb, cqa, cqb, mra, mrb, iterations)
         for obj in (qa, qb, mra, mrb, cqa, cqb, pa, pb):
             obj.close()
         return latency
