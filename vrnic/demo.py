@@ -55,6 +55,7 @@ def main() -> int:
         return 1
     console.print("[bold]4. SEND/RECV latency, 64 bytes, one way (ping-pong / 2), same devices[/bold]")
     try:
+        latency.native_send_latency_us((devices[0], devices[1]), 20)  # warm-up: the first run in a lab is slow
         native = latency.native_send_latency_us((devices[0], devices[1]))
         console.print(f"   native pyverbs         {native:8.1f} us")
         for engine, label in (("ring", "vrnic, shared-ring"), ("direct", "vrnic, direct")):
