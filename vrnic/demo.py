@@ -53,7 +53,7 @@ def main() -> int:
         console.print(f"[red]the two-guest example failed (exit {run.returncode})[/red]")
         console.print(run.stderr, markup=False)
         return 1
-    console.print("[bold]4. SEND/RECV latency, 64 bytes, one way (ping-pong / 2), same devices, median of 3[/bold]")
+    console.print("[bold]4. SEND/RECV latency, 64 B one way (ping-pong / 2), median of 3 runs[/bold]")
     try:
         latency.native_send_latency_us((devices[0], devices[1]), 20)  # warm-up: the first run in a lab is slow
         native = latency.native_send_latency_us((devices[0], devices[1]))
