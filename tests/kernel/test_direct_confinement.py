@@ -26,12 +26,13 @@ from typing import Any
 import pytest
 
 from vrnic.backend.rdma_tool import resource_counts
-from vrnic.core.containment import RdmaLimit, parse_rdma_file, pick_cgroup2_mount, unified_cgroup_path
+from vrnic.core.containment import RdmaLimit, parse_rdma_file
 from vrnic.core.specs import AttachInfo, DataEngine, Quota, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
 from vrnic.errors import Conflict
 from vrnic.frontend import CQ, MR, PD, QP, Access, Context
 
+from .cgroup_root import cgroup2_root_with_rdma
 from .conftest import wait_for_baseline
 
 pytestmark = pytest.mark.kernel
@@ -137,16 +138,8 @@ def cgroups(device_pair: tuple[str, str]) -> Iterator[Cgroups]:
     device = device_pair[0]
     if not (Path("/sys/class/infiniband") / device / "parent").is_file():
         pytest.skip(f"{device} is not a soft-RoCE (rxe) device: the direct engine maps rxe's queues")
-    if os.geteuid() != 0:
-        pytest.skip("needs root: it creates cgroups and vrnicd sets rdma.max")
-    own = unified_cgroup_path(Path("/proc/self/cgroup").read_text())
-    try:
-        root = Path(pick_cgroup2_mount(Path("/proc/self/mountinfo").read_text(), "/").directory("/"))
-    except Conflict as e:
-        pytest.skip(f"no cgroup2 mount: {e}")
-    if "rdma" not in (root / "cgroup.controllers").read_text().split():
-        pytest.skip("the cgroup2 hierarchy has no rdma controller")
-    root_enabled_rdma = "rdma" in (root / "cgroup.subtree_control").read_text().split()
+    hierarchy = cgroup2_root_with_rdma()
+    root, own, root_enabled_rdma = hierarchy.root, hierarchy.own, hierarchy.rdma_was_enabled
 
     top = root / f"vrnic-confinement-{os.getpid()}"
     daemon, guest = top / "daemon", top / "guest"

@@ -29,9 +29,10 @@ import pytest
 from vrnic.backend.rdma_cgroup import confine, limit_memlock
 from vrnic.backend.rdma_tool import resource_counts
 from vrnic.backend.sysfs import rdma_devices
-from vrnic.core.containment import RdmaLimit, parse_rdma_file, pick_cgroup2_mount, unified_cgroup_path
+from vrnic.core.containment import RdmaLimit, parse_rdma_file
 from vrnic.errors import Conflict
 
+from .cgroup_root import cgroup2_root_with_rdma
 from .conftest import wait_for_baseline
 
 pytestmark = pytest.mark.kernel
@@ -244,16 +245,8 @@ def lab() -> Iterator[Lab]:
     uverbs = _uverbs_of(DEVICE)
     if uverbs is None or not uverbs.exists():
         pytest.skip(f"no uverbs character device for {DEVICE}")
-    if os.geteuid() != 0:
-        pytest.skip("needs root: it creates cgroups and sets rdma.max")
-    own = unified_cgroup_path(Path("/proc/self/cgroup").read_text())
-    try:
-        root = Path(pick_cgroup2_mount(Path("/proc/self/mountinfo").read_text(), "/").directory("/"))
-    except Conflict as e:
-        pytest.skip(f"no cgroup2 mount: {e}")
-    if "rdma" not in (root / "cgroup.controllers").read_text().split():
-        pytest.skip("the cgroup2 hierarchy has no rdma controller")
-    root_enabled_rdma = "rdma" in (root / "cgroup.subtree_control").read_text().split()
+    hierarchy = cgroup2_root_with_rdma()
+    root, own, root_enabled_rdma = hierarchy.root, hierarchy.own, hierarchy.rdma_was_enabled
 
     baseline = resource_counts()
     top = root / f"vrnic-test-{os.getpid()}"

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+from vrnic.core.queue_format.base import PhysWr
 from vrnic.core.specs import DeviceInfo
 from vrnic.errors import DeviceError, NotSupported
 
@@ -45,18 +46,10 @@ class PortAttrs:
 
 
 @dataclass(slots=True)
-class PhysSend:
-    """A send-queue WR in physical terms: SGEs are (address in vrnicd, length, physical lkey)."""
+class PhysSend(PhysWr):
+    """A send-queue WR in physical terms (SGEs are (address in vrnicd, length, physical lkey)), plus what the
+    shared-ring engine adds for UD, whose destination vrnicd resolves per WR."""
 
-    wr_id: int
-    opcode: int  # vrnic.core.rings.WrOpcode, numbered as ibv_wr_opcode
-    sges: list[tuple[int, int, int]]
-    signaled: bool
-    imm: int = 0
-    remote_addr: int = 0  # RDMA and atomics
-    rkey: int = 0
-    compare_add: int = 0  # atomics
-    swap: int = 0
     ah: Any = None  # UD: an address handle from create_ah
     remote_qpn: int = 0
     qkey: int = 0
