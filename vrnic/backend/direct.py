@@ -57,6 +57,10 @@ class TranslationGeneration:
     def value(self) -> int:
         return int(self._words[0])
 
+    @property
+    def closed(self) -> bool:
+        return self._map.closed
+
     def bump(self) -> None:
         self._words[0] = self._words[0] + 1  # one aligned 8-byte store
 
@@ -112,7 +116,7 @@ class DirectSession(GuestSession):
         finally:
             if self.confinement is not None:
                 self.confinement.release()
-            if not self.generation._map.closed:
+            if not self.generation.closed:
                 self.generation.close()
 
     def attach_fds(self) -> list[int]:
