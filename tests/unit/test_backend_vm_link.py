@@ -9,121 +9,28 @@ nested-VM test runs that one).
 
 from __future__ import annotations
 
-import mmap
 import socket
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tests.unit.fake_qemu import RAM, WINDOW, Vm, vm_factory
 from vrnic.backend.drivers.paravirtual import VerbsDriver
 from vrnic.backend.fake_edge import FakeEdge
 from vrnic.core.framing import FrameDecoder, encode
 from vrnic.core.guest_phys import LEGACY_ROM
-from vrnic.core.rings import Access, RecvRequest, SendRequest, WcStatus, WrOpcode, index_words
+from vrnic.core.rings import Access, RecvRequest, SendRequest, WcStatus, WrOpcode
 from vrnic.core.specs import AttachInfo, VmBinding, VmVrnic
 from vrnic.errors import Conflict, InvalidArgument, NotFound
 from vrnic.frontend import CQ, MR, PD, QP, Context
-from vrnic.frontend.channel import Channel
-from vrnic.frontend.memory import Arena, ArenaAllocator
 
 pytestmark = pytest.mark.unit
 
-RAM = 4 << 20
-WINDOW = (0x200000, 1 << 20)  # the guest's arena: 1 MiB at GPA 2 MiB
-
-
-class SocketChannel(Channel):
-    """The guest's end of the port, here the other end of QEMU's socket."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        super().__init__()
-        self.sock = sock
-
-    def _send(self, data: bytes, fds: list[int] | None) -> None:
-        self.sock.sendall(data)
-
-    def _recv(self) -> bytes:
-        return self.sock.recv(65536)
-
-    def close(self) -> None:
-        pass  # the port stays: the next guest program opens it again
-
-
-class RamWindow(Arena):
-    """A window of the VM's RAM file, addressed by guest-physical address."""
-
-    def __init__(self, path: Path, gpa: int, size: int) -> None:
-        with path.open("r+b") as f:
-            self._map = mmap.mmap(f.fileno(), 0)
-        self.gpa, self.size = gpa, size
-        self.view = memoryview(self._map)[gpa:gpa + size]
-        self.words = index_words(self.view)
-        self.allocator = ArenaAllocator(size)
-
-    def wire(self, offset: int) -> int:
-        return self.gpa + offset
-
-    def close(self) -> None:
-        self.words.release()
-        self.view.release()
-        self._map.close()
-
-
-@dataclass
-class Vm:
-    """What QEMU provides: the RAM file and the channel socket vrnicd connects to."""
-
-    name: str
-    ram: Path
-    listener: socket.socket
-    socket_path: Path
-    port: socket.socket | None = None
-
-    def binding(self, vrnic_id: str) -> VmBinding:
-        return VmBinding(domain=self.name, ram_path=str(self.ram), machine="q35",
-                         vrnics=[VmVrnic(vrnic_id=vrnic_id, channel_socket=str(self.socket_path))])
-
-    def accept(self) -> socket.socket:
-        self.listener.settimeout(5)
-        self.port, _ = self.listener.accept()
-        self.port.settimeout(10)
-        return self.port
-
-    def guest(self, busy_poll: bool = False) -> Context:
-        assert self.port is not None
-        port = self.port
-        return Context.over_channel(RamWindow(self.ram, *WINDOW), lambda: SocketChannel(port), busy_poll)
-
-    def read_gpa(self, gpa: int, length: int) -> bytes:
-        with self.ram.open("rb") as f:
-            f.seek(gpa)
-            return f.read(length)
-
-
 @pytest.fixture
 def make_vm(tmp_path: Path) -> Iterator[Callable[[str], Vm]]:
-    vms: list[Vm] = []
-
-    def make(name: str = "vm1") -> Vm:
-        ram = tmp_path / f"{name}.ram"
-        with ram.open("wb") as f:
-            f.truncate(RAM)
-        path = tmp_path / f"{name}.sock"
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(str(path))
-        listener.listen(4)
-        vm = Vm(name, ram, listener, path)
-        vms.append(vm)
-        return vm
-
-    yield make
-    for vm in vms:
-        if vm.port is not None:
-            vm.port.close()
-        vm.listener.close()
+    yield from vm_factory(tmp_path)
 
 
 def _bound(driver: VerbsDriver, vm: Vm, info: AttachInfo) -> Context:

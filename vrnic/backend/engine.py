@@ -39,7 +39,7 @@ from vrnic.core.rings import (
 )
 from vrnic.core.session_state import CqEntry, QpEntry, SessionState
 from vrnic.core.translate import ATOMICS, MrWindow, WrRejected, local_sges, remote_target
-from vrnic.errors import InvalidArgument, VrnicError
+from vrnic.errors import InvalidArgument, NotSupported, VrnicError
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,12 @@ class EngineHost(Protocol):
     def engine_failed(self) -> None:
         """The engine stopped for good: tell the guest and end its connection."""
 
+    def nic_writes(self, address: int, length: int) -> None:
+        """The NIC may write this range of the guest's own memory (logged while its VM migrates)."""
+
+    def remote_writes(self, qp: QpEntry, address: int, length: int) -> None:
+        """This QP's RDMA WRITE or atomic will write this range of its peer's memory."""
+
 
 class DataPathEngine(ABC):
     busy_poll: bool
@@ -104,6 +110,14 @@ class DataPathEngine(ABC):
     @abstractmethod
     def stop(self) -> None:
         """Stop and return once no verb of the session is in use any more."""
+
+    def settle(self) -> int:
+        """Move every completion the NIC has to the guest now (live migration; caller holds the lock)."""
+        raise NotSupported(f"the {type(self).__name__} cannot be migrated")
+
+    def repost_recvs(self, qp: QpEntry, recvs: list[Any]) -> int:
+        """Post receives that were on another QP on qp, in order (live migration; caller holds the lock)."""
+        raise NotSupported(f"the {type(self).__name__} cannot be migrated")
 
 
 class SharedRingEngine(DataPathEngine):
@@ -140,6 +154,20 @@ class SharedRingEngine(DataPathEngine):
         for _, qp in self.host.state.qps.items():
             self._drain_queues(qp)
         return self.posted + self.recvs_posted - before
+
+    def settle(self) -> int:
+        """Move every completion the NIC has into the guest's CQ rings now (the caller holds the lock)."""
+        before = self.completed
+        for _, cq in self.host.state.cqs.items():
+            while self._drain_cq(cq):
+                pass
+        return self.completed - before
+
+    def repost_recvs(self, qp: QpEntry, recvs: list[Any]) -> int:
+        """Post receives that were on another QP (a migrated one) on qp, in their order (caller holds the lock)."""
+        for wr in recvs:
+            self._post_recv_wr(qp, wr)
+        return len(recvs)
 
     # ----- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -214,7 +242,7 @@ class SharedRingEngine(DataPathEngine):
     def _drain_queues(self, qp: QpEntry) -> bool:
         worked = False
         sq, rq = qp.sq, qp.rq
-        if sq is None or rq is None:  # not a shared-ring QP
+        if sq is None or rq is None or qp.held:  # not a shared-ring QP, or a migration holds it
             return False
         try:
             retry, qp.pending = qp.pending, []
@@ -256,6 +284,11 @@ class SharedRingEngine(DataPathEngine):
             return phys
         length = 8 if wr.opcode in ATOMICS else sum(s[1] for s in sges)
         phys.remote_addr, phys.rkey = remote_target(wr.opcode, wr.remote_addr, length, wr.rkey, host.peer_mrs(qp))
+        if wr.opcode in WRITE_OPS:  # READ responses and atomic results land in the guest's own buffers
+            for sge in wr.sges:
+                host.nic_writes(sge.addr, sge.length)
+        if wr.opcode is not WrOpcode.RDMA_READ:  # WRITEs and atomics land in the peer's
+            host.remote_writes(qp, wr.remote_addr, length)
         if wr.opcode in ATOMICS:
             phys.compare_add, phys.swap = wr.compare_add, wr.swap
         return phys
@@ -272,6 +305,7 @@ class SharedRingEngine(DataPathEngine):
         try:
             self.host.device.post_send(qp.obj, phys)
             self.posted += 1
+            qp.send_fifo.append(phys.signaled)
         except SendQueueFull:  # retry after completions
             qp.pending.append(wr)
         except VrnicError as exc:
@@ -280,17 +314,25 @@ class SharedRingEngine(DataPathEngine):
     def _post_recv(self, qp: QpEntry, slot: Any) -> None:
         try:
             wr = unpack_recv(slot)
+        except InvalidArgument:
+            self._complete(qp.recv_cq, Completion(slot[0], WcStatus.LOC_QP_OP_ERR, WcOpcode.RECV, qp=qp.vqpn))
+            return
+        self._post_recv_wr(qp, wr)
+
+    def _post_recv_wr(self, qp: QpEntry, wr: Any) -> None:
+        try:
             sges = local_sges(wr.sges, self.host.state.mr_by_vkey, writable=True)
             if not sges:
                 raise WrRejected(WcStatus.LOC_QP_OP_ERR, NO_SGE)
             self.host.device.post_recv(qp.obj, PhysRecv(wr.wr_id, sges))
             self.recvs_posted += 1
+            qp.recv_fifo.append(wr)
             if qp.qp_type == "ud":
                 qp.grh_at[wr.wr_id] = sges[0][0]  # where the NIC will write the source's GRH
         except WrRejected as exc:
-            self._complete(qp.recv_cq, Completion(slot[0], exc.status, WcOpcode.RECV, qp=qp.vqpn))
+            self._complete(qp.recv_cq, Completion(wr.wr_id, exc.status, WcOpcode.RECV, qp=qp.vqpn))
         except VrnicError:
-            self._complete(qp.recv_cq, Completion(slot[0], WcStatus.LOC_QP_OP_ERR, WcOpcode.RECV, qp=qp.vqpn))
+            self._complete(qp.recv_cq, Completion(wr.wr_id, WcStatus.LOC_QP_OP_ERR, WcOpcode.RECV, qp=qp.vqpn))
 
     def _reject(self, qp: QpEntry, wr: Any, status: WcStatus, reason: str) -> None:
         log.info("vRNIC %s QP %d: WR %d refused: %s", self.host.vrnic_id, qp.vqpn, wr.wr_id, reason)
@@ -313,6 +355,8 @@ class SharedRingEngine(DataPathEngine):
         wcs = host.device.poll_cq(cq.obj, min(room, BATCH))
         for wc in wcs:
             qp = host.state.qp_by_phys.get(wc.qp_num)
+            if qp is not None:
+                self._retire(qp, wc)
             src = 0
             if qp is not None and qp.qp_type == "ud" and wc.opcode & WcOpcode.RECV:
                 grh = qp.grh_at.pop(wc.wr_id, None)
@@ -322,6 +366,22 @@ class SharedRingEngine(DataPathEngine):
                                           qp.vqpn if qp else 0, src, wc.wc_flags, wc.vendor_err))
         self.completed += len(wcs)
         return bool(wcs)
+
+    def _retire(self, qp: QpEntry, wc: Any) -> None:
+        """Take a completed WR off the QP's account of what the NIC holds."""
+        if wc.opcode & WcOpcode.RECV:
+            if qp.recv_fifo:  # receives complete in the order they were posted
+                wr = qp.recv_fifo.popleft()
+                if wc.status == WcStatus.SUCCESS:
+                    for sge in wr.sges:
+                        self.host.nic_writes(sge.addr, sge.length)
+            return
+        # Sends complete in order; a signaled one's success means every unsignaled one before it is done too.
+        # An error completes one WR, signaled or not.
+        while qp.send_fifo:
+            signaled = qp.send_fifo.popleft()
+            if signaled or wc.status != WcStatus.SUCCESS:
+                return
 
     @staticmethod
     def _complete(cq: CqEntry, wc: Completion) -> None:

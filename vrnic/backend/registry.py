@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from vrnic.core.migration import DirtyLog
 from vrnic.core.specs import VrnicSpec
 from vrnic.core.translate import MrWindow
 from vrnic.errors import Conflict, NotFound
@@ -75,6 +76,7 @@ class Registry:
         self._by_id: dict[str, VirtualRnic] = {}
         self._published: dict[str, _Published] = {}  # only attached vRNICs
         self._by_phys: dict[tuple[str, int], tuple[str, int]] = {}  # (phys GID, phys QPN) -> (vRNIC id, vQPN)
+        self._dirty: dict[str, DirtyLog] = {}  # vRNICs whose VM migrates: peers log their writes into it here
         self._lock = threading.Lock()
 
     # ----- membership ----------------------------------------------------------------------------
@@ -130,14 +132,53 @@ class Registry:
             self._published[vrnic.spec.id] = _Published()
 
     def detach(self, vrnic: VirtualRnic, session: Closeable) -> None:
-        """Forget the guest's session and everything it published (idempotent)."""
+        """Forget the guest's session and everything it published (idempotent).
+
+        A session that handed the vRNIC over (migration) published nothing that is still its own."""
         with self._lock:
-            if vrnic.session is session:
-                vrnic.session = None
+            if vrnic.session is not None and vrnic.session is not session:
+                return
+            vrnic.session = None
             published = self._published.pop(vrnic.spec.id, None)
             if published is not None:
                 for phys_qpn in published.qpn_by_vqpn.values():
                     self._by_phys.pop((vrnic.phys_gid, phys_qpn), None)
+
+    def hand_over(self, vrnic: VirtualRnic, old: Closeable, new: Closeable, qpns: dict[int, int],
+                  mrs: dict[int, MrWindow]) -> None:
+        """The vRNIC's guest is served by `new` from now on (its VM migrated): new's QPs (virtual -> physical
+        QPN, the same virtual QPNs) and MRs (the same virtual keys) replace old's, in one step."""
+        with self._lock:
+            if vrnic.session is not old:
+                raise Conflict(f"vRNIC {vrnic.spec.id} is no longer served by the migrating session")
+            published = self._published.get(vrnic.spec.id)
+            if published is None:
+                raise Conflict(f"vRNIC {vrnic.spec.id} has nothing published to hand over")
+            for phys_qpn in published.qpn_by_vqpn.values():
+                self._by_phys.pop((vrnic.phys_gid, phys_qpn), None)
+            vrnic.session = new
+            published.qpn_by_vqpn = dict(qpns)
+            published.mrs = dict(mrs)
+            for vqpn, phys_qpn in qpns.items():
+                self._by_phys[(vrnic.phys_gid, phys_qpn)] = (vrnic.spec.id, vqpn)
+
+    def log_writes(self, vrnic_id: str, log: DirtyLog | None) -> None:
+        """Start (a log) or stop (None) logging peers' RDMA WRITEs and atomics into this vRNIC's memory."""
+        with self._lock:
+            if log is None:
+                self._dirty.pop(vrnic_id, None)
+            else:
+                self._dirty[vrnic_id] = log
+
+    def note_remote_write(self, vrnic_id: str, address: int, length: int) -> None:
+        log = self._dirty.get(vrnic_id)  # one dict lookup on the data path; no lock while nobody migrates
+        if log is not None:
+            log.mark(address, length)
+
+    def connected_to(self, vrnic_id: str) -> list[VirtualRnic]:
+        """Attached vRNICs other than vrnic_id (candidates for holding QPs connected to it)."""
+        with self._lock:
+            return [v for i, v in self._by_id.items() if i != vrnic_id and v.session is not None]
 
     def bind_vm(self, vrnic: VirtualRnic, domain: str) -> None:
         """Reserve the vRNIC for a VM's channel: no container guest may attach it until unbind_vm."""

@@ -25,11 +25,12 @@ from vrnic.backend.guest_memory import GuestMemory
 from vrnic.backend.registry import Registry, VirtualRnic
 from vrnic.backend.rnic_edge import PORT, DeviceContext, QpCaps, RtrParams, RtsParams
 from vrnic.core import verb_args
+from vrnic.core.migration import DirtyLog
 from vrnic.core.quota import Resource
 from vrnic.core.rings import CQ_SLOT, RQ_SLOT, SQ_SLOT, Access, Ring, RingFlags
 from vrnic.core.session_state import CqEntry, MrEntry, PdEntry, QpEntry, SessionSnapshot, SessionState
 from vrnic.core.translate import MrWindow
-from vrnic.errors import Conflict, InvalidArgument
+from vrnic.errors import Conflict, InvalidArgument, VrnicError
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class GuestSession:
         self.lock = threading.RLock()
         self.state = SessionState(vrnic.spec.quota, memory.layout)
         self._closed = False
+        self.dirty: DirtyLog | None = None  # while its VM migrates: what the NIC and vrnicd wrote
+        self.staged = False  # a migration's destination session: built, not yet published or serving
         self.engine = engine_factory(self)
 
     @property
@@ -153,7 +156,8 @@ class GuestSession:
             except BaseException:
                 self.device.destroy(obj)
                 raise
-        self.registry.publish_mr(self.vrnic, window)
+        if not self.staged:
+            self.registry.publish_mr(self.vrnic, window)
         return {"mr": mr.handle, "lkey": window.vkey, "rkey": window.vkey, "addr": args.addr, "length": args.length}
 
     def op_dereg_mr(self, args: verb_args.MrRef) -> dict[str, Any]:
@@ -211,15 +215,17 @@ class GuestSession:
         if handle is None:
             sq.reset()
             rq.reset()
-        self.registry.publish_qp(self.vrnic, qp.vqpn, phys_qpn)
+        if not self.staged:
+            self.registry.publish_qp(self.vrnic, qp.vqpn, phys_qpn)
         return {"qp": qp.handle, "qpn": qp.vqpn}
 
     def op_destroy_qp(self, args: verb_args.QpRef) -> dict[str, Any]:
         self._destroy_qp(self.state.take_qp(args.qp))
         return {}
 
-    def _destroy_qp(self, qp: QpEntry) -> None:
-        self.registry.withdraw_qp(self.vrnic, qp.vqpn)
+    def _destroy_qp(self, qp: QpEntry, publish: bool = True) -> None:
+        if publish:
+            self.registry.withdraw_qp(self.vrnic, qp.vqpn)
         self.device.destroy(qp.obj, *qp.ahs.values())
         if self.guard is not None:
             self.guard.drop(qp.guard_flow)
@@ -259,10 +265,14 @@ class GuestSession:
                 self.guard.drop(qp.guard_flow)
             qp.guard_flow = flow
             qp.peer_id, qp.peer_gid, qp.peer_vqpn = peer.spec.id, args.remote_gid, args.remote_qpn
+            qp.link.update(path_mtu=args.path_mtu, max_dest_rd_atomic=args.max_dest_rd_atomic,
+                           min_rnr_timer=args.min_rnr_timer)
         elif args.state == "rts":
             self.device.qp_to_rts(qp.obj, qp.qp_type, RtsParams(sq_psn=args.sq_psn, timeout=args.timeout,
                                                                 retry_cnt=args.retry_cnt, rnr_retry=args.rnr_retry,
                                                                 max_rd_atomic=args.max_rd_atomic))
+            qp.link.update(timeout=args.timeout, retry_cnt=args.retry_cnt, rnr_retry=args.rnr_retry,
+                           max_rd_atomic=args.max_rd_atomic)
         else:
             self.device.qp_to_state(qp.obj, args.state)
             if args.state == "reset":
@@ -324,6 +334,15 @@ class GuestSession:
     def source_vqpn(self, phys_qpn: int, phys_gid: str | None) -> int:
         return self.registry.virtual_qpn(self.vrnic, phys_qpn, phys_gid)
 
+    def nic_writes(self, address: int, length: int) -> None:
+        dirty = self.dirty
+        if dirty is not None:
+            dirty.mark(address, length)
+
+    def remote_writes(self, qp: QpEntry, address: int, length: int) -> None:
+        if qp.peer_id is not None:
+            self.registry.note_remote_write(qp.peer_id, address, length)
+
     def engine_failed(self) -> None:
         """Mark every ring failed, wake the guest, end its connection (which closes this session)."""
         with self.lock:
@@ -380,23 +399,164 @@ class GuestSession:
                                                          qkey=q.qkey, remote_gid=q.peer_gid, remote_qpn=q.peer_vqpn))
         self.engine.wake()
 
+    # ----- live migration (vrnic.backend.vm_migration drives these) -------------------------------
+    def hold(self, qps: list[QpEntry] | None = None) -> None:
+        """Stop moving the guest's WRs to these QPs (all by default); completions keep flowing."""
+        with self.lock:
+            for qp in qps if qps is not None else [q for _, q in self.state.qps.items()]:
+                qp.held = True
+
+    def release(self, qps: list[QpEntry] | None = None) -> None:
+        with self.lock:
+            for qp in qps if qps is not None else [q for _, q in self.state.qps.items()]:
+                qp.held = False
+        self.engine.wake()
+
+    def outstanding_sends(self, qps: list[QpEntry] | None = None) -> int:
+        """Sends on the NIC that have not completed yet."""
+        with self.lock:
+            return sum(len(q.send_fifo) for q in (qps if qps is not None else [q for _, q in self.state.qps.items()]))
+
+    def qps_connected_to(self, vrnic_id: str) -> list[QpEntry]:
+        with self.lock:
+            return [q for _, q in self.state.qps.items() if q.peer_id == vrnic_id]
+
+    def reconnect(self, qp: QpEntry) -> int:
+        """Point a held RC QP at its peer's current physical QP (the peer migrated): reset, connect again with
+        the same parameters, and post again the receives the reset dropped. Returns how many."""
+        with self.lock:
+            self.engine.settle()
+            recvs = list(qp.recv_fifo)
+            qp.recv_fifo.clear()
+            qp.send_fifo.clear()
+            self.device.qp_to_state(qp.obj, "reset")
+            self._connect(qp, qp.peer_gid, qp.peer_vqpn)
+            return self.engine.repost_recvs(qp, recvs)
+
+    def _connect(self, qp: QpEntry, remote_gid: str | None, remote_qpn: int | None, steps: int = 3) -> None:
+        """INIT, RTR, RTS (the first `steps` of them) with the parameters the guest chose when it connected."""
+        link = dict(qp.link)
+        for state in ("init", "rtr", "rts")[:steps]:
+            self.op_modify_qp(verb_args.ModifyQp.model_validate(
+                {"qp": qp.handle, "state": state, "access": qp.access, "qkey": qp.qkey, "remote_gid": remote_gid,
+                 "remote_qpn": remote_qpn, **link}))
+
+    def presetup(self, source: GuestSession) -> int:
+        """A staged session registers the source's PDs and MRs over its own memory ahead of the switchover
+        (registering is the slow verb: 64 MiB takes most of a second on rxe). Returns the MRs registered."""
+        snapshot = source.snapshot_state()
+        with self.lock:
+            for handle in snapshot.pds:
+                self.op_alloc_pd(verb_args.NoArgs(), handle=handle)
+            for m in snapshot.mrs:
+                self.op_reg_mr(verb_args.RegMr(pd=m.pd, addr=m.offset, length=m.length, access=m.access),
+                               handle=m.handle, vkey=m.vkey)
+        return len(snapshot.mrs)
+
+    def snapshot_state(self) -> SessionSnapshot:
+        with self.lock:
+            return self.state.snapshot()
+
+    def converge(self, source: GuestSession) -> tuple[int, int]:
+        """Make a staged session hold what the (held, drained) source holds: MRs that changed since presetup
+        go or come, then CQs and QPs with the same handles and virtual QPNs, held, in INIT. Returns
+        (MRs kept, MRs registered now)."""
+        snapshot = source.state.snapshot()
+        with self.lock:
+            wanted = {m.handle: m for m in snapshot.mrs}
+            kept = 0
+            for handle, mr in list(self.state.mrs.items()):
+                w = mr.window
+                m = wanted.get(handle)
+                if m is not None and (m.pd, m.vkey, m.offset, m.length, m.access) == (
+                        mr.pd.handle, w.vkey, w.offset, w.length, int(w.access)):
+                    kept += 1
+                    continue
+                self.device.destroy(self.state.take_mr(handle).obj)
+            for handle, _ in list(self.state.pds.items()):
+                if handle not in snapshot.pds:
+                    self.device.destroy(self.state.take_pd(handle).obj)
+            for handle in snapshot.pds:
+                if handle not in self.state.pds:
+                    self.op_alloc_pd(verb_args.NoArgs(), handle=handle)
+            added = 0
+            for m in snapshot.mrs:
+                if m.handle not in self.state.mrs:
+                    self.op_reg_mr(verb_args.RegMr(pd=m.pd, addr=m.offset, length=m.length, access=m.access),
+                                   handle=m.handle, vkey=m.vkey)
+                    added += 1
+            for c in snapshot.cqs:
+                self.op_create_cq(verb_args.CreateCq(cqe=c.cqe, ring=c.ring), handle=c.handle)
+            for q in snapshot.qps:
+                args = verb_args.CreateQp.model_validate(
+                    {"pd": q.pd, "send_cq": q.send_cq, "recv_cq": q.recv_cq, "qp_type": q.qp_type,
+                     "max_send_wr": q.max_send_wr, "max_recv_wr": q.max_recv_wr, "max_sge": q.max_sge,
+                     "sq_ring": q.sq_ring, "rq_ring": q.rq_ring})
+                self.op_create_qp(args, handle=q.handle, vqpn=q.vqpn)
+                self.state.qps.get(q.handle).held = True
+        return kept, added
+
+    def take_over(self, source: GuestSession) -> tuple[int, int, int]:
+        """Bring this session's QPs to the states the source's were in, connected to the same peers (their
+        physical QPs as the registry has them now), with the source's unposted WRs and posted receives.
+        A QP whose peer is gone goes to ERR: its WRs flush with an error. Returns (receives posted again,
+        sends carried, QPs broken)."""
+        reposted = carried = broken = 0
+        with self.lock:
+            for handle, old in source.state.qps.items():
+                qp = self.state.qps.get(handle)
+                qp.access, qp.qkey, qp.link = old.access, old.qkey, dict(old.link)
+                steps = {"init": 1, "rtr": 2, "rts": 3}.get(old.state, 0)
+                try:
+                    if old.qp_type == "rc" and steps >= 2 and old.peer_gid is not None:
+                        self._connect(qp, old.peer_gid, old.peer_vqpn, steps)
+                    else:
+                        for state in ("init", "rtr", "rts")[:steps]:
+                            self.op_modify_qp(verb_args.ModifyQp.model_validate(
+                                {"qp": handle, "state": state, "access": old.access, "qkey": old.qkey}))
+                except VrnicError as exc:
+                    log.warning("vRNIC %s QP %d: its peer is gone (%s); the QP goes to ERR", self.vrnic_id,
+                                qp.vqpn, exc)
+                    self.device.qp_to_state(qp.obj, "err")
+                    qp.state = "err"
+                    broken += 1
+                if old.state == "err":
+                    self.device.qp_to_state(qp.obj, "err")
+                    qp.state = "err"
+                reposted += self.engine.repost_recvs(qp, list(old.recv_fifo))
+                qp.pending = list(old.pending)
+                carried += len(qp.pending)
+        return reposted, carried, broken
+
+    def publications(self) -> tuple[dict[int, int], dict[int, MrWindow]]:
+        """What this session would publish: virtual -> physical QPNs, and MR windows by virtual key."""
+        with self.lock:
+            return ({q.vqpn: q.phys_qpn for _, q in self.state.qps.items()},
+                    {m.window.vkey: m.window for _, m in self.state.mrs.items()})
+
     # ----- teardown ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Destroy everything: QPs, CQs, MRs, PDs, then the context. Safe to call twice."""
+        """Destroy everything: QPs, CQs, MRs, PDs, then the context. Safe to call twice.
+
+        A session that does not serve its vRNIC (a migration's staged destination, or the source after the
+        hand-over) touches nothing in the registry: what is published there is the other session's."""
         with self.lock:
             if self._closed:
                 return
             self._closed = True
         self.engine.stop()
         with self.lock:
+            owns = self.vrnic.session is self or self.vrnic.session is None
+            if self.dirty is not None and owns:
+                self.registry.log_writes(self.vrnic_id, None)
             qps, cqs, mrs, pds = self.state.take_all()
             for qp in qps:
-                self._destroy_qp(qp)
+                self._destroy_qp(qp, publish=owns)
             self.device.destroy(*(cq.obj for cq in cqs))
             self.device.destroy(*(mr.obj for mr in mrs))
             self.device.destroy(*(pd.obj for pd in pds))
             self.device.close()
-            if self.guard is not None:  # whatever is left, e.g. a flow a failed destroy kept
+            if self.guard is not None and owns:  # whatever is left, e.g. a flow a failed destroy kept
                 self.guard.revoke(self.vrnic_id)
             self.registry.detach(self.vrnic, self)
             self.memory.close()

@@ -136,14 +136,30 @@ class VmLink:
         with self._lock:
             if self._closing.is_set():
                 raise Conflict("the VM is being unbound", current_state="detached")
-            self.session = self.open_session(args, self._engine_failed)
+            self.session = self.open_session(args, self.session_failed)
             result = self.session.attach_result()
         log.info("VM %s: guest attached vRNIC %s", self.domain, self.vrnic_id)
         return result
 
-    def _engine_failed(self) -> None:
-        # Called from the engine's thread: close the session from another one (closing joins the engine).
+    def session_failed(self) -> None:
+        """The session's Disconnect. Called from the engine's thread: close the session from another one
+        (closing joins the engine)."""
         threading.Thread(target=self._end_session, name="vrnic-vm-close", daemon=True).start()
+
+    def adopt(self, session: VmAttachedSession) -> None:
+        """Serve a session that was built elsewhere (a migrated VM's, on its destination channel)."""
+        with self._lock:
+            if self._closing.is_set():
+                raise Conflict("the VM is being unbound", current_state="detached")
+            previous, self.session = self.session, session
+        if previous is not None:
+            previous.close()
+
+    def give_up_session(self) -> VmAttachedSession | None:
+        """Stop serving the session without closing it (it moves to the VM's destination)."""
+        with self._lock:
+            session, self.session = self.session, None
+        return session
 
     def _end_session(self) -> None:
         with self._lock:

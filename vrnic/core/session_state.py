@@ -10,6 +10,7 @@ re-create the session elsewhere (live migration), without the edge objects.
 from __future__ import annotations
 
 import secrets
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -77,6 +78,11 @@ class QpEntry:
     pending: list[Any] = field(default_factory=list, repr=False)  # WRs the NIC refused for lack of room
     grh_at: dict[int, int] = field(default_factory=dict, repr=False)  # UD recv wr_id -> address of its GRH
     guard_flow: Any = field(default=None, repr=False)  # the packet guard's flow for this RC QP, when guarded
+    # The shared-ring engine's account of what the NIC holds, so a migration can drain and re-post:
+    send_fifo: deque[bool] = field(default_factory=deque, repr=False)  # posted sends in order: signaled?
+    recv_fifo: deque[Any] = field(default_factory=deque, repr=False)  # posted receives (guest WRs) in order
+    held: bool = False  # a migration holds this QP: the engine leaves its rings alone
+    link: dict[str, int] = field(default_factory=dict, repr=False)  # RTR/RTS parameters, to reconnect alike
 
 
 # ----- snapshots: plain, JSON-able records -------------------------------------------------------------

@@ -16,11 +16,13 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+from vrnic.backend import vm_migration
 from vrnic.backend.attachment import Disconnect, PeerCred
 from vrnic.backend.channel import ChannelLimits, ChannelServer
 from vrnic.backend.direct import DirectEngine, DirectSession
@@ -33,9 +35,10 @@ from vrnic.backend.registry import Registry, VirtualRnic
 from vrnic.backend.rnic_edge import DeviceContext, RnicEdge
 from vrnic.backend.session import GuestSession
 from vrnic.backend.vm_link import VmLink, connect_channel
+from vrnic.core.migration import MigrationPhase
 from vrnic.core.specs import AttachInfo, DataEngine, DeviceInfo, VmBinding, VrnicMode, VrnicSpec, active_roce_v2_gid
 from vrnic.core.verb_args import Attach, VmAttach
-from vrnic.errors import Conflict, DeviceError, InvalidArgument, NotSupported, VrnicError
+from vrnic.errors import Conflict, DeviceError, InvalidArgument, NotFound, NotSupported, VrnicError
 
 log = logging.getLogger(__name__)
 DEFAULT_SOCKET = Path("/run/vrnic/vrnicd.sock")
@@ -245,11 +248,138 @@ class VerbsDriver(RnicDriver):
         return [v.vrnic_id for v in state.binding.vrnics]
 
     def _release(self, state: _BoundVm) -> None:
+        if state.migration is not None and state.migration.phase is not MigrationPhase.DONE:
+            for m in state.migration.moving:
+                vm_migration.unstage(m, self.registry)
+            for link in state.migration.links:
+                link.close()
+            state.migration.memory.close()
+            state.migration = None
         for link in state.links:
             link.close()
         for vrnic in state.vrnics:
             self.registry.unbind_vm(vrnic, state.binding.domain)
         state.memory.close()
+
+    # ----- live migration of a bound VM between two QEMU processes (vrnic.backend.vm_migration) -----------
+    def prepare_vm_migration(self, domain: str, target: VmBinding) -> dict[str, object]:
+        """The destination QEMU runs (paused, incoming): map its RAM, connect its channels, start the dirty
+        log and pre-register the MRs there. The VM keeps running on the source, served as before."""
+        t0 = time.perf_counter()
+        with self._vm_lock:
+            bound = self._vms.get(domain)
+            if bound is None:
+                raise NotFound(f"VM {domain} is not bound to vrnicd here")
+            if bound.migration is not None:
+                raise Conflict(f"VM {domain} is already migrating", current_state="migrating")
+            if target.domain != domain:
+                raise InvalidArgument(f"the destination binding names domain {target.domain}, not {domain}")
+            if [v.vrnic_id for v in target.vrnics] != [v.vrnic_id for v in bound.binding.vrnics]:
+                raise InvalidArgument(f"the destination must carry the same vRNICs as the source "
+                                      f"({', '.join(v.vrnic_id for v in bound.binding.vrnics)})")
+            if target.ram_path == bound.binding.ram_path:
+                raise InvalidArgument("the destination's RAM file is the source's; a migration needs its own")
+            memory = GuestMemory.from_vm_ram(Path(target.ram_path), target.machine)
+            links: list[VmLink] = []
+            moving: list[vm_migration.MovingVrnic] = []
+            try:
+                if memory.size != bound.memory.size:
+                    raise InvalidArgument(f"the destination has {memory.size >> 20} MiB of RAM, the source "
+                                          f"{bound.memory.size >> 20} MiB")
+                for vrnic, wanted in zip(bound.vrnics, target.vrnics, strict=True):
+                    sock = connect_channel(Path(wanted.channel_socket))
+                    cred = PeerCred(*_UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                   _UCRED.size)))
+                    link = VmLink(domain, vrnic.spec.id, sock,
+                                  functools.partial(self._open_vm_session, vrnic, target, cred))
+                    links.append(link)
+                    source = vrnic.session
+                    if isinstance(source, GuestSession):
+                        moving.append(vm_migration.stage(
+                            vrnic, source, functools.partial(self._staged_session, vrnic, target, cred, link),
+                            self.registry))
+                for link in links:
+                    link.start()
+            except BaseException:
+                for m in moving:
+                    vm_migration.unstage(m, self.registry)
+                for link in links:
+                    link.close()
+                memory.close()
+                raise
+            migration = vm_migration.Migration(domain, memory, links, moving)
+            migration.presetup_mrs = sum(len(m.staged.state.mrs) for m in moving)
+            migration.prepare_ms = (time.perf_counter() - t0) * 1000
+            bound.migration = migration
+            bound.target = target
+        log.info("VM %s: migration prepared to %s in %.0f ms (%d vRNIC(s) moving, %d MR(s) pre-registered)", domain,
+                 target.ram_path, migration.prepare_ms, len(moving), migration.presetup_mrs)
+        return {"domain": domain, "phase": str(migration.phase), "moving": [m.vrnic.spec.id for m in moving],
+                "presetup_mrs": migration.presetup_mrs, "prepare_ms": migration.prepare_ms}
+
+    def _staged_session(self, vrnic: VirtualRnic, target: VmBinding, cred: PeerCred, link: VmLink) -> GuestSession:
+        memory = GuestMemory.from_vm_ram(Path(target.ram_path), target.machine)
+        device: DeviceContext | None = None
+        doorbell = -1
+        try:
+            device = self.edge.open(vrnic.device)
+            doorbell = vm_migration.new_doorbell()
+            source = vrnic.session
+            busy = bool(getattr(getattr(source, "engine", None), "busy_poll", False))
+            return GuestSession(vrnic, self.registry, device, memory, cred, doorbell_fd=doorbell, notify_fd=None,
+                                engine_factory=functools.partial(SharedRingEngine, busy_poll=busy),
+                                disconnect=link.session_failed, guard=self.guard)
+        except BaseException:
+            if device is not None:
+                device.close()
+            if doorbell >= 0:
+                os.close(doorbell)
+            memory.close()
+            raise
+
+    def complete_vm_migration(self, domain: str) -> dict[str, object]:
+        """QEMU's last pass is done and the destination has not run yet: switch the vRNICs over. On failure
+        the source keeps serving the VM (the caller resumes it there and aborts)."""
+        with self._vm_lock:
+            bound = self._vms.get(domain)
+            if bound is None or bound.migration is None or bound.target is None:
+                raise Conflict(f"VM {domain} has no migration prepared", current_state="bound")
+            migration, target = bound.migration, bound.target
+            report = vm_migration.switchover(migration, bound.memory, self.registry)
+            vm_migration.finish(migration, report, self.registry)
+            # Nothing of the VM stays on the source: its sessions (kernel objects), links and RAM mapping.
+            for m in migration.moving:
+                m.source.close()
+            for link in bound.links:
+                stale = link.give_up_session()
+                if stale is not None and stale not in [m.source for m in migration.moving]:
+                    stale.close()
+                link.close()
+            bound.memory.close()
+            bound.binding, bound.memory, bound.links = target, migration.memory, migration.links
+            bound.migration = bound.target = None
+        result = asdict(report)
+        log.info("VM %s: switched over to %s in %.1f ms (%s)", domain, target.ram_path, report.total_ms, result)
+        return result
+
+    def abort_vm_migration(self, domain: str) -> bool:
+        """Drop a prepared (or failed) migration; the source keeps serving the VM. False if there was none."""
+        with self._vm_lock:
+            bound = self._vms.get(domain)
+            if bound is None or bound.migration is None:
+                return False
+            migration = bound.migration
+            if migration.phase is MigrationPhase.DONE:
+                raise Conflict(f"VM {domain} has already switched over", current_state="migrated")
+            for m in migration.moving:
+                m.source.release()
+                vm_migration.unstage(m, self.registry)
+            for link in migration.links:
+                link.close()
+            migration.memory.close()
+            bound.migration = bound.target = None
+        log.info("VM %s: migration aborted; the source keeps serving it", domain)
+        return True
 
     def vm_bindings(self) -> dict[str, VmBinding]:
         with self._vm_lock:
@@ -308,6 +438,8 @@ class _BoundVm:
     memory: GuestMemory  # held while the VM is bound: its RAM stays mapped and checked
     vrnics: list[VirtualRnic] = field(default_factory=list)
     links: list[VmLink] = field(default_factory=list)
+    migration: vm_migration.Migration | None = None
+    target: VmBinding | None = None  # where the migration goes
 
 
 def _close_fds(fds: list[int]) -> None:
