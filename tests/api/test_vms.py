@@ -160,3 +160,31 @@ def test_a_backend_failure_to_bind_records_nothing(client: TestClient, backend: 
     assert refused.status_code == 409
     assert client.get(f"/api/v1/vrnics/{b['id']}").json()["vm_domain"] is None
     assert set(backend.vm_bindings()) == {"vm1"}
+
+
+def test_migration_prepare_switchover_abort(client: TestClient, backend: BackendService,
+                                            make_tenant: Callable[..., Tenant]) -> None:
+    acme = make_tenant("acme")
+    mine = _allocate(client, acme)
+    assert client.put("/api/v1/vms/vm1/binding", json=_binding("vm1", mine["id"])).status_code == 200
+    target = _binding("vm1", mine["id"]) | {"ram_path": "/dev/shm/vm1-incoming.ram"}
+    # tenants cannot drive migrations; unknown domains and bad targets are refused with the reason
+    assert client.post("/api/v1/vms/vm1/migration", json=target, headers=_as(acme)).status_code == 403
+    assert client.post("/api/v1/vms/nope/migration", json=_binding("nope", mine["id"])).status_code == 404
+    same = client.post("/api/v1/vms/vm1/migration", json=_binding("vm1", mine["id"]))
+    assert same.status_code == 400 and "RAM file is the source's" in same.json()["detail"]
+    assert client.post("/api/v1/vms/vm1/migration/switchover").status_code == 409
+    prepared = client.post("/api/v1/vms/vm1/migration", json=target)
+    assert prepared.status_code == 200 and prepared.json()["phase"] == "prepared", prepared.text
+    assert client.post("/api/v1/vms/vm1/migration", json=target).status_code == 409
+    aborted = client.delete("/api/v1/vms/vm1/migration")
+    assert aborted.json() == {"domain": "vm1", "aborted": True}
+    assert client.delete("/api/v1/vms/vm1/migration").json()["aborted"] is False
+    # again, to the end: the binding now names the destination's RAM
+    assert client.post("/api/v1/vms/vm1/migration", json=target).status_code == 200
+    switched = client.post("/api/v1/vms/vm1/migration/switchover")
+    assert switched.status_code == 200 and switched.json()["vrnics"] == [mine["id"]], switched.text
+    bindings = client.get("/api/v1/vms").json()["items"]
+    assert [b["ram_path"] for b in bindings] == ["/dev/shm/vm1-incoming.ram"]
+    events = [e["action"] for e in client.get("/api/v1/events").json()["items"]]
+    assert {"vm.migration_prepare", "vm.migration_abort", "vm.migration_switchover"} <= set(events)

@@ -31,6 +31,9 @@ from vrnic.api.schemas import (
     VmAdmission,
     VmAdmitted,
     VmAttach,
+    VmMigrationAborted,
+    VmMigrationPrepared,
+    VmMigrationSwitched,
     VmUnbound,
     VrnicCreate,
     VrnicOut,
@@ -212,6 +215,27 @@ async def bind_vm(domain: DomainPath, body: VmBinding, cp: CP, who: Caller) -> V
 async def unbind_vm(domain: DomainPath, cp: CP, who: Caller) -> VmUnbound:
     """Operator (the libvirt hook at stopped and release): release every kernel object of the VM's vRNICs."""
     return await cp.write(cp.vms.unbind, who, domain)
+
+
+@router.post("/vms/{domain}/migration", tags=["vms"])
+async def prepare_vm_migration(domain: DomainPath, body: VmBinding, cp: CP, who: Caller) -> VmMigrationPrepared:
+    """Operator: the bound VM's destination QEMU runs, paused and incoming (body: its binding). vrnicd maps its
+    RAM, connects its channels, starts logging what the NIC writes and pre-registers the MRs there."""
+    return await cp.write(cp.vms.migration_prepare, who, domain, body)
+
+
+@router.post("/vms/{domain}/migration/switchover", tags=["vms"])
+async def switch_vm_migration(domain: DomainPath, cp: CP, who: Caller) -> VmMigrationSwitched:
+    """Operator: QEMU's migration completed and the destination has not run yet. vrnicd holds and drains the
+    VM's QPs and its peers', copies what the NIC wrote, and serves the VM on the destination. On an error
+    (409) the source still serves it: resume it there and abort."""
+    return await cp.write(cp.vms.migration_complete, who, domain)
+
+
+@router.delete("/vms/{domain}/migration", tags=["vms"])
+async def abort_vm_migration(domain: DomainPath, cp: CP, who: Caller) -> VmMigrationAborted:
+    """Operator: QEMU's migration failed or was cancelled; drop the destination's pre-setup."""
+    return await cp.write(cp.vms.migration_abort, who, domain)
 
 
 # -- devices, hosts (operator only), events -------------------------------------------------------

@@ -139,6 +139,41 @@ class VmUnbound(BaseModel):
     unbound: list[str]
 
 
+class VmMigrationPrepared(BaseModel):
+    domain: str
+    phase: str
+    moving: list[str]  # vRNICs whose guest program is attached: their state moves
+    presetup_mrs: int
+    prepare_ms: float
+
+
+class VmMigrationSwitched(BaseModel):
+    """What the switchover did (vrnic.core.migration.SwitchoverReport), times in milliseconds."""
+
+    vrnics: list[str]
+    qps: int
+    peers_repointed: int
+    mrs_presetup: int
+    mrs_registered: int
+    dirty_pages: int
+    copied_bytes: int
+    recvs_reposted: int
+    sends_carried: int
+    broken_qps: int
+    hold_ms: float
+    drain_ms: float
+    copy_ms: float
+    rebuild_ms: float
+    connect_ms: float
+    release_ms: float
+    total_ms: float
+
+
+class VmMigrationAborted(BaseModel):
+    domain: str
+    aborted: bool
+
+
 class DeviceOut(BaseModel):
     id: int
     host: str

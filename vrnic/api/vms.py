@@ -15,7 +15,14 @@ from sqlalchemy.orm import Session
 from vrnic.api.auth import Principal
 from vrnic.api.converters import vrnic_out
 from vrnic.api.inventory import Inventory
-from vrnic.api.schemas import VmAdmitted, VmUnbound, VrnicOut
+from vrnic.api.schemas import (
+    VmAdmitted,
+    VmMigrationAborted,
+    VmMigrationPrepared,
+    VmMigrationSwitched,
+    VmUnbound,
+    VrnicOut,
+)
 from vrnic.api.transactions import Transactions
 from vrnic.api.vrnics import find_vrnic
 from vrnic.backend.service import BackendService
@@ -88,6 +95,30 @@ class Vms:
             with self.tx.write(principal.actor) as uow:
                 uow.record("vm.unbind", f"vm/{domain}", None, {"vrnics": unbound})
         return VmUnbound(domain=domain, unbound=unbound)
+
+    # -- live migration between two QEMU processes on this host (operator) ---------------------------
+    def migration_prepare(self, principal: Principal, domain: str, target: VmBinding) -> VmMigrationPrepared:
+        principal.require_operator()
+        with self.tx.write(principal.actor) as uow:
+            result = VmMigrationPrepared.model_validate(self.backend.prepare_vm_migration(domain, target))
+            uow.record("vm.migration_prepare", f"vm/{domain}", None, {"ram_path": target.ram_path,
+                                                                       "moving": result.moving})
+        return result
+
+    def migration_complete(self, principal: Principal, domain: str) -> VmMigrationSwitched:
+        principal.require_operator()
+        with self.tx.write(principal.actor) as uow:
+            result = VmMigrationSwitched.model_validate(self.backend.complete_vm_migration(domain))
+            uow.record("vm.migration_switchover", f"vm/{domain}", None, result.model_dump())
+        return result
+
+    def migration_abort(self, principal: Principal, domain: str) -> VmMigrationAborted:
+        principal.require_operator()
+        aborted = self.backend.abort_vm_migration(domain)
+        if aborted:
+            with self.tx.write(principal.actor) as uow:
+                uow.record("vm.migration_abort", f"vm/{domain}", None, {})
+        return VmMigrationAborted(domain=domain, aborted=aborted)
 
     def bindings(self, principal: Principal) -> list[VmBinding]:
         principal.require_operator()

@@ -54,6 +54,18 @@ class RnicDriver(ABC):
         """The VMs served now, by domain name (observed state)."""
         return {}
 
+    def prepare_vm_migration(self, domain: str, target: VmBinding) -> dict[str, object]:
+        """A bound VM's destination QEMU runs: get ready to serve it there (see vrnic.backend.vm_migration)."""
+        raise NotSupported(f"the {self.name} driver does not migrate VMs")
+
+    def complete_vm_migration(self, domain: str) -> dict[str, object]:
+        """QEMU's last pass is done and the destination has not run: switch the VM's vRNICs over."""
+        raise NotSupported(f"the {self.name} driver does not migrate VMs")
+
+    def abort_vm_migration(self, domain: str) -> bool:
+        """Drop a prepared migration; the source keeps serving the VM. False if there was none."""
+        return False
+
     def load(self, device: str) -> int:
         """How many vRNICs sit on device (for placement)."""
         return 0

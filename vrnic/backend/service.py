@@ -95,6 +95,15 @@ class BackendService:
     def vm_bindings(self) -> dict[str, VmBinding]:
         return {name: b for d in self._drivers.values() for name, b in d.vm_bindings().items()}
 
+    def prepare_vm_migration(self, domain: str, target: VmBinding) -> dict[str, object]:
+        return self.driver(VrnicMode.PARAVIRTUAL).prepare_vm_migration(domain, target)
+
+    def complete_vm_migration(self, domain: str) -> dict[str, object]:
+        return self.driver(VrnicMode.PARAVIRTUAL).complete_vm_migration(domain)
+
+    def abort_vm_migration(self, domain: str) -> bool:
+        return any(d.abort_vm_migration(domain) for d in self._drivers.values())
+
     def close(self) -> None:
         for driver in self._drivers.values():
             driver.close()

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import secrets
 import threading
+from dataclasses import asdict
 from typing import ClassVar
 
 from vrnic.backend.driver import RnicDriver
+from vrnic.core.migration import MigrationPhase, SwitchoverReport
 from vrnic.core.specs import AttachInfo, DeviceInfo, PortInfo, VmBinding, VrnicMode, VrnicSpec
-from vrnic.errors import Conflict, NotFound
+from vrnic.errors import Conflict, InvalidArgument, NotFound
 
 
 class FakeDriver(RnicDriver):
@@ -30,6 +32,7 @@ class FakeDriver(RnicDriver):
         self._vrnics: dict[str, str] = {}  # vrnic id -> device
         self._attached: set[str] = set()  # what a real driver would observe: a guest holding a session
         self._vms: dict[str, VmBinding] = {}
+        self._migrating: dict[str, VmBinding] = {}  # domain -> its destination binding
         self._lock = threading.Lock()
 
     def devices(self) -> list[DeviceInfo]:
@@ -97,6 +100,33 @@ class FakeDriver(RnicDriver):
     def vm_bindings(self) -> dict[str, VmBinding]:
         with self._lock:
             return dict(self._vms)
+
+    def prepare_vm_migration(self, domain: str, target: VmBinding) -> dict[str, object]:
+        with self._lock:
+            current = self._vms.get(domain)
+            if current is None:
+                raise NotFound(f"VM {domain} is not bound to vrnicd here")
+            if domain in self._migrating:
+                raise Conflict(f"VM {domain} is already migrating", current_state="migrating")
+            if target.domain != domain or [v.vrnic_id for v in target.vrnics] != [v.vrnic_id for v in current.vrnics]:
+                raise InvalidArgument("the destination must be the same domain with the same vRNICs")
+            if target.ram_path == current.ram_path:
+                raise InvalidArgument("the destination's RAM file is the source's; a migration needs its own")
+            self._migrating[domain] = target
+        return {"domain": domain, "phase": str(MigrationPhase.PREPARED), "moving": [],
+                "presetup_mrs": 0, "prepare_ms": 0.0}
+
+    def complete_vm_migration(self, domain: str) -> dict[str, object]:
+        with self._lock:
+            target = self._migrating.pop(domain, None)
+            if target is None or domain not in self._vms:
+                raise Conflict(f"VM {domain} has no migration prepared", current_state="bound")
+            self._vms[domain] = target
+        return asdict(SwitchoverReport(vrnics=[v.vrnic_id for v in target.vrnics]))
+
+    def abort_vm_migration(self, domain: str) -> bool:
+        with self._lock:
+            return self._migrating.pop(domain, None) is not None
 
     def load(self, device: str) -> int:
         with self._lock:
