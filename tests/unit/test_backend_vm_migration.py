@@ -186,3 +186,32 @@ def test_an_aborted_migration_leaves_the_source_serving(driver: VerbsDriver, edg
         guest.close()
     driver.unbind_vm("vm1")
     assert not edge.live
+
+
+def test_a_send_waiting_for_a_receive_goes_again_after_the_switchover(driver: VerbsDriver, edge: FakeEdge,
+                                                                      make_vrnic: Callable[..., AttachInfo],
+                                                                      make_vm: Callable[[str], Vm]) -> None:
+    """The VM cannot post receives while it is stopped, so a peer's SEND can wait for one through the whole
+    switchover (RNR on a real NIC): it was never taken, so it goes again on the new connection."""
+    vm_info, peer_info = make_vrnic(), make_vrnic()
+    source, dest = make_vm("vm1"), make_vm("vm1-incoming")
+    with Context.attach(peer_info) as peer:
+        guest, g_qps, p_qps, g_mr, p_mr, g_cq, p_cq = _connected(driver, source, vm_info, peer, qps=1)
+        g_qps[0].post_recv(RecvRequest(1, (g_mr.sge(0, 64),)))
+        shutil.copyfile(source.ram, dest.ram)
+        driver.prepare_vm_migration("vm1", dest.binding(vm_info.vrnic_id).model_copy(update={"domain": "vm1"}))
+        dest.accept()
+        for n in (1, 2):
+            p_mr.write(f"send {n}".encode(), n * 64)
+            p_qps[0].post_send(SendRequest(n, WrOpcode.SEND, (p_mr.sge(n * 64, 6),)))
+        assert [c.wr_id for c in p_cq.wait(1)] == [1]  # the second waits for a receive
+        report = driver.complete_vm_migration("vm1")
+        assert report["sends_carried"] == 1 and report["drain_ms"] < 4000, report
+        resume_on(guest, dest)
+        assert [c.wr_id for c in g_cq.wait(1)] == [1] and g_mr.read(6) == b"send 1"
+        g_qps[0].post_recv(RecvRequest(2, (g_mr.sge(128, 64),)))
+        assert [(c.wr_id, c.status) for c in p_cq.wait(1)] == [(2, WcStatus.SUCCESS)]
+        assert [(c.wr_id, c.byte_len) for c in g_cq.wait(1)] == [(2, 6)] and g_mr.read(6, 128) == b"send 2"
+        guest.close()
+    driver.unbind_vm("vm1")
+    assert not edge.live

@@ -305,7 +305,7 @@ class SharedRingEngine(DataPathEngine):
         try:
             self.host.device.post_send(qp.obj, phys)
             self.posted += 1
-            qp.send_fifo.append(phys.signaled)
+            qp.send_fifo.append((phys.signaled, wr))
         except SendQueueFull:  # retry after completions
             qp.pending.append(wr)
         except VrnicError as exc:
@@ -379,7 +379,7 @@ class SharedRingEngine(DataPathEngine):
         # Sends complete in order; a signaled one's success means every unsignaled one before it is done too.
         # An error completes one WR, signaled or not.
         while qp.send_fifo:
-            signaled = qp.send_fifo.popleft()
+            signaled, _ = qp.send_fifo.popleft()
             if signaled or wc.status != WcStatus.SUCCESS:
                 return
 

@@ -170,10 +170,16 @@ class FakeContext(DeviceContext):
         self._transition(qp, ("rtr",), "rts")
 
     def qp_to_state(self, qp: FakeQp, state: str) -> None:
-        qp.state = state
-        if state == "reset":
-            qp.dest = None
-            qp.recvs.clear()
+        with self.edge.lock:
+            qp.state = state
+            if state == "reset":  # what was posted is dropped, without completions, as a NIC does
+                qp.dest = None
+                qp.recvs.clear()
+                for other in self.edge.qps.values():
+                    kept = [w for w in other.inbox if w[0] is not qp]
+                    other.inbox.clear()
+                    other.inbox.extend(kept)
+                qp.in_flight = 0
 
     @staticmethod
     def _transition(qp: FakeQp, allowed: tuple[str, ...], to: str) -> None:

@@ -421,17 +421,22 @@ class GuestSession:
         with self.lock:
             return [q for _, q in self.state.qps.items() if q.peer_id == vrnic_id]
 
-    def reconnect(self, qp: QpEntry) -> int:
+    def reconnect(self, qp: QpEntry) -> tuple[int, int]:
         """Point a held RC QP at its peer's current physical QP (the peer migrated): reset, connect again with
-        the same parameters, and post again the receives the reset dropped. Returns how many."""
+        the same parameters, post again the receives the reset dropped and queue again the sends it dropped.
+        Returns how many of each."""
         with self.lock:
             self.engine.settle()
             recvs = list(qp.recv_fifo)
             qp.recv_fifo.clear()
+            # Sends still on the NIC here were never taken by the peer (see vm_migration.blocked_only):
+            # the reset drops them, and they go again first.
+            dropped = [wr for _, wr in qp.send_fifo]
+            qp.pending = dropped + qp.pending
             qp.send_fifo.clear()
             self.device.qp_to_state(qp.obj, "reset")
             self._connect(qp, qp.peer_gid, qp.peer_vqpn)
-            return self.engine.repost_recvs(qp, recvs)
+            return self.engine.repost_recvs(qp, recvs), len(dropped)
 
     def _connect(self, qp: QpEntry, remote_gid: str | None, remote_qpn: int | None, steps: int = 3) -> None:
         """INIT, RTR, RTS (the first `steps` of them) with the parameters the guest chose when it connected."""
@@ -524,7 +529,7 @@ class GuestSession:
                     self.device.qp_to_state(qp.obj, "err")
                     qp.state = "err"
                 reposted += self.engine.repost_recvs(qp, list(old.recv_fifo))
-                qp.pending = list(old.pending)
+                qp.pending = [wr for _, wr in old.send_fifo] + list(old.pending)  # never taken by the peer
                 carried += len(qp.pending)
         return reposted, carried, broken
 

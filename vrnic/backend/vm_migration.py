@@ -31,12 +31,13 @@ from vrnic.backend.registry import Registry, VirtualRnic
 from vrnic.backend.session import GuestSession
 from vrnic.backend.vm_link import VmLink
 from vrnic.core.migration import DirtyLog, MigrationPhase, SwitchoverReport, advance
-from vrnic.core.rings import CQ_SLOT, RQ_SLOT, SQ_SLOT, Ring
+from vrnic.core.rings import CQ_SLOT, RQ_SLOT, SQ_SLOT, Ring, WrOpcode
 from vrnic.core.session_state import QpEntry
 from vrnic.errors import Conflict, InvalidArgument
 
 log = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 5.0
+CONSUMES_RECV = frozenset({WrOpcode.SEND, WrOpcode.SEND_WITH_IMM, WrOpcode.RDMA_WRITE_WITH_IMM})
 
 
 @dataclass
@@ -150,7 +151,7 @@ def switchover(migration: Migration, source_memory: GuestMemory, registry: Regis
         deadline = time.monotonic() + drain_timeout
         while True:
             left = sum(session.outstanding_sends(only) for session, only in held)
-            if not left:
+            if not left or blocked_only(migration):
                 break
             if time.monotonic() > deadline:
                 raise Conflict(f"{left} send(s) did not complete within {drain_timeout:.0f} s; the VM stays on the "
@@ -176,6 +177,31 @@ def switchover(migration: Migration, source_memory: GuestMemory, registry: Regis
             raise
     report.total_ms = (time.perf_counter() - started) * 1000
     return report
+
+
+def blocked_only(migration: Migration) -> bool:
+    """Is every send still on the NIC blocked for want of a receive at the other end (RNR)?
+
+    The VM cannot post receives while it is stopped, so a peer's SEND can wait for one forever. Such a
+    SEND was not taken (the responder has no receive posted, and posts none while held), nor was anything
+    after it on the same QP (RC executes in order): all of them go again, first, on the new connection."""
+    for m in migration.moving:
+        pairs = [(m.source, qp, peer, peer_qp) for peer, qps in m.peers for peer_qp in qps
+                 if (qp := m.source.state.qp_by_vqpn.get(peer_qp.peer_vqpn or -1)) is not None]
+        for one, one_qp, other, other_qp in pairs:
+            for sender, sender_qp, responder, responder_qp in ((one, one_qp, other, other_qp),
+                                                                (other, other_qp, one, one_qp)):
+                with sender.lock, responder.lock:
+                    sender.engine.settle()
+                    responder.engine.settle()
+                    if not sender_qp.send_fifo:
+                        continue
+                    _, head = sender_qp.send_fifo[0]
+                    if head.opcode not in CONSUMES_RECV or responder_qp.recv_fifo:
+                        return False
+        if any(q.send_fifo for _, q in m.source.state.qps.items() if q.peer_id is None):
+            return False  # not connected to anyone we hold: nothing to wait for but the NIC
+    return True
 
 
 def _release(held: list[tuple[GuestSession, list[QpEntry] | None]]) -> None:
@@ -211,7 +237,9 @@ def _move(m: MovingVrnic, migration: Migration, source_memory: GuestMemory, regi
         m.staged.staged = False
         for peer, qps in m.peers:
             for qp in qps:
-                report.recvs_reposted += peer.reconnect(qp)
+                reposted, again = peer.reconnect(qp)
+                report.recvs_reposted += reposted
+                report.sends_carried += again
                 report.peers_repointed += 1
         reposted, carried, broken = m.staged.take_over(m.source)
         report.recvs_reposted += reposted

@@ -95,7 +95,7 @@ class SwitchoverReport:
     dirty_pages: int = 0
     copied_bytes: int = 0
     recvs_reposted: int = 0
-    sends_carried: int = 0  # WRs the guest posted that had not reached the NIC yet
+    sends_carried: int = 0  # WRs the NIC had not taken (not yet posted, or a SEND waiting for a receive): again
     broken_qps: int = 0  # QPs whose peer is gone: left in ERR (their WRs flush with an error)
     hold_ms: float = 0.0
     drain_ms: float = 0.0

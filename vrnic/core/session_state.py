@@ -79,7 +79,7 @@ class QpEntry:
     grh_at: dict[int, int] = field(default_factory=dict, repr=False)  # UD recv wr_id -> address of its GRH
     guard_flow: Any = field(default=None, repr=False)  # the packet guard's flow for this RC QP, when guarded
     # The shared-ring engine's account of what the NIC holds, so a migration can drain and re-post:
-    send_fifo: deque[bool] = field(default_factory=deque, repr=False)  # posted sends in order: signaled?
+    send_fifo: deque[tuple[bool, Any]] = field(default_factory=deque, repr=False)  # posted sends: (signaled, WR)
     recv_fifo: deque[Any] = field(default_factory=deque, repr=False)  # posted receives (guest WRs) in order
     held: bool = False  # a migration holds this QP: the engine leaves its rings alone
     link: dict[str, int] = field(default_factory=dict, repr=False)  # RTR/RTS parameters, to reconnect alike
