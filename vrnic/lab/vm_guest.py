@@ -12,6 +12,7 @@ Used by tests/kernel/test_vm_*.py, `make demo-vm` (vrnic.vm.demo) and the bench.
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import lzma
 import os
@@ -22,13 +23,14 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from vrnic.core.rings import Access, RecvRequest, SendRequest, WcOpcode, WcStatus, WrOpcode
 from vrnic.core.specs import AttachInfo
 from vrnic.errors import LabError, VrnicError
 from vrnic.frontend.guest_library import CQ, MR, PD, QP, Context
 from vrnic.lab.kernel import kernel_image, module_files
+from vrnic.lab.qemu_vm import QemuVmSpec
 from vrnic.vm.domain_xml import (
     DEFAULT_CHANNEL,
     DirectKernelBoot,
@@ -83,9 +85,10 @@ sleep 5
 
 
 def busybox_initramfs(version: str, modules: Sequence[str], init: Callable[[list[str]], str], target: Path,
-                      files: Mapping[str, str] | None = None) -> Path:
+                      files: Mapping[str, str] | None = None, copies: Mapping[str, Path] | None = None) -> Path:
     """A gzip'd newc cpio: busybox, the kernel modules (and what they need, in load order, decompressed),
-    /init made from their file names, and extra text files."""
+    /init made from their file names, extra text files, and copies of host files (image path -> host file;
+    metadata kept, so a .pyc still matches its source's mtime)."""
     if not BUSYBOX.exists():
         raise LabError("busybox is missing; run `make setup`")
     with tempfile.TemporaryDirectory() as tmp:
@@ -105,6 +108,9 @@ def busybox_initramfs(version: str, modules: Sequence[str], init: Callable[[list
         (root / "init").chmod(0o755)
         for name, text in (files or {}).items():
             (root / name).write_text(text)
+        for name, source in (copies or {}).items():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, root / name)
         listing = "\n".join(sorted(str(p.relative_to(root)) for p in root.rglob("*")))
         archive = subprocess.run(["cpio", "--quiet", "-o", "-H", "newc"], cwd=root, input=listing.encode(),
                                  capture_output=True, check=True)
@@ -117,6 +123,149 @@ def build_initramfs(version: str, target: Path) -> Path:
     return busybox_initramfs(
         version, MODULES, lambda names: INIT.format(mark=MARK, modules=" ".join(names), hugepages=HUGEPAGES), target,
         {"run.sh": RUN.format(mark=MARK, control=CONTROL_PORT)})
+
+
+# ----- a migratable guest: everything in the initramfs, no 9p (a mounted 9p export blocks migration) -------------
+GUEST_PYTHON = Path("/usr/bin/python3")  # Debian's 3.11, the same on the lab and in the image
+GUEST_PREFIX = "/opt/vrnic-guest"  # the project's vrnic files in the image (PYTHONPATH)
+MIGRATABLE_MODULES = ("virtio_pci", "virtio_console", "button", "evdev")
+# Optional accelerators the stdlib falls back from (hashlib, shutil): _hashlib alone drags in 4.5 MiB of libcrypto.
+SKIPPED_EXTENSIONS = ("_hashlib", "_bz2", "_lzma")
+EXTRA_STDLIB = ("encodings.ascii", "encodings.latin_1")  # what Python falls back to when the locale is odd
+LIBRARY_PATH = "/lib/x86_64-linux-gnu:/usr/lib/x86_64-linux-gnu"
+
+# Run by the guest's python3 on the host: import what the VM program imports (and what `-m` needs), print every
+# loaded module's file; compile the project's into argv[1] (the lab root is read-only, its __pycache__ stale).
+TRACE = """import sys, runpy, py_compile, importlib.util
+import vrnic.frontend.peer_program
+for name in sys.argv[3:]:
+    __import__(name)
+project = sys.argv[2]
+for module in list(sys.modules.values()):
+    path = getattr(module, "__file__", None)
+    if not path:
+        continue
+    print(path)
+    if path.startswith(project + "/"):
+        rel = path[len(project) + 1:]
+        py_compile.compile(path, cfile=sys.argv[1] + "/" + rel + "c", doraise=True)
+"""
+
+MIGRATABLE_INIT = """#!/bin/busybox sh
+/bin/busybox --install -s /bin
+fail() {{ echo "{mark} boot failed: $*"; echo o > /proc/sysrq-trigger; sleep 5; }}
+mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
+for m in {modules}; do insmod /modules/$m || fail "insmod $m"; done
+echo {hugepages} > /proc/sys/vm/nr_hugepages
+mkdir -p /tmp && mount -t tmpfs tmpfs /tmp
+echo "{mark} init at $(cut -d' ' -f1 /proc/uptime) s"
+cd /
+PYTHONPATH={prefix} PYTHONDONTWRITEBYTECODE=1 LD_LIBRARY_PATH={libpath} \
+  /usr/bin/python3 -m vrnic.frontend.peer_program --vm --control {control} {args} &
+program=$!
+# The power button (system_powerdown) stops the program with SIGTERM, which detaches cleanly, then powers off.
+for event in /sys/class/input/event*; do
+  if [ "$(cat $event/device/name 2>/dev/null)" = "Power Button" ]; then
+    (dd if=/dev/input/${{event##*/}} bs=24 count=1 2>/dev/null >/dev/null && {{ echo "{mark} power button";
+     kill -TERM $program; sleep 3; echo o > /proc/sysrq-trigger; }}) &
+  fi
+done
+wait $program
+echo "{mark} program exited ($?)"
+echo o > /proc/sysrq-trigger
+sleep 5
+"""
+
+
+def parse_ldd(text: str) -> list[Path]:
+    """The libraries `ldd` resolved ('libc.so.6 => /lib/.../libc.so.6 (0x...)', '/lib64/ld-linux... (0x...)')."""
+    found = []
+    for line in text.splitlines():
+        words = line.split()
+        if "=>" in words:
+            path = words[words.index("=>") + 1]
+        elif words and words[0].startswith("/"):
+            path = words[0]
+        else:
+            continue
+        if path.startswith("/"):
+            found.append(Path(path))
+    return found
+
+
+def guest_python_files(loaded: Sequence[str], stdlib: Path, project: Path, compiled: Path, cache_tag: str,
+                       skipped: Sequence[str] = SKIPPED_EXTENSIONS) -> dict[str, Path]:
+    """Image path -> host file for the traced modules: the stdlib at its own path (python finds its prefix by
+    it) with Debian's .pyc, and the project's under GUEST_PREFIX with the .pyc compiled into `compiled`."""
+    copies: dict[str, Path] = {}
+    for text in loaded:
+        path = Path(text)
+        if path.is_relative_to(stdlib):
+            if path.name.split(".")[0] in skipped:
+                continue
+            copies[str(path).lstrip("/")] = path
+            pyc = path.parent / "__pycache__" / f"{path.stem}.{cache_tag}.pyc"
+            if path.suffix == ".py" and pyc.exists():  # Debian compiles its stdlib at install
+                copies[str(pyc).lstrip("/")] = pyc
+        elif path.is_relative_to(project):
+            rel = path.relative_to(project)
+            copies[f"{GUEST_PREFIX.lstrip('/')}/{rel}"] = path
+            pyc = compiled / f"{rel}c"
+            copies[f"{GUEST_PREFIX.lstrip('/')}/{rel.parent}/__pycache__/{rel.stem}.{cache_tag}.pyc"] = pyc
+    return copies
+
+
+def build_migratable_initramfs(version: str, target: Path, project: Path,
+                               program_args: Sequence[str] = ()) -> Path:
+    """The peer VM's boot image with nothing on 9p: busybox, python3 with the libraries and stdlib modules the
+    peer program loads, and the project's vrnic files it imports. program_args go to the peer program."""
+    with tempfile.TemporaryDirectory() as tmp:
+        compiled = Path(tmp)
+        trace = subprocess.run([str(GUEST_PYTHON), "-c", TRACE, str(compiled), str(project), *EXTRA_STDLIB],
+                               env={"PYTHONPATH": str(project), "PYTHONDONTWRITEBYTECODE": "1"},
+                               capture_output=True, text=True, check=False)
+        if trace.returncode != 0:
+            raise LabError(f"tracing the peer program's imports failed: {trace.stderr.strip()[-2000:]}")
+        where = subprocess.run([str(GUEST_PYTHON), "-c", "import os, sys; print(os.path.dirname(os.__file__), "
+                                "sys.implementation.cache_tag)"], capture_output=True, text=True, check=True)
+        stdlib, cache_tag = where.stdout.split()
+        copies = guest_python_files(trace.stdout.split(), Path(stdlib), project, compiled, cache_tag)
+        copies["usr/bin/python3"] = GUEST_PYTHON.resolve()
+        binaries = [GUEST_PYTHON, *(Path(p) for p in copies.values() if p.suffix == ".so")]
+        for binary in binaries:
+            ldd = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, check=True)
+            for library in parse_ldd(ldd.stdout):
+                copies[str(library).lstrip("/")] = library.resolve()
+        init = MIGRATABLE_INIT.format(mark=MARK, hugepages=HUGEPAGES, prefix=GUEST_PREFIX, libpath=LIBRARY_PATH,
+                                      control=CONTROL_PORT, args=" ".join(program_args), modules="{modules}")
+        return busybox_initramfs(version, MIGRATABLE_MODULES, lambda names: init.replace("{modules}", " ".join(names)),
+                                 target, copies=copies)
+
+
+def migratable_vm_spec(name: str, workdir: Path, initrd: Path, *, ram_path: Path | None = None,
+                       incoming: str | None = None, accel: Literal["kvm", "tcg"] = "kvm", memory_mib: int = 256,
+                       vrnic: bool = True) -> QemuVmSpec:
+    """A raw-QEMU VM booting build_migratable_initramfs()'s image. Source and destination are made alike (same
+    devices, in the same order) with their own name: their own RAM file, sockets and logs under workdir.
+    Sockets: control_socket(spec), vrnic_socket(spec)."""
+    channels = [(CONTROL_PORT, workdir / f"{name}.ctl.sock")]
+    if vrnic:
+        channels.insert(0, (DEFAULT_CHANNEL, workdir / f"{name}.vrnic.sock"))
+    version = os.uname().release
+    return QemuVmSpec(
+        name=name, kernel=kernel_image(version), initrd=initrd,
+        # init_on_free: pages the boot freed (the initramfs, init code) are zero, which migration skips (-20 %)
+        cmdline="console=ttyS0 quiet loglevel=4 panic=-1 mitigations=off init_on_free=1",
+        ram_path=ram_path or workdir / f"{name}.ram", qmp_path=workdir / f"{name}.qmp",
+        console_log=workdir / f"{name}.console.log", memory_mib=memory_mib, accel=accel,
+        channels=tuple(channels), incoming=incoming)
+
+
+def channel_socket(spec: QemuVmSpec, port: str) -> Path:
+    for name, path in spec.channels:
+        if name == port:
+            return path
+    raise LabError(f"VM {spec.name} has no virtio-serial port {port}")
 
 
 def peer_domain(name: str, workdir: Path, project: Path, vrnic_id: str | None, domain_type: DomainType,
@@ -142,7 +291,10 @@ def peer_domain(name: str, workdir: Path, project: Path, vrnic_id: str | None, d
 
 
 class ControlPort:
-    """The host end of the VM program's control port: one JSON command per line, one reply each."""
+    """The host end of the VM program's control port: one JSON command per line, one reply each.
+
+    Commands carry a sequence number that the reply echoes; replies to other numbers are skipped: after a
+    migration (a new host end), a reply the program wrote while nobody was connected may arrive first."""
 
     def __init__(self, path: Path, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + 30
@@ -158,6 +310,7 @@ class ControlPort:
                 time.sleep(0.1)
         self.timeout = timeout
         self._buf = bytearray()
+        self._seq = itertools.count(int.from_bytes(os.urandom(4), "little"))
 
     def read(self, timeout: float | None = None) -> dict[str, Any]:
         deadline = time.monotonic() + (timeout or self.timeout)
@@ -179,8 +332,13 @@ class ControlPort:
         return reply
 
     def call(self, op: str, **args: Any) -> dict[str, Any]:
-        self.sock.sendall((json.dumps({"op": op, **args}) + "\n").encode())
-        reply = self.read()
+        seq = next(self._seq)
+        self.sock.sendall((json.dumps({"op": op, "seq": seq, **args}) + "\n").encode())
+        deadline = time.monotonic() + self.timeout
+        while True:
+            reply = self.read(max(0.01, deadline - time.monotonic()))
+            if reply.get("seq") == seq:
+                break
         if not reply.get("ok"):
             raise VrnicError(f"VM program: {op} failed: {reply.get('error')}")
         return reply
