@@ -18,6 +18,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any, Literal
 import pytest
 
 from vrnic.core.specs import AttachInfo, VmBinding, VmVrnic
+from vrnic.errors import LabError
 from vrnic.lab.qemu_vm import QemuVm, migrate
 from vrnic.lab.vm_guest import (
     CONTROL_PORT,
@@ -128,9 +130,40 @@ def test_plain_migration_keeps_the_program_and_rdma_written_memory(
         peer.write_into_vm(pattern, vm_offset=at)
         assert control.call("peek", offset=at, length=len(pattern))["data"] == pattern.hex()
 
-        # plain migration to a second QEMU on this host
+        # a migration cancelled midway (from another thread, as a controller would): the source runs on
+        doomed = QemuVm(migratable_vm_spec("dst0", tmp_path, image, accel=accel, incoming=f"unix:{tmp_path}/mig0.sock"))
+        try:
+            doomed.start()
+            failures: list[str] = []
+
+            def doomed_migration() -> None:
+                try:  # throttled so that it is still running when cancelled
+                    migrate(source, doomed, f"unix:{tmp_path}/mig0.sock", parameters={"max-bandwidth": 8 << 20},
+                            timeout=60)
+                except LabError as exc:
+                    failures.append(str(exc))
+
+            thread = threading.Thread(target=doomed_migration)
+            thread.start()
+            time.sleep(1.0)
+            source.qmp.execute("migrate_cancel")
+            thread.join(30)
+            assert failures and "cancelled" in failures[0], failures
+        finally:
+            doomed.stop()
+        assert source.qmp.execute("query-status")["status"] == "running"
+        assert control.call("whoami")["instance"] == before["instance"]
+
+        # plain migration (vrnicd not told) to a second QEMU on this host, through the switchover pause
         dest.start()
-        stats = migrate(source, dest, uri, timeout=120)
+        seen: dict[str, Any] = {}
+        stats = migrate(source, dest, uri, pause_before_switchover=True, parameters={"max-bandwidth": 1 << 30},
+                        on_switchover=lambda: seen.update(source=source.qmp.execute("query-status")),
+                        before_resume=lambda: seen.update(dest=dest.qmp.execute("query-status")), timeout=120)
+        assert not seen["source"]["running"] and seen["dest"]["status"] == "paused", seen
+        assert stats.total_ms and stats.downtime_ms, stats.raw  # QEMU fills them in just after "completed"
+        marks = [stats.issued_at, stats.pre_switchover_at, stats.continue_at, stats.completed_at, stats.resumed_at]
+        assert None not in marks and marks == sorted(marks), marks  # type: ignore[type-var]
         control.close()
         control = ControlPort(channel_socket(dest.spec, CONTROL_PORT))
         after = control.call("whoami")

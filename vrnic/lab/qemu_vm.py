@@ -247,6 +247,10 @@ def migrate(source: QemuVm, dest: QemuVm, uri: str, *, pause_before_switchover: 
         now = time.monotonic()
         if status == "completed":
             stats.completed_at = now
+            # QEMU 7.2 says completed a moment before it fills in total-time and downtime (0 until then)
+            while not info.get("total-time") and time.monotonic() < now + 2:
+                time.sleep(POLL_S)
+                info = qmp.execute("query-migrate")
             migration_stats(info, stats)
             break
         if status in ("failed", "cancelled"):

@@ -254,8 +254,8 @@ def migratable_vm_spec(name: str, workdir: Path, initrd: Path, *, ram_path: Path
     version = os.uname().release
     return QemuVmSpec(
         name=name, kernel=kernel_image(version), initrd=initrd,
-        # init_on_free: pages the boot freed (the initramfs, init code) are zero, which migration skips (-20 %)
-        cmdline="console=ttyS0 quiet loglevel=4 panic=-1 mitigations=off init_on_free=1",
+        # Not init_on_free=1: it cut the RAM migrated by a fifth (99 -> 79 MiB) but slowed the boot by 40 % in the lab
+        cmdline="console=ttyS0 quiet loglevel=4 panic=-1 mitigations=off",
         ram_path=ram_path or workdir / f"{name}.ram", qmp_path=workdir / f"{name}.qmp",
         console_log=workdir / f"{name}.console.log", memory_mib=memory_mib, accel=accel,
         channels=tuple(channels), incoming=incoming)
