@@ -512,6 +512,7 @@ class GuestSession:
                 qp = self.state.qps.get(handle)
                 qp.access, qp.qkey, qp.link = old.access, old.qkey, dict(old.link)
                 steps = {"init": 1, "rtr": 2, "rts": 3}.get(old.state, 0)
+                gone = old.state == "err"
                 try:
                     if old.qp_type == "rc" and steps >= 2 and old.peer_gid is not None:
                         self._connect(qp, old.peer_gid, old.peer_vqpn, steps)
@@ -522,15 +523,17 @@ class GuestSession:
                 except VrnicError as exc:
                     log.warning("vRNIC %s QP %d: its peer is gone (%s); the QP goes to ERR", self.vrnic_id,
                                 qp.vqpn, exc)
-                    self.device.qp_to_state(qp.obj, "err")
-                    qp.state = "err"
+                    gone = True
                     broken += 1
-                if old.state == "err":
-                    self.device.qp_to_state(qp.obj, "err")
-                    qp.state = "err"
+                    if qp.state == "reset":  # receives can be posted from INIT on
+                        self.device.qp_to_init(qp.obj, qp.qp_type, qp.access, qp.qkey)
+                        qp.state = "init"
                 reposted += self.engine.repost_recvs(qp, list(old.recv_fifo))
                 qp.pending = [wr for _, wr in old.send_fifo] + list(old.pending)  # never taken by the peer
                 carried += len(qp.pending)
+                if gone:  # after the receives are on it: the move to ERR flushes them (rxe flushes only then)
+                    self.device.qp_to_state(qp.obj, "err")
+                    qp.state = "err"
         return reposted, carried, broken
 
     def publications(self) -> tuple[dict[int, int], dict[int, MrWindow]]:

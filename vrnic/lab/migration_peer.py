@@ -89,6 +89,7 @@ def main() -> int:
             (writes if kind == "write" else sends).append(seq)
         if errors:
             break
+    _line()  # "stop" (or, after an error, the next command the controller sends)
     _say({"writes": writes, "sends": sends, "times": times, "errors": errors})
     _line()  # "close"
     ctx.close()
