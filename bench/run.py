@@ -20,11 +20,12 @@ GUEST_PART = RESULTS / "guest.json"
 
 
 def guest_suites() -> list[Record]:
-    from bench import control_plane, direct, native_verbs, paravirt, vm
+    from bench import control_plane, direct, migration, native_verbs, paravirt, vm
 
     native = native_verbs.run()
     mediated = paravirt.run(native)
-    return native + mediated + direct.run(native) + vm.run(native, mediated) + control_plane.run_guest()
+    return (native + mediated + direct.run(native) + vm.run(native, mediated) + migration.run()
+            + control_plane.run_guest())
 
 
 def host_suites() -> list[Record]:

@@ -20,12 +20,9 @@ Run: vrnic lab run --topology pair --timeout 900 -e PYTHONPATH=$PWD -- pytest -m
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,24 +31,29 @@ from typing import Any, Literal
 
 import httpx
 import pytest
-from vrnic.lab.qemu_vm import QemuVm
 
 from vrnic.backend.rdma_tool import resource_counts
-from vrnic.core.specs import AttachInfo, VmBinding, VmVrnic
+from vrnic.core.specs import AttachInfo
 from vrnic.errors import LabError
 from vrnic.lab.live_migration import ApiMigration, migrate_vm
-from vrnic.lab.vm_guest import CONTROL_PORT, ControlPort, build_migratable_initramfs, channel_socket, migratable_vm_spec
+from vrnic.lab.migration_rig import (
+    WRITE_AT,
+    binding,
+    identity,
+    largest_gap_ms,
+    start_vm,
+    stream_into_vm,
+)
+from vrnic.lab.vm_guest import CONTROL_PORT, ControlPort, build_migratable_initramfs, channel_socket
 from vrnic.lab.vm_host import ensure_kvm
-from vrnic.vm.domain_xml import DEFAULT_CHANNEL
 
 from .conftest import wait_for_baseline
 
 pytestmark = pytest.mark.kernel
 PROJECT = Path(__file__).resolve().parents[2]
 MR_BYTES = 1 << 20
-WRITE_AT = 512 << 10  # the peer's slots in the VM's MR: 8 bytes per sequence number
-SLOTS = 60000
 DOMAIN = "mig"
+URI = "unix:{}/mig.sock"
 TIMINGS: dict[str, float] = {}
 
 
@@ -76,88 +78,20 @@ def image(accel: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
                                       PROJECT, program_args=("--mr-bytes", str(MR_BYTES)))
 
 
-class Peer:
-    """vrnic.lab.migration_peer in its own process."""
-
-    def __init__(self, info: AttachInfo) -> None:
-        env = dict(os.environ, PYTHONPATH=str(PROJECT))
-        self.proc = subprocess.Popen([sys.executable, "-m", "vrnic.lab.migration_peer"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
-        self.info = self.ask({"attach": info.model_dump(mode="json"), "qps": 1})
-
-    def ask(self, message: dict[str, Any], timeout: float = 60) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(message) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"the peer process exited ({self.proc.wait(timeout)})")
-        reply: dict[str, Any] = json.loads(line)
-        return reply
-
-    def tell(self, message: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(message) + "\n")
-        self.proc.stdin.flush()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-
-
-def _start(spec_name: str, image: Path, tmp_path: Path, accel: Literal["kvm", "tcg"],
-           incoming: str | None = None) -> QemuVm:
-    return QemuVm(migratable_vm_spec(spec_name, tmp_path, image, accel=accel, incoming=incoming)).start()
-
-
-def _binding(vm: QemuVm, vrnic_id: str) -> VmBinding:
-    return VmBinding(domain=DOMAIN, ram_path=str(vm.ram_path), machine="q35",
-                     vrnics=[VmVrnic(vrnic_id=vrnic_id, channel_socket=str(channel_socket(vm.spec, DEFAULT_CHANNEL)))])
-
-
-def _vm_with_peer(driver: Any, image: Path, tmp_path: Path, accel: Literal["kvm", "tcg"], vm_info: AttachInfo,
-                  peer_info: AttachInfo) -> tuple[QemuVm, ControlPort, dict[str, Any], Peer]:
-    """The source VM, bound and ready, its receive stream running, connected to a peer that streams."""
-    t0 = time.monotonic()
-    source = _start("src", image, tmp_path, accel)
-    driver.bind_vm(_binding(source, vm_info.vrnic_id))
-    control = ControlPort(channel_socket(source.spec, CONTROL_PORT))
-    try:
-        vm = control.ready()
-    except Exception as exc:
-        raise AssertionError(f"{exc}; console:\n{source.console()}\nqemu:\n{source.log_tail()}") from exc
-    TIMINGS["boot_to_ready_s"] = time.monotonic() - t0
-    peer = Peer(AttachInfo.model_validate(peer_info.model_dump()))
-    control.call("connect", gid=peer.info["gid"], qpn=peer.info["qpns"][0], addr=peer.info["addr"],
-                 rkey=peer.info["rkey"])
-    assert peer.ask({"gid": vm["gid"], "qpns": [vm["qpn"]], "addr": vm["addr"], "rkey": vm["rkey"],
-                     "write_at": WRITE_AT, "slots": SLOTS, "send_every": 4})["connected"]
-    control.call("recv_stream_start", slots=16)
-    peer.tell({"op": "go"})
-    return source, control, vm, peer
-
-
-def _identity(whoami: dict[str, Any]) -> tuple[Any, ...]:
-    return whoami["pid"], whoami["instance"], whoami["boot_id"]
-
-
-def _largest_gap_ms(times: list[float]) -> float:
-    return max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0) * 1000
-
-
 def test_migration_under_traffic_keeps_every_write_and_send(accel: Literal["kvm", "tcg"], image: Path, driver: Any,
                                                             make_vrnic: Callable[..., AttachInfo],
                                                             device_pair: tuple[str, str], tmp_path: Path) -> None:
     vm_info, peer_info = make_vrnic(device=device_pair[0]), make_vrnic(device=device_pair[1])
-    source, control, vm, peer = _vm_with_peer(driver, image, tmp_path, accel, vm_info, peer_info)
+    rig = stream_into_vm(driver, DOMAIN, start_vm("src", image, tmp_path, accel), vm_info, peer_info)
+    source, control, vm, peer = rig.vm, rig.control, rig.info, rig.peer
+    TIMINGS["boot_to_ready_s"] = rig.ready_s
     dest = None
     try:
         who = control.call("whoami")
         time.sleep(1.0)  # traffic before
         objects_before = resource_counts()
-        dest = _start("dst", image, tmp_path, accel, incoming=f"unix:{tmp_path}/mig.sock")
-        result = migrate_vm(driver, DOMAIN, source, dest, _binding(dest, vm_info.vrnic_id), f"unix:{tmp_path}/mig.sock")
+        dest = start_vm("dst", image, tmp_path, accel, incoming=URI.format(tmp_path))
+        result = migrate_vm(driver, DOMAIN, source, dest, binding(DOMAIN, dest, vm_info.vrnic_id), URI.format(tmp_path))
         switched = result.switchover
         print(f"\nmigration: QEMU total {result.stats.total_ms} ms, downtime {result.stats.downtime_ms} ms; "
               f"vrnicd prepare {result.prepare_ms:.1f} ms, switchover {switched}")
@@ -169,7 +103,7 @@ def test_migration_under_traffic_keeps_every_write_and_send(accel: Literal["kvm"
         assert len(writes) > 50 and writes == list(range(1, len(writes) + 1))
         control.close()
         control = ControlPort(channel_socket(dest.spec, CONTROL_PORT))
-        assert _identity(control.call("whoami")) == _identity(who)  # the same program, never restarted
+        assert identity(control.call("whoami")) == identity(who)  # the same program, never restarted
         stream = control.call("recv_stream_stop", expect=len(sends), timeout=30)
         assert stream["errors"] == [] and stream["seqs"] == sends, (stream, sends)
         slots = control.call("check_slots", offset=WRITE_AT, count=len(writes) + 1, size=8)["seqs"]
@@ -181,7 +115,7 @@ def test_migration_under_traffic_keeps_every_write_and_send(accel: Literal["kvm"
         assert resource_counts() == objects_before  # the source's objects went, the destination's replaced them
         assert switched["peers_repointed"] == 1 and switched["broken_qps"] == 0
         TIMINGS.update(qemu_total_ms=result.stats.total_ms or 0, qemu_downtime_ms=result.stats.downtime_ms or 0,
-                       switchover_ms=switched["total_ms"], peer_blackout_ms=_largest_gap_ms(done["times"]),
+                       switchover_ms=switched["total_ms"], peer_blackout_ms=largest_gap_ms(done["times"]),
                        writes=len(writes), sends=len(sends))
     finally:
         peer.close()
@@ -196,20 +130,21 @@ def test_cancelled_migration_and_absent_vrnicd_leave_the_vm_on_the_source(
         accel: Literal["kvm", "tcg"], image: Path, driver: Any, make_vrnic: Callable[..., AttachInfo],
         device_pair: tuple[str, str], tmp_path: Path) -> None:
     vm_info, peer_info = make_vrnic(device=device_pair[0]), make_vrnic(device=device_pair[1])
-    source, control, vm, peer = _vm_with_peer(driver, image, tmp_path, accel, vm_info, peer_info)
+    rig = stream_into_vm(driver, DOMAIN, start_vm("src", image, tmp_path, accel), vm_info, peer_info)
+    source, control, peer = rig.vm, rig.control, rig.peer
     try:
         who = control.call("whoami")
         objects = resource_counts()
         # no vrnicd answers at the destination's API: nothing starts, the VM never stops
         nobody = httpx.Client(base_url="http://127.0.0.1:9", timeout=2)
         with pytest.raises(httpx.HTTPError):
-            migrate_vm(ApiMigration(_Api(nobody)), DOMAIN, source, source, _binding(source, vm_info.vrnic_id),
+            migrate_vm(ApiMigration(_Api(nobody)), DOMAIN, source, source, binding(DOMAIN, source, vm_info.vrnic_id),
                        "unix:/nonexistent")
         assert source.qmp.execute("query-status")["running"]
         # cancelled midway (throttled so that it is still copying): vrnicd drops its pre-setup, the source runs on
-        dest = _start("dst", image, tmp_path, accel, incoming=f"unix:{tmp_path}/mig.sock")
+        dest = start_vm("dst", image, tmp_path, accel, incoming=URI.format(tmp_path))
         with pytest.raises(LabError, match="cancelled"):
-            migrate_vm(driver, DOMAIN, source, dest, _binding(dest, vm_info.vrnic_id), f"unix:{tmp_path}/mig.sock",
+            migrate_vm(driver, DOMAIN, source, dest, binding(DOMAIN, dest, vm_info.vrnic_id), URI.format(tmp_path),
                        parameters={"max-bandwidth": 8 << 20}, cancel_after=1.0)
         assert source.qmp.execute("query-status")["running"]
         assert driver.vm_bindings()[DOMAIN].ram_path == str(source.ram_path)
@@ -217,7 +152,7 @@ def test_cancelled_migration_and_absent_vrnicd_leave_the_vm_on_the_source(
         time.sleep(0.5)
         done = peer.ask({"op": "stop"})
         assert not done["errors"] and len(done["writes"]) > 20
-        assert _identity(control.call("whoami")) == _identity(who)
+        assert identity(control.call("whoami")) == identity(who)
         stream = control.call("recv_stream_stop", expect=len(done["sends"]), timeout=30)
         assert stream["errors"] == [] and stream["seqs"] == done["sends"]
         slots = control.call("check_slots", offset=WRITE_AT, count=len(done["writes"]) + 1, size=8)["seqs"]
@@ -233,14 +168,15 @@ def test_peer_killed_during_the_migration(accel: Literal["kvm", "tcg"], image: P
                                           make_vrnic: Callable[..., AttachInfo], device_pair: tuple[str, str],
                                           tmp_path: Path) -> None:
     vm_info, peer_info = make_vrnic(device=device_pair[0]), make_vrnic(device=device_pair[1])
-    source, control, vm, peer = _vm_with_peer(driver, image, tmp_path, accel, vm_info, peer_info)
+    rig = stream_into_vm(driver, DOMAIN, start_vm("src", image, tmp_path, accel), vm_info, peer_info)
+    source, control, peer = rig.vm, rig.control, rig.peer
     dest = None
     try:
         who = control.call("whoami")
-        dest = _start("dst", image, tmp_path, accel, incoming=f"unix:{tmp_path}/mig.sock")
+        dest = start_vm("dst", image, tmp_path, accel, incoming=URI.format(tmp_path))
         killer = threading.Timer(0.5, lambda: os.kill(peer.proc.pid, signal.SIGKILL))
         killer.start()
-        result = migrate_vm(driver, DOMAIN, source, dest, _binding(dest, vm_info.vrnic_id), f"unix:{tmp_path}/mig.sock",
+        result = migrate_vm(driver, DOMAIN, source, dest, binding(DOMAIN, dest, vm_info.vrnic_id), URI.format(tmp_path),
                             parameters={"max-bandwidth": 32 << 20})
         killer.join()
         source.stop()

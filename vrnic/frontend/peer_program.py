@@ -33,7 +33,7 @@ from typing import Any
 from vrnic.core.rings import Access, RecvRequest, SendRequest, WcStatus, WrOpcode
 from vrnic.errors import VrnicError
 from vrnic.frontend.channel import DEFAULT_PORT, find_port
-from vrnic.frontend.guest_library import CQ, MR, PD, QP, Context
+from vrnic.frontend.guest_library import CQ, DEFAULT_VM_ARENA, MR, PD, QP, Context
 
 MR_BYTES = 256 << 10
 RECV_SLOTS = 16
@@ -113,19 +113,27 @@ class RecvStream:
 
 
 class Peer:
-    def __init__(self, ctx: Context, mr_bytes: int = MR_BYTES) -> None:
+    def __init__(self, ctx: Context, mr_bytes: int = MR_BYTES, extra_qps: int = 0, extra_mrs: int = 0,
+                 extra_mr_bytes: int = 2 << 20) -> None:
         self.ctx = ctx
         self.pd = PD(ctx)
         self.cq = CQ(ctx, 256)
         self.mr = MR(self.pd, mr_bytes, Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ)
         self.qp = QP(self.pd, self.cq, self.cq, max_send_wr=64, max_recv_wr=RECV_SLOTS)
+        # A bigger vRNIC to move (the migration bench): more connected QPs on a CQ of their own, more memory.
+        self.extra_cq = CQ(ctx, 16) if extra_qps else None
+        self.extra_qps = [QP(self.pd, self.extra_cq, self.extra_cq, max_send_wr=4, max_recv_wr=4)
+                          for _ in range(extra_qps)] if self.extra_cq is not None else []
+        self.extra_mrs = [MR(self.pd, extra_mr_bytes, Access.LOCAL_WRITE | Access.REMOTE_WRITE)
+                          for _ in range(extra_mrs)]
         self.remote: dict[str, Any] = {}
         self._wr = 0
         self.stream: RecvStream | None = None
 
     def info(self) -> dict[str, Any]:
         return {"gid": self.ctx.gid, "qpn": self.qp.qpn, "addr": self.mr.addr, "rkey": self.mr.rkey,
-                "length": self.mr.length}
+                "length": self.mr.length, "extra_qpns": [q.qpn for q in self.extra_qps],
+                "registered_bytes": self.mr.length + sum(m.length for m in self.extra_mrs)}
 
     def _next(self) -> int:
         self._wr += 1
@@ -142,6 +150,12 @@ class Peer:
     def connect(self, gid: str, qpn: int, addr: int, rkey: int) -> dict[str, Any]:
         self.remote = {"addr": addr, "rkey": rkey}
         self.qp.connect(gid, qpn)
+        return {}
+
+    def connect_extra(self, gid: str, qpns: list[int]) -> dict[str, Any]:
+        """Connect the extra QPs, the i-th to the peer's qpns[i]."""
+        for qp, qpn in zip(self.extra_qps, qpns, strict=True):
+            qp.connect(gid, qpn)
         return {}
 
     def post_recv(self, count: int = 1) -> dict[str, Any]:
@@ -272,7 +286,7 @@ class Peer:
 
 
 COMMANDS = ("connect", "post_recv", "wait_recv", "send", "write", "read", "peek", "refusals", "ping", "write_stream",
-            "flood", "whoami", "check_slots", "recv_stream_start", "recv_stream_stop", "close")
+            "flood", "whoami", "check_slots", "recv_stream_start", "recv_stream_stop", "connect_extra", "close")
 
 
 def read_lines(fd: int, reconnect: bool) -> Iterator[str]:
@@ -323,6 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", default=DEFAULT_PORT, help="the vRNIC's port (--vm)")
     parser.add_argument("--control", help="a virtio-serial port name for the commands (default: stdin/stdout)")
     parser.add_argument("--mr-bytes", type=int, default=MR_BYTES, help="the MR's size (a multiple of 4096)")
+    parser.add_argument("--arena-bytes", type=int, default=DEFAULT_VM_ARENA, help="the frontend's arena in the VM")
+    parser.add_argument("--extra-qps", type=int, default=0, help="more RC QPs, for connect_extra")
+    parser.add_argument("--extra-mrs", type=int, default=0, help="more MRs of --extra-mr-bytes each")
+    parser.add_argument("--extra-mr-bytes", type=int, default=2 << 20)
     args = parser.parse_args(argv)
     if args.control:
         in_fd = out_fd = os.open(find_port(args.control), os.O_RDWR)
@@ -341,9 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         if not args.vm:
             raise VrnicError("only --vm is supported: a container guest uses Context.attach(info)")
-        ctx = Context.attach_vm(args.port)
+        ctx = Context.attach_vm(args.port, arena_bytes=args.arena_bytes)
         attached = time.perf_counter()
-        peer = Peer(ctx, args.mr_bytes)
+        peer = Peer(ctx, args.mr_bytes, args.extra_qps, args.extra_mrs, args.extra_mr_bytes)
         arena = ctx.arena
         out({"op": "ready", "ok": True, **peer.info(), "attach_ms": (attached - started) * 1000,
              "setup_ms": (time.perf_counter() - attached) * 1000,

@@ -216,9 +216,10 @@ def guest_python_files(loaded: Sequence[str], stdlib: Path, project: Path, compi
 
 
 def build_migratable_initramfs(version: str, target: Path, project: Path,
-                               program_args: Sequence[str] = ()) -> Path:
+                               program_args: Sequence[str] = (), hugepages: int = HUGEPAGES) -> Path:
     """The peer VM's boot image with nothing on 9p: busybox, python3 with the libraries and stdlib modules the
-    peer program loads, and the project's vrnic files it imports. program_args go to the peer program."""
+    peer program loads, and the project's vrnic files it imports. program_args go to the peer program;
+    hugepages (2 MiB) are reserved for its arena."""
     with tempfile.TemporaryDirectory() as tmp:
         compiled = Path(tmp)
         trace = subprocess.run([str(GUEST_PYTHON), "-c", TRACE, str(compiled), str(project), *EXTRA_STDLIB],
@@ -236,7 +237,7 @@ def build_migratable_initramfs(version: str, target: Path, project: Path,
             ldd = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, check=True)
             for library in parse_ldd(ldd.stdout):
                 copies[str(library).lstrip("/")] = library.resolve()
-        init = MIGRATABLE_INIT.format(mark=MARK, hugepages=HUGEPAGES, prefix=GUEST_PREFIX, libpath=LIBRARY_PATH,
+        init = MIGRATABLE_INIT.format(mark=MARK, hugepages=hugepages, prefix=GUEST_PREFIX, libpath=LIBRARY_PATH,
                                       control=CONTROL_PORT, args=" ".join(program_args), modules="{modules}")
         return busybox_initramfs(version, MIGRATABLE_MODULES, lambda names: init.replace("{modules}", " ".join(names)),
                                  target, copies=copies)

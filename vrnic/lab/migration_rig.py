@@ -1,0 +1,140 @@
+"""The rig for live-migrating a VM with a vRNIC under traffic in the lab: the tests, the bench and the demo share it.
+
+A raw-QEMU VM boots the migratable image (vrnic.lab.vm_guest) and runs the peer program; vrnicd binds it;
+a container guest in its own process (vrnic.lab.migration_peer) connects to it and streams
+sequence-numbered RDMA WRITEs and SENDs into it. Each migration needs a fresh destination QEMU
+(`start_vm(..., incoming=...)`); the VM can go back and forth.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from vrnic.core.specs import AttachInfo, VmBinding, VmVrnic
+from vrnic.lab.qemu_vm import QemuVm
+from vrnic.lab.vm_guest import CONTROL_PORT, ControlPort, channel_socket, migratable_vm_spec
+from vrnic.vm.domain_xml import DEFAULT_CHANNEL
+
+PROJECT = Path(__file__).resolve().parents[2]
+WRITE_AT = 512 << 10  # the peer's slots in the VM's MR (1 MiB): 8 bytes per sequence number
+SLOTS = 60000
+
+
+class Binder(Protocol):
+    def bind_vm(self, binding: VmBinding) -> None: ...
+
+
+class PeerProcess:
+    """vrnic.lab.migration_peer in its own process (so that it can be killed)."""
+
+    def __init__(self, info: AttachInfo, qps: int = 1) -> None:
+        env = dict(os.environ, PYTHONPATH=str(PROJECT))
+        self.proc = subprocess.Popen([sys.executable, "-m", "vrnic.lab.migration_peer"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        self.info = self.ask({"attach": info.model_dump(mode="json"), "qps": qps})
+
+    def ask(self, message: dict[str, Any]) -> dict[str, Any]:
+        self.tell(message)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the peer process exited ({self.proc.wait(10)})")
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def tell(self, message: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(message) + "\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+def start_vm(name: str, image: Path, workdir: Path, accel: Literal["kvm", "tcg"], incoming: str | None = None,
+             memory_mib: int = 256) -> QemuVm:
+    return QemuVm(migratable_vm_spec(name, workdir, image, accel=accel, incoming=incoming,
+                                     memory_mib=memory_mib)).start()
+
+
+def binding(domain: str, vm: QemuVm, vrnic_id: str) -> VmBinding:
+    return VmBinding(domain=domain, ram_path=str(vm.ram_path), machine="q35",
+                     vrnics=[VmVrnic(vrnic_id=vrnic_id, channel_socket=str(channel_socket(vm.spec, DEFAULT_CHANNEL)))])
+
+
+@dataclass
+class Streaming:
+    """A bound VM whose program streams receives, and the peer writing into it."""
+
+    vm: QemuVm
+    control: ControlPort
+    info: dict[str, Any]  # the program's ready line: gid, qpn, addr, rkey, extra_qpns, ...
+    peer: PeerProcess
+    ready_s: float
+
+    def follow(self, vm: QemuVm) -> None:
+        """The VM now runs in this QEMU: talk to its control port."""
+        self.control.close()
+        self.vm = vm
+        self.control = ControlPort(channel_socket(vm.spec, CONTROL_PORT))
+
+    def close(self) -> None:
+        self.peer.close()
+        self.control.close()
+
+
+def stream_into_vm(vrnicd: Binder, domain: str, vm: QemuVm, vm_info: AttachInfo, peer_info: AttachInfo,
+                   send_every: int = 4) -> Streaming:
+    """Bind the VM, wait for its program, connect it to a peer process (all of the VM's QPs, one peer QP each),
+    start the VM's receive stream and the peer's writes."""
+    t0 = time.monotonic()
+    vrnicd.bind_vm(binding(domain, vm, vm_info.vrnic_id))
+    control = ControlPort(channel_socket(vm.spec, CONTROL_PORT))
+    try:
+        info = control.ready()
+    except Exception as exc:
+        control.close()
+        raise RuntimeError(f"{exc}; console:\n{vm.console()}\nqemu:\n{vm.log_tail()}") from exc
+    ready_s = time.monotonic() - t0
+    qpns = [info["qpn"], *info.get("extra_qpns", [])]
+    peer = PeerProcess(peer_info, qps=len(qpns))
+    try:
+        control.call("connect", gid=peer.info["gid"], qpn=peer.info["qpns"][0], addr=peer.info["addr"],
+                     rkey=peer.info["rkey"])
+        if len(qpns) > 1:
+            control.call("connect_extra", gid=peer.info["gid"], qpns=peer.info["qpns"][1:])
+        peer.ask({"gid": info["gid"], "qpns": qpns, "addr": info["addr"], "rkey": info["rkey"],
+                  "write_at": WRITE_AT, "slots": SLOTS, "send_every": send_every})
+        control.call("recv_stream_start", slots=16)
+        peer.tell({"op": "go"})
+    except BaseException:
+        peer.close()
+        control.close()
+        raise
+    return Streaming(vm, control, info, peer, ready_s)
+
+
+def identity(whoami: dict[str, Any]) -> tuple[Any, ...]:
+    """What must not change across a migration: the same process of the same boot."""
+    return whoami["pid"], whoami["instance"], whoami["boot_id"]
+
+
+def largest_gap_ms(times: list[float], start: float | None = None, end: float | None = None) -> float:
+    """The longest time between two consecutive completions (within [start, end] when given)."""
+    chosen = [t for t in times if (start is None or t >= start) and (end is None or t <= end)]
+    if start is not None:
+        before = [t for t in times if t < start]
+        chosen = before[-1:] + chosen
+    if end is not None:
+        after = [t for t in times if t > end]
+        chosen = chosen + after[:1]
+    return max((b - a for a, b in zip(chosen, chosen[1:], strict=False)), default=0.0) * 1000
