@@ -127,6 +127,7 @@ def test_a_vm_migrates_under_traffic_and_keeps_every_write(driver: VerbsDriver, 
         assert dest.read_gpa(g_mr.addr + 8192 + 8, 8) == bytes(8)
         report = driver.complete_vm_migration("vm1")
         assert report["qps"] == 2 and report["peers_repointed"] == 2 and report["mrs_presetup"] == 1
+        assert report["preconnected"] == 2  # connected at prepare: the switchover modified no QP
         assert report["dirty_pages"] >= 2 and report["recvs_reposted"] == 2  # the two unused receives
         assert dest.read_gpa(g_mr.addr + 8192 + 8, 64) == b"".join(struct.pack("<Q", s) for s in range(1, 9))
         resume_on(guest, dest)
@@ -212,6 +213,34 @@ def test_a_send_waiting_for_a_receive_goes_again_after_the_switchover(driver: Ve
         g_qps[0].post_recv(RecvRequest(2, (g_mr.sge(128, 64),)))
         assert [(c.wr_id, c.status) for c in p_cq.wait(1)] == [(2, WcStatus.SUCCESS)]
         assert [(c.wr_id, c.byte_len) for c in g_cq.wait(1)] == [(2, 6)] and g_mr.read(6, 128) == b"send 2"
+        guest.close()
+    driver.unbind_vm("vm1")
+    assert not edge.live
+
+
+def test_a_pair_changed_after_prepare_is_connected_the_slow_way(driver: VerbsDriver, edge: FakeEdge,
+                                                               make_vrnic: Callable[..., AttachInfo],
+                                                               make_vm: Callable[[str], Vm]) -> None:
+    vm_info, peer_info = make_vrnic(), make_vrnic()
+    source, dest = make_vm("vm1"), make_vm("vm1-incoming")
+    with Context.attach(peer_info) as peer:
+        guest, g_qps, p_qps, g_mr, p_mr, g_cq, p_cq = _connected(driver, source, vm_info, peer)
+        shutil.copyfile(source.ram, dest.ram)
+        driver.prepare_vm_migration("vm1", dest.binding(vm_info.vrnic_id).model_copy(update={"domain": "vm1"}))
+        dest.accept()
+        live = len(edge.live)
+        guest.call("modify_qp", qp=g_qps[1].handle, state="err")  # after prepare: its pre-set-up pair is stale
+        report = driver.complete_vm_migration("vm1")
+        assert report["preconnected"] == 1 and report["peers_repointed"] == 2, report
+        assert len(edge.live) < live  # the stale shadow and the source's objects went
+        resume_on(guest, dest)
+        assert guest.call("query_qp", qp=g_qps[1].handle)["state"] == "err"
+        # the pre-connected pair works
+        p_qps[0].post_recv(RecvRequest(1, (p_mr.sge(0, 64),)))
+        g_mr.write(b"pair 0")
+        g_qps[0].post_send(SendRequest(2, WrOpcode.SEND, (g_mr.sge(0, 6),)))
+        assert [c.status for c in g_cq.wait(1)] == [WcStatus.SUCCESS]
+        assert p_cq.wait(1)[0].byte_len == 6 and p_mr.read(6) == b"pair 0"
         guest.close()
     driver.unbind_vm("vm1")
     assert not edge.live

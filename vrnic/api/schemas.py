@@ -153,6 +153,7 @@ class VmMigrationSwitched(BaseModel):
     vrnics: list[str]
     qps: int
     peers_repointed: int
+    preconnected: int
     mrs_presetup: int
     mrs_registered: int
     dirty_pages: int

@@ -162,6 +162,16 @@ class Registry:
             for vqpn, phys_qpn in qpns.items():
                 self._by_phys[(vrnic.phys_gid, phys_qpn)] = (vrnic.spec.id, vqpn)
 
+    def move_qp(self, vrnic: VirtualRnic, vqpn: int, old_qpn: int, new_qpn: int) -> None:
+        """A QP continues on another physical QP (its peer migrated and it took its pre-set-up one)."""
+        with self._lock:
+            published = self._published.get(vrnic.spec.id)
+            if published is None:
+                return
+            published.qpn_by_vqpn[vqpn] = new_qpn
+            self._by_phys.pop((vrnic.phys_gid, old_qpn), None)
+            self._by_phys[(vrnic.phys_gid, new_qpn)] = (vrnic.spec.id, vqpn)
+
     def log_writes(self, vrnic_id: str, log: DirtyLog | None) -> None:
         """Start (a log) or stop (None) logging peers' RDMA WRITEs and atomics into this vRNIC's memory."""
         with self._lock:

@@ -28,13 +28,28 @@ from vrnic.core import verb_args
 from vrnic.core.migration import DirtyLog
 from vrnic.core.quota import Resource
 from vrnic.core.rings import CQ_SLOT, RQ_SLOT, SQ_SLOT, Access, Ring, RingFlags
-from vrnic.core.session_state import CqEntry, MrEntry, PdEntry, QpEntry, SessionSnapshot, SessionState
+from vrnic.core.session_state import (
+    CqEntry,
+    MrEntry,
+    PdEntry,
+    QpEntry,
+    QpRecord,
+    SessionSnapshot,
+    SessionState,
+)
 from vrnic.core.translate import MrWindow
 from vrnic.errors import Conflict, InvalidArgument, VrnicError
 
 log = logging.getLogger(__name__)
 
 ENGINE_OPS = frozenset({"create_qp", "create_cq", "destroy_qp", "destroy_cq", "busy_poll"})
+
+
+def _same_qp(qp: QpEntry, q: QpRecord) -> bool:
+    """Is a staged QP the one the record describes (the same guest object, the same shape)?"""
+    return (qp.vqpn, qp.qp_type, qp.pd.handle, qp.send_cq.handle, qp.recv_cq.handle, qp.sq_addr, qp.rq_addr,
+            qp.max_send_wr, qp.max_recv_wr, qp.max_sge) == (q.vqpn, q.qp_type, q.pd, q.send_cq, q.recv_cq, q.sq_ring,
+                                                            q.rq_ring, q.max_send_wr, q.max_recv_wr, q.max_sge)
 
 
 class GuestSession:
@@ -446,28 +461,26 @@ class GuestSession:
                 {"qp": qp.handle, "state": state, "access": qp.access, "qkey": qp.qkey, "remote_gid": remote_gid,
                  "remote_qpn": remote_qpn, **link}))
 
-    def presetup(self, source: GuestSession) -> int:
-        """A staged session registers the source's PDs and MRs over its own memory ahead of the switchover
-        (registering is the slow verb: 64 MiB takes most of a second on rxe). Returns the MRs registered."""
-        snapshot = source.snapshot_state()
-        with self.lock:
-            for handle in snapshot.pds:
-                self.op_alloc_pd(verb_args.NoArgs(), handle=handle)
-            for m in snapshot.mrs:
-                self.op_reg_mr(verb_args.RegMr(pd=m.pd, addr=m.offset, length=m.length, access=m.access),
-                               handle=m.handle, vkey=m.vkey)
-        return len(snapshot.mrs)
-
     def snapshot_state(self) -> SessionSnapshot:
         with self.lock:
             return self.state.snapshot()
 
-    def converge(self, source: GuestSession) -> tuple[int, int]:
-        """Make a staged session hold what the (held, drained) source holds: MRs that changed since presetup
-        go or come, then CQs and QPs with the same handles and virtual QPNs, held, in INIT. Returns
-        (MRs kept, MRs registered now)."""
-        snapshot = source.state.snapshot()
+    def converge(self, snapshot: SessionSnapshot) -> tuple[int, int]:
+        """Make a staged session hold what the snapshot (of the source) names: objects that still match are
+        kept (the pre-setup), the others go, the missing ones come, with the same handles, keys and virtual
+        QPNs; new QPs are held, in RESET. Returns (MRs kept, MRs registered now)."""
         with self.lock:
+            cqs = {c.handle: c for c in snapshot.cqs}
+            kept_cqs = {h for h, cq in self.state.cqs.items()
+                        if h in cqs and (cqs[h].cqe, cqs[h].ring) == (cq.cqe, cq.ring_addr)}
+            qps = {q.handle: q for q in snapshot.qps}
+            for handle, qp in list(self.state.qps.items()):
+                q = qps.get(handle)
+                if q is None or not _same_qp(qp, q) or not {qp.send_cq.handle, qp.recv_cq.handle} <= kept_cqs:
+                    self._destroy_qp(self.state.take_qp(handle), publish=False)
+            for handle, _ in list(self.state.cqs.items()):
+                if handle not in kept_cqs:
+                    self.device.destroy(self.state.take_cq(handle).obj)
             wanted = {m.handle: m for m in snapshot.mrs}
             kept = 0
             for handle, mr in list(self.state.mrs.items()):
@@ -478,8 +491,8 @@ class GuestSession:
                     kept += 1
                     continue
                 self.device.destroy(self.state.take_mr(handle).obj)
-            for handle, _ in list(self.state.pds.items()):
-                if handle not in snapshot.pds:
+            for handle, pd in list(self.state.pds.items()):
+                if handle not in snapshot.pds and not pd.users:
                     self.device.destroy(self.state.take_pd(handle).obj)
             for handle in snapshot.pds:
                 if handle not in self.state.pds:
@@ -491,8 +504,11 @@ class GuestSession:
                                    handle=m.handle, vkey=m.vkey)
                     added += 1
             for c in snapshot.cqs:
-                self.op_create_cq(verb_args.CreateCq(cqe=c.cqe, ring=c.ring), handle=c.handle)
+                if c.handle not in self.state.cqs:
+                    self.op_create_cq(verb_args.CreateCq(cqe=c.cqe, ring=c.ring), handle=c.handle)
             for q in snapshot.qps:
+                if q.handle in self.state.qps:
+                    continue
                 args = verb_args.CreateQp.model_validate(
                     {"pd": q.pd, "send_cq": q.send_cq, "recv_cq": q.recv_cq, "qp_type": q.qp_type,
                      "max_send_wr": q.max_send_wr, "max_recv_wr": q.max_recv_wr, "max_sge": q.max_sge,
@@ -501,33 +517,113 @@ class GuestSession:
                 self.state.qps.get(q.handle).held = True
         return kept, added
 
-    def take_over(self, source: GuestSession) -> tuple[int, int, int]:
+    # MigrRDMA's pre-setup: while the VM still runs on the source, each of its connected QPs gets its
+    # destination QP and its peer a second physical QP, and the two are connected to each other. At the
+    # switchover the peer's QP only swaps to its second physical QP; nothing is modified then.
+    def _wire(self, obj: Any, qp_type: str, access: int, qkey: int, dgid: str, dest_qpn: int,
+              link: Mapping[str, int]) -> None:
+        """INIT, RTR, RTS of a physical QP towards (dgid, dest_qpn), with the guest's connection parameters."""
+        defaults = verb_args.ModifyQp.model_fields
+
+        def get(name: str) -> int:
+            return int(link.get(name, defaults[name].default))
+
+        self.device.qp_to_init(obj, qp_type, access, qkey)
+        self.device.qp_to_rtr(obj, qp_type, RtrParams(
+            dgid=dgid, sgid_index=self.vrnic.gid_index, path_mtu=get("path_mtu"), dest_qpn=dest_qpn,
+            max_dest_rd_atomic=get("max_dest_rd_atomic"), min_rnr_timer=get("min_rnr_timer")))
+        self.device.qp_to_rts(obj, qp_type, RtsParams(timeout=get("timeout"), retry_cnt=get("retry_cnt"),
+                                                      rnr_retry=get("rnr_retry"), max_rd_atomic=get("max_rd_atomic")))
+
+    def shadow(self, qp: QpEntry, dgid: str, dest_qpn: int) -> tuple[Any, int]:
+        """A second physical QP for one of this session's RC QPs, connected to (dgid, dest_qpn) and unused
+        until adopt_shadow(): the QP's future after its peer migrates."""
+        with self.lock:
+            obj, phys_qpn = self.device.create_qp(qp.pd.obj, qp.send_cq.obj, qp.recv_cq.obj, qp.qp_type,
+                                                  QpCaps(qp.max_send_wr, qp.max_recv_wr, qp.max_sge))
+            try:
+                self._wire(obj, qp.qp_type, qp.access, qp.qkey, dgid, dest_qpn, qp.link)
+            except BaseException:
+                self.device.destroy(obj)
+                raise
+        return obj, phys_qpn
+
+    def drop_shadow(self, obj: Any) -> None:
+        with self.lock:
+            self.device.destroy(obj)
+
+    def adopt_shadow(self, qp: QpEntry, obj: Any, phys_qpn: int, peer_phys_gid: str,
+                     peer_phys_qpn: int) -> tuple[int, int]:
+        """The held QP continues on its shadow: receives posted again there, sends the old one held but the
+        peer never took queued again, the old physical QP destroyed. Returns (receives, sends) moved."""
+        with self.lock:
+            self.engine.settle()
+            recvs = list(qp.recv_fifo)
+            qp.recv_fifo.clear()
+            dropped = [wr for _, wr in qp.send_fifo]
+            qp.send_fifo.clear()
+            qp.pending = dropped + qp.pending
+            old_obj, old_qpn = qp.obj, qp.phys_qpn
+            self.state.qp_by_phys.pop(old_qpn, None)
+            qp.obj, qp.phys_qpn = obj, phys_qpn
+            self.state.qp_by_phys[phys_qpn] = qp
+            self.registry.move_qp(self.vrnic, qp.vqpn, old_qpn, phys_qpn)
+            if self.guard is not None:
+                flow = self.guard.flow(self.vrnic_id, self.vrnic.phys_gid, phys_qpn, peer_phys_gid, peer_phys_qpn)
+                self.guard.allow(flow)
+                self.guard.drop(qp.guard_flow)
+                qp.guard_flow = flow
+            self.device.destroy(old_obj)
+            return self.engine.repost_recvs(qp, recvs), len(dropped)
+
+    def preconnect(self, handle: int, peer_id: str, peer_gid: str, peer_vqpn: int, peer_phys_gid: str,
+                   dest_qpn: int, access: int, qkey: int, link: Mapping[str, int]) -> QpEntry:
+        """A staged QP is connected ahead of the switchover to its peer's shadow; it stays held."""
+        with self.lock:
+            qp = self.state.qps.get(handle)
+            self._wire(qp.obj, qp.qp_type, access, qkey, peer_phys_gid, dest_qpn, link)
+            qp.state, qp.access, qp.qkey, qp.link = "rts", access, qkey, dict(link)
+            qp.peer_id, qp.peer_gid, qp.peer_vqpn = peer_id, peer_gid, peer_vqpn
+            if self.guard is not None:
+                qp.guard_flow = self.guard.flow(self.vrnic_id, self.vrnic.phys_gid, qp.phys_qpn, peer_phys_gid,
+                                                dest_qpn)
+                self.guard.allow(qp.guard_flow)
+            return qp
+
+    def take_over(self, source: GuestSession, ready: frozenset[int] = frozenset()) -> tuple[int, int, int]:
         """Bring this session's QPs to the states the source's were in, connected to the same peers (their
         physical QPs as the registry has them now), with the source's unposted WRs and posted receives.
-        A QP whose peer is gone goes to ERR: its WRs flush with an error. Returns (receives posted again,
-        sends carried, QPs broken)."""
+        QPs in `ready` were pre-connected and only get their WRs. A QP whose peer is gone goes to ERR: its
+        WRs flush with an error. Returns (receives posted again, sends carried, QPs broken)."""
         reposted = carried = broken = 0
         with self.lock:
             for handle, old in source.state.qps.items():
                 qp = self.state.qps.get(handle)
-                qp.access, qp.qkey, qp.link = old.access, old.qkey, dict(old.link)
-                steps = {"init": 1, "rtr": 2, "rts": 3}.get(old.state, 0)
                 gone = old.state == "err"
-                try:
-                    if old.qp_type == "rc" and steps >= 2 and old.peer_gid is not None:
-                        self._connect(qp, old.peer_gid, old.peer_vqpn, steps)
-                    else:
-                        for state in ("init", "rtr", "rts")[:steps]:
-                            self.op_modify_qp(verb_args.ModifyQp.model_validate(
-                                {"qp": handle, "state": state, "access": old.access, "qkey": old.qkey}))
-                except VrnicError as exc:
-                    log.warning("vRNIC %s QP %d: its peer is gone (%s); the QP goes to ERR", self.vrnic_id,
-                                qp.vqpn, exc)
-                    gone = True
-                    broken += 1
-                    if qp.state == "reset":  # receives can be posted from INIT on
-                        self.device.qp_to_init(qp.obj, qp.qp_type, qp.access, qp.qkey)
-                        qp.state = "init"
+                if handle not in ready:
+                    if qp.state != "reset":  # pre-connected, but the guest or its peer changed since
+                        self.device.qp_to_state(qp.obj, "reset")
+                        qp.state = "reset"
+                        if self.guard is not None:
+                            self.guard.drop(qp.guard_flow)
+                            qp.guard_flow = None
+                    qp.access, qp.qkey, qp.link = old.access, old.qkey, dict(old.link)
+                    steps = {"init": 1, "rtr": 2, "rts": 3}.get(old.state, 0)
+                    try:
+                        if old.qp_type == "rc" and steps >= 2 and old.peer_gid is not None:
+                            self._connect(qp, old.peer_gid, old.peer_vqpn, steps)
+                        else:
+                            for state in ("init", "rtr", "rts")[:steps]:
+                                self.op_modify_qp(verb_args.ModifyQp.model_validate(
+                                    {"qp": handle, "state": state, "access": old.access, "qkey": old.qkey}))
+                    except VrnicError as exc:
+                        log.warning("vRNIC %s QP %d: its peer is gone (%s); the QP goes to ERR", self.vrnic_id,
+                                    qp.vqpn, exc)
+                        gone = True
+                        broken += 1
+                        if qp.state == "reset":  # receives can be posted from INIT on
+                            self.device.qp_to_init(qp.obj, qp.qp_type, qp.access, qp.qkey)
+                            qp.state = "init"
                 reposted += self.engine.repost_recvs(qp, list(old.recv_fifo))
                 qp.pending = [wr for _, wr in old.send_fifo] + list(old.pending)  # never taken by the peer
                 carried += len(qp.pending)

@@ -24,6 +24,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from vrnic.backend.engine import SharedRingEngine
 from vrnic.backend.guest_memory import GuestMemory
@@ -33,11 +34,26 @@ from vrnic.backend.vm_link import VmLink
 from vrnic.core.migration import DirtyLog, MigrationPhase, SwitchoverReport, advance
 from vrnic.core.rings import CQ_SLOT, RQ_SLOT, SQ_SLOT, Ring, WrOpcode
 from vrnic.core.session_state import QpEntry
-from vrnic.errors import Conflict, InvalidArgument
+from vrnic.errors import Conflict, InvalidArgument, NotFound
 
 log = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 5.0
 CONSUMES_RECV = frozenset({WrOpcode.SEND, WrOpcode.SEND_WITH_IMM, WrOpcode.RDMA_WRITE_WITH_IMM})
+
+
+@dataclass
+class Preconnected:
+    """One of the VM's QPs and its peer's, connected ahead of the switchover on new physical QPs."""
+
+    handle: int  # the VM's QP, in both sessions
+    staged_qp: QpEntry
+    peer_id: str
+    peer: GuestSession
+    peer_qp: QpEntry
+    peer_gid: str  # the VM's QP's peer, by virtual identity, as it was at prepare
+    peer_vqpn: int
+    shadow: Any  # the peer's second physical QP
+    shadow_qpn: int
 
 
 @dataclass
@@ -48,6 +64,7 @@ class MovingVrnic:
     source: GuestSession
     staged: GuestSession
     dirty: DirtyLog
+    pairs: list[Preconnected] = field(default_factory=list)
     peers: list[tuple[GuestSession, list[QpEntry]]] = field(default_factory=list)  # filled at the switchover
 
 
@@ -79,19 +96,84 @@ def stage(vrnic: VirtualRnic, source: GuestSession, make_session: Callable[[], G
     registry.log_writes(vrnic.spec.id, dirty)  # peers' WRITEs into it are logged from now on
     staged = make_session()
     staged.staged = True
+    moving = MovingVrnic(vrnic, source, staged, dirty)
     try:
-        staged.presetup(source)
+        staged.converge(source.snapshot_state())
+        moving.pairs = preconnect(vrnic, source, staged, registry)
     except BaseException:
-        unstage(MovingVrnic(vrnic, source, staged, dirty), registry)
+        unstage(moving, registry)
         raise
-    return MovingVrnic(vrnic, source, staged, dirty)
+    return moving
+
+
+def preconnect(vrnic: VirtualRnic, source: GuestSession, staged: GuestSession,
+               registry: Registry) -> list[Preconnected]:
+    """Connect each connected RC QP's staged twin to a second physical QP of its peer's (MigrRDMA's pre-setup)."""
+    with source.lock:
+        wanted = [(h, q.vqpn, q.peer_id, q.peer_gid, q.peer_vqpn, q.access, q.qkey, dict(q.link))
+                  for h, q in source.state.qps.items()
+                  if q.qp_type == "rc" and q.state == "rts" and q.peer_id and q.peer_gid and q.peer_vqpn is not None]
+    pairs = []
+    try:
+        for handle, vqpn, peer_id, peer_gid, peer_vqpn, access, qkey, link in wanted:
+            try:
+                peer_vrnic = registry.get(peer_id)
+            except NotFound:
+                continue
+            peer = peer_vrnic.session
+            if not isinstance(peer, GuestSession) or not isinstance(peer.engine, SharedRingEngine):
+                continue
+            with peer.lock:
+                peer_qp = peer.state.qp_by_vqpn.get(peer_vqpn)
+            if peer_qp is None or peer_qp.state != "rts" or peer_qp.peer_id != vrnic.spec.id \
+                    or peer_qp.peer_vqpn != vqpn:
+                continue  # not a pair (yet): the switchover connects it the slow way
+            staged_qp = staged.state.qps.get(handle)
+            shadow, shadow_qpn = peer.shadow(peer_qp, vrnic.phys_gid, staged_qp.phys_qpn)
+            try:
+                staged.preconnect(handle, peer_id, peer_gid, peer_vqpn, peer_vrnic.phys_gid, shadow_qpn, access,
+                                  qkey, link)
+            except BaseException:
+                peer.drop_shadow(shadow)
+                raise
+            pairs.append(Preconnected(handle, staged_qp, peer_id, peer, peer_qp, peer_gid, peer_vqpn, shadow,
+                                      shadow_qpn))
+    except BaseException:
+        for pair in pairs:
+            with contextlib.suppress(Exception):
+                pair.peer.drop_shadow(pair.shadow)
+        raise
+    return pairs
 
 
 def unstage(moving: MovingVrnic, registry: Registry) -> None:
     registry.log_writes(moving.vrnic.spec.id, None)
     with moving.source.lock:
         moving.source.dirty = None
+    for pair in moving.pairs:
+        with contextlib.suppress(Exception):  # a peer that closed took its shadow with its context
+            pair.peer.drop_shadow(pair.shadow)
+    moving.pairs = []
     moving.staged.close()
+
+
+def _still_paired(pair: Preconnected, m: MovingVrnic, registry: Registry) -> bool:
+    """Is a pre-connected pair still what the guests have (nobody reconnected or went since prepare)?"""
+    if pair.handle not in m.staged.state.qps or m.staged.state.qps.get(pair.handle) is not pair.staged_qp:
+        return False
+    if pair.handle not in m.source.state.qps:
+        return False
+    old = m.source.state.qps.get(pair.handle)
+    if (old.state, old.peer_gid, old.peer_vqpn) != ("rts", pair.peer_gid, pair.peer_vqpn):
+        return False
+    try:
+        if registry.get(pair.peer_id).session is not pair.peer:
+            return False
+    except NotFound:
+        return False
+    peer_qp = pair.peer.state.qp_by_vqpn.get(pair.peer_vqpn)
+    return (peer_qp is pair.peer_qp and peer_qp.state == "rts" and peer_qp.peer_id == m.vrnic.spec.id
+            and peer_qp.peer_vqpn == old.vqpn and peer_qp.held)
 
 
 def _ring_ranges(session: GuestSession) -> list[tuple[int, int]]:
@@ -224,7 +306,7 @@ def _move(m: MovingVrnic, migration: Migration, source_memory: GuestMemory, regi
         t1 = time.perf_counter()
         report.copy_ms += (t1 - t0) * 1000
         # 4. the destination's CQs and QPs, same handles and virtual QPNs; MRs reconciled with the presetup
-        kept, added = m.staged.converge(m.source)
+        kept, added = m.staged.converge(m.source.state.snapshot())
         report.mrs_presetup += kept
         report.mrs_registered += added
         report.qps += len(m.staged.state.qps)
@@ -235,13 +317,30 @@ def _move(m: MovingVrnic, migration: Migration, source_memory: GuestMemory, regi
         registry.hand_over(m.vrnic, m.source, m.staged, qpns, mrs)
         progress.append("handed_over")
         m.staged.staged = False
-        for peer, qps in m.peers:
+        ready: set[int] = set()
+        moved: set[int] = set()
+        for pair in m.pairs:  # the pre-set-up pairs: the peer's QP only swaps to its shadow
+            if _still_paired(pair, m, registry):
+                reposted, again = pair.peer.adopt_shadow(pair.peer_qp, pair.shadow, pair.shadow_qpn,
+                                                         m.vrnic.phys_gid, pair.staged_qp.phys_qpn)
+                ready.add(pair.handle)
+                moved.add(id(pair.peer_qp))
+                report.recvs_reposted += reposted
+                report.sends_carried += again
+                report.peers_repointed += 1
+                report.preconnected += 1
+            else:
+                pair.peer.drop_shadow(pair.shadow)
+        m.pairs = []
+        for peer, qps in m.peers:  # the others: reset and connect again
             for qp in qps:
+                if id(qp) in moved:
+                    continue
                 reposted, again = peer.reconnect(qp)
                 report.recvs_reposted += reposted
                 report.sends_carried += again
                 report.peers_repointed += 1
-        reposted, carried, broken = m.staged.take_over(m.source)
+        reposted, carried, broken = m.staged.take_over(m.source, frozenset(ready))
         report.recvs_reposted += reposted
         report.sends_carried += carried
         report.broken_qps += broken

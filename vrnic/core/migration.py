@@ -90,6 +90,7 @@ class SwitchoverReport:
     vrnics: list[str] = field(default_factory=list)
     qps: int = 0
     peers_repointed: int = 0
+    preconnected: int = 0  # of them, on QPs connected ahead at prepare (no modify at the switchover)
     mrs_presetup: int = 0  # registered at prepare and kept
     mrs_registered: int = 0  # registered during the switchover (new since prepare)
     dirty_pages: int = 0
