@@ -3,7 +3,7 @@ VENV ?= /opt/vrnic/venv
 BIN := $(VENV)/bin
 KERNEL_TIMEOUT ?= 2400
 
-.PHONY: setup test test-host test-kernel test-two-hosts test-sriov-nic lint demo demo-vm bench
+.PHONY: setup test test-host test-kernel test-two-hosts test-sriov-nic lint demo demo-vm demo-migrate bench
 
 setup:
 	@./scripts/setup.sh
@@ -36,6 +36,10 @@ demo: setup
 # A vRNIC in a real VM: nested KVM under libvirtd inside the lab, `vrnic vm attach`, the hook, RDMA both ways.
 demo-vm: setup
 	$(BIN)/vrnic lab run --timeout 900 -- python -m vrnic.lab.vm_demo
+
+# Live migration of a VM in the middle of RDMA traffic between two raw QEMUs in the lab; vrnicd moves the vRNIC.
+demo-migrate: setup
+	$(BIN)/vrnic lab run --topology pair --timeout 900 -- python -m vrnic.lab.migrate_demo
 
 bench: setup
 	$(BIN)/python -m bench.run
