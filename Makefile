@@ -20,7 +20,7 @@ test-host:
 
 # The kernel tier runs inside the lab: a QEMU guest with Soft-RoCE and netdevsim.
 test-kernel:
-	$(BIN)/vrnic lab run --netdevsim --timeout $(KERNEL_TIMEOUT) -- pytest -m kernel tests
+	$(BIN)/vrnic lab run --netdevsim --rerun-on-panic --timeout $(KERNEL_TIMEOUT) -- pytest -m kernel tests
 
 # Two guests wired by a QEMU dgram link: an RDMA WRITE from guest b lands in guest a, verified by a.
 test-two-hosts:

@@ -138,6 +138,7 @@ class LabRunner:
     # --- running -------------------------------------------------------------------------------
     def run(self, request: LabRequest) -> int:
         started = time.monotonic()
+        self.panicked: str | None = None  # the guest kernel's panic line, when that is how it died
         qemu = self.settings.qemu_for(request.sriov_nic)
         if shutil.which(qemu) is None:
             raise LabError(f"{qemu} not found; run `make setup`"
@@ -229,6 +230,9 @@ class LabRunner:
                 continue
             code = EXIT_GUEST_LOST if guest.ready else EXIT_BOOT_FAILURE
             what = "died while running the command" if guest.ready else "failed to boot"
+            panic = next((line for line in guest.tail if "Kernel panic" in line), None)
+            if panic is not None and guest.ready:
+                self.panicked = panic.strip()
             self.console.print(f"[lab] {tag}guest {what}; last console lines:", style="red")
             for line in guest.tail:
                 self.console.print(f"    {line}", style="dim")

@@ -12,7 +12,9 @@ namespace. It asks vrnicd through the REST API (operator token), quickly:
   domain or to none);
 - started, reconnect: vrnicd binds the VM (maps its RAM, connects its channels), all or nothing;
 - stopped, release: vrnicd unbinds it (every kernel object released); never refuses;
-- migrate: refused for a domain with vRNICs (live migration is not supported yet).
+- migrate: refused for a domain with vRNICs. libvirt migrates between hosts, and handing a vRNIC to another
+  host's vrnicd needs the multi-host control plane; live migration between two QEMU processes on one
+  host is vrnicd's POST /vms/{domain}/migration (vrnic.backend.vm_migration).
 
 Pure: `parse_hook_call(args, xml) -> HookEvent`, `check_xml`, `binding_for`, `hook_wrapper_script`.
 Edge: `run_hook` (the REST calls) and `main()`.
@@ -185,7 +187,8 @@ def run_hook(event: HookEvent, api: HookApi, memory_backing_dir: Path) -> tuple[
     if not event.vrnics:
         return "passed", None
     if event.op is HookOp.MIGRATE:
-        return "refused", (f"vrnic: live migration of a VM with a vRNIC is not supported yet; {event.domain} "
+        return "refused", (f"vrnic: libvirt migration of a VM with a vRNIC to another host is not supported yet "
+                           f"(vrnicd hands a vRNIC over only between QEMU processes on one host); {event.domain} "
                            f"has {', '.join(v.vrnic_id for v in event.vrnics)}")
     try:
         if event.op is HookOp.PREPARE:
