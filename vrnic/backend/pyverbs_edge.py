@@ -83,6 +83,8 @@ def describe(name: str) -> DeviceInfo:
             # The direct engine drives rxe's queues; traffic between QPs of one rxe device loops back inside
             # rxe, past any netfilter hook, so the packet guard cannot hold there (README, "Two engines").
             caps |= {"direct_engine": 1, "direct_guard_loopback_gap": 1}
+            # Its packets leave through the netdev's egress, so tc can shape them (vrnic.backend.qos_shaper).
+            caps |= {"qos_shaping": 1}
         ports = []
         # One ioctl for the valid entries; sysfs would mean reading every slot (1024 on rxe).
         table = ctx.query_gid_table(attr.phys_port_cnt * 1024)

@@ -22,6 +22,7 @@ from vrnic.backend.attachment import PeerCred
 from vrnic.backend.engine import DataPathEngine, EngineHost
 from vrnic.backend.flow_guard import FlowGuard
 from vrnic.backend.guest_memory import GuestMemory
+from vrnic.backend.qos_shaper import QosMechanism
 from vrnic.backend.registry import Registry, VirtualRnic
 from vrnic.backend.rnic_edge import PORT, DeviceContext, QpCaps, RtrParams, RtsParams
 from vrnic.core import verb_args
@@ -56,7 +57,8 @@ class GuestSession:
     def __init__(self, vrnic: VirtualRnic, registry: Registry, device: DeviceContext, memory: GuestMemory,
                  cred: PeerCred, doorbell_fd: int, notify_fd: int | None,
                  engine_factory: Callable[[EngineHost], DataPathEngine],
-                 disconnect: Callable[[], None] = lambda: None, guard: FlowGuard | None = None) -> None:
+                 disconnect: Callable[[], None] = lambda: None, guard: FlowGuard | None = None,
+                 qos: QosMechanism | None = None) -> None:
         self.vrnic = vrnic
         self.vrnic_id = vrnic.spec.id
         self.registry = registry
@@ -67,6 +69,7 @@ class GuestSession:
         self.notify_fd = notify_fd
         self.disconnect = disconnect
         self.guard = guard
+        self.qos = qos  # its vRNIC's QoS on its device, when enforced: every connected QP is classified
         self.lock = threading.RLock()
         self.state = SessionState(vrnic.spec.quota, memory.layout)
         self._closed = False
@@ -230,6 +233,8 @@ class GuestSession:
         if handle is None:
             sq.reset()
             rq.reset()
+        if qp.qp_type == "ud":  # a UD QP sends with the port it was created with, to anyone
+            self._classify(qp, None)
         if not self.staged:
             self.registry.publish_qp(self.vrnic, qp.vqpn, phys_qpn)
         return {"qp": qp.handle, "qpn": qp.vqpn}
@@ -244,6 +249,7 @@ class GuestSession:
         self.device.destroy(qp.obj, *qp.ahs.values())
         if self.guard is not None:
             self.guard.drop(qp.guard_flow)
+        self._unclassify(qp)
 
     def op_query_qp(self, args: verb_args.QpRef) -> dict[str, Any]:
         qp = self.state.qps.get(args.qp)
@@ -279,6 +285,7 @@ class GuestSession:
             if self.guard is not None and qp.guard_flow not in (None, flow):
                 self.guard.drop(qp.guard_flow)
             qp.guard_flow = flow
+            self._classify(qp, phys_qpn)
             qp.peer_id, qp.peer_gid, qp.peer_vqpn = peer.spec.id, args.remote_gid, args.remote_qpn
             qp.link.update(path_mtu=args.path_mtu, max_dest_rd_atomic=args.max_dest_rd_atomic,
                            min_rnr_timer=args.min_rnr_timer)
@@ -291,6 +298,8 @@ class GuestSession:
         else:
             self.device.qp_to_state(qp.obj, args.state)
             if args.state == "reset":
+                if qp.qp_type == "rc":
+                    self._unclassify(qp)
                 qp.peer_id = qp.peer_gid = qp.peer_vqpn = None
                 if self.guard is not None:
                     self.guard.drop(qp.guard_flow)
@@ -301,6 +310,21 @@ class GuestSession:
                 qp.pending.clear()
         qp.state = args.state
         return {"state": args.state}
+
+    def _classify(self, qp: QpEntry, dest_qpn: int | None, obj_qpn: int | None = None) -> None:
+        """Put the QP's packets (to dest_qpn; None for UD) in its vRNIC's QoS class."""
+        if self.qos is None:
+            return
+        key = self.qos.flow_key(qp.phys_qpn if obj_qpn is None else obj_qpn, dest_qpn)
+        if qp.qos_key is not None and qp.qos_key != key:
+            self.qos.unclassify(self.vrnic_id, qp.qos_key)
+        self.qos.classify(self.vrnic_id, key)
+        qp.qos_key = key
+
+    def _unclassify(self, qp: QpEntry) -> None:
+        if self.qos is not None and qp.qos_key is not None:
+            self.qos.unclassify(self.vrnic_id, qp.qos_key)
+            qp.qos_key = None
 
     def _resolve(self, remote_gid: str | None, remote_qpn: int | None) -> tuple[VirtualRnic, int]:
         """Virtual (GID, QPN) of a peer -> the peer vRNIC and its physical QPN (MasQ-style, at connect)."""
@@ -566,6 +590,7 @@ class GuestSession:
             old_obj, old_qpn = qp.obj, qp.phys_qpn
             self.state.qp_by_phys.pop(old_qpn, None)
             qp.obj, qp.phys_qpn = obj, phys_qpn
+            self._classify(qp, peer_phys_qpn)  # the shadow sends with its own source port
             self.state.qp_by_phys[phys_qpn] = qp
             self.registry.move_qp(self.vrnic, qp.vqpn, old_qpn, phys_qpn)
             if self.guard is not None:
@@ -584,6 +609,7 @@ class GuestSession:
             self._wire(qp.obj, qp.qp_type, access, qkey, peer_phys_gid, dest_qpn, link)
             qp.state, qp.access, qp.qkey, qp.link = "rts", access, qkey, dict(link)
             qp.peer_id, qp.peer_gid, qp.peer_vqpn = peer_id, peer_gid, peer_vqpn
+            self._classify(qp, dest_qpn)
             if self.guard is not None:
                 qp.guard_flow = self.guard.flow(self.vrnic_id, self.vrnic.phys_gid, qp.phys_qpn, peer_phys_gid,
                                                 dest_qpn)

@@ -39,12 +39,19 @@ class Quota(BaseModel):
 
 
 class QosPolicy(BaseModel):
-    """Rate cap and guarantee in Mbit/s; None means no cap / no guarantee."""
+    """Rate cap and guarantee in Mbit/s (None: no cap, no guarantee), and the weight of the vRNIC's fair share of
+    what no guarantee holds (vrnic.core.qos)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     rate_cap_mbps: int | None = Field(None, ge=1, le=10_000_000)
     guarantee_mbps: int | None = Field(None, ge=1, le=10_000_000)
+    weight: int = Field(1, ge=1, le=1000)
+
+    @property
+    def limits(self) -> bool:
+        """Does it ask for anything a mechanism must enforce (a cap, a guarantee, a weight other than 1)?"""
+        return self.rate_cap_mbps is not None or self.guarantee_mbps is not None or self.weight != 1
 
     @model_validator(mode="after")
     def _guarantee_below_cap(self) -> QosPolicy:

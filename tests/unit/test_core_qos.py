@@ -1,0 +1,93 @@
+"""QoS planning (vrnic.core.qos) and the parts of the HTB shaper that are pure (vrnic.backend.qos_shaper)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vrnic.backend.qos_shaper import decode_u32_keys
+from vrnic.core.qos import (
+    FIRST_MINOR,
+    Filter,
+    HtbClass,
+    Shaped,
+    admit,
+    drift,
+    jain_index,
+    key_of,
+    next_minor,
+    plan_classes,
+    u32_keys,
+)
+from vrnic.core.specs import QosPolicy
+from vrnic.errors import Conflict, InvalidArgument
+
+pytestmark = pytest.mark.unit
+
+
+def test_guarantees_get_their_rate_and_the_rest_is_shared_by_weight() -> None:
+    shaped = [Shaped("a", QosPolicy(guarantee_mbps=40, rate_cap_mbps=60), 0x10),
+              Shaped("b", QosPolicy(weight=1), 0x11),
+              Shaped("c", QosPolicy(weight=3, rate_cap_mbps=50), 0x12)]
+    plan = plan_classes(200, shaped)
+    assert plan["a"] == HtbClass(0x10, 40_000, 60_000)
+    assert plan["b"] == HtbClass(0x11, 40_000, 200_000)  # a quarter of the 160 Mbit/s no guarantee holds
+    assert plan["c"] == HtbClass(0x12, 50_000, 50_000)  # three quarters, but never above its cap
+    assert plan["a"].classid == 0x10010
+
+
+def test_admission_refuses_oversubscribed_guarantees_with_the_numbers() -> None:
+    admit(100, [QosPolicy(guarantee_mbps=60)], QosPolicy(guarantee_mbps=40))
+    with pytest.raises(Conflict, match=r"sum to 110 Mbit/s \(60 given \+ 50 asked\) on a 100 Mbit/s link"):
+        admit(100, [QosPolicy(guarantee_mbps=60)], QosPolicy(guarantee_mbps=50))
+    with pytest.raises(InvalidArgument, match="cap of 500 Mbit/s exceeds the link's 100"):
+        admit(100, [], QosPolicy(rate_cap_mbps=500))
+    with pytest.raises(Conflict, match="needs the link's speed"):
+        admit(None, [], QosPolicy(guarantee_mbps=5))
+    admit(None, [], QosPolicy(rate_cap_mbps=5))  # a cap needs no link speed
+    with pytest.raises(ValueError, match="exceeds the cap"):
+        QosPolicy(rate_cap_mbps=10, guarantee_mbps=20)
+
+
+def test_minors_are_reused_and_bounded() -> None:
+    assert next_minor([]) == FIRST_MINOR
+    assert next_minor([FIRST_MINOR, FIRST_MINOR + 2]) == FIRST_MINOR + 1
+
+
+def test_drift_is_a_set_difference() -> None:
+    want = {0x10: HtbClass(0x10, 1000, 2000), 0x11: HtbClass(0x11, 500, 2000)}
+    have = {0x10: HtbClass(0x10, 1000, 2000), 0x11: HtbClass(0x11, 900, 2000), 0x12: HtbClass(0x12, 1, 1)}
+    found = drift(want, have, {Filter((0xC001, 5), 0x10), Filter((0xC002, None), 0x11)},
+                  {Filter((0xC001, 5), 0x10), Filter((7, 9), 0x12)})
+    assert found.add_classes == () and found.change_classes == (HtbClass(0x11, 500, 2000),)
+    assert found.remove_classes == (0x12,)
+    assert found.add_filters == (Filter((0xC002, None), 0x11),) and found.remove_filters == (Filter((7, 9), 0x12),)
+    assert drift(want, dict(want), set(), set()).empty
+    # the kernel rounds rates: within 1 % is the same
+    assert drift({1: HtbClass(1, 40_000, 60_000)}, {1: HtbClass(1, 39_999, 60_001)}, (), ()).empty
+
+
+def test_u32_keys_and_their_decoding_round_trip() -> None:
+    assert u32_keys((0xC0DE, None)) == ["0x00110000/0x00ff0000+8", "0xc0de12b7/0xffffffff+20"]  # to port 4791
+    assert u32_keys((0xC0DE, 0x1B0A)) == ["0x00110000/0x00ff0000+8", "0xc0de12b7/0xffffffff+20",
+                                          "0x00001b0a/0x00ffffff+32"]
+    # pyroute2 0.9.7 reads the key array 4 bytes early, and re-cuts the words it was given so that each mask
+    # starts with a non-zero byte (both seen on a real kernel, for the filter of (0xC124, 0x12))
+    as_read = [{"key_mask": 0, "key_val": 0xFF000000, "key_off": 17, "key_offmask": 9},
+               {"key_mask": 0, "key_val": 0xFFFFFFFF, "key_off": -1223547711, "key_offmask": 20},
+               {"key_mask": 0, "key_val": 0xFFFFFF00, "key_off": 1179648, "key_offmask": 33}]
+    keys = decode_u32_keys(as_read)
+    assert keys == [(0xFF000000, 0x11000000, 9), (0xFFFFFFFF, 0xC12412B7, 20), (0xFFFFFF00, 0x00001200, 33)]
+    assert key_of(keys) == (0xC124, 0x12)
+    # the words as written, and as a fixed pyroute2 would return them
+    written = [(0x00FF0000, 0x00110000, 8), (0xFFFFFFFF, 0xC0DE12B7, 20)]
+    assert key_of(written) == (0xC0DE, None) and key_of([*written, (0x00FFFFFF, 0x1B0A, 32)]) == (0xC0DE, 0x1B0A)
+    assert decode_u32_keys([{"key_mask": m, "key_val": v, "key_off": o, "key_offmask": 0}
+                            for m, v, o in written]) == written
+    assert key_of([(0x00FF0000, 0x00110000, 8), (0xFFFFFFFF, 0x12345678, 20)]) is None  # not RoCEv2: not ours
+    assert key_of([(0x00FF0000, 0x00060000, 8), (0xFFFFFFFF, 0xC0DE12B7, 20)]) is None  # TCP
+
+
+def test_jain_index() -> None:
+    assert jain_index([10, 10, 10]) == pytest.approx(1.0)
+    assert jain_index([30, 0, 0]) == pytest.approx(1 / 3)
+    assert jain_index([]) == 0.0

@@ -1,0 +1,192 @@
+"""QoS for paravirtual vRNICs, the pure parts: what each vRNIC's share of the link is, who is admitted, which
+shaper objects should exist, and how the observed ones differ from that. No I/O here.
+
+The policy is per vRNIC (vrnic.core.specs.QosPolicy): a cap (Mbit/s), a guarantee (Mbit/s), and a weight
+for the fair share of what is left. The mechanism on rxe (vrnic.backend.qos_shaper) is HTB on the RNIC's
+uplink netdev: one class per vRNIC with rate = its guarantee, or its weight's share of what no guarantee
+holds, and ceil = its cap, or the link. HTB lends unused rate in proportion to the classes' rates, which
+is the weighted fair share. Each connected QP's RoCEv2 packets are put in their vRNIC's class by a u32
+filter on the UDP source port, which rxe derives from the QP numbers (vrnic.core.roce_guard.rxe_udp_sport),
+and, for an RC QP, the BTH destination QPN (two connections can hash to one port; never to one port and
+one destination QP).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from vrnic.core.specs import QosPolicy
+from vrnic.errors import Conflict, InvalidArgument
+
+ROCE_V2_PORT = 4791
+ROOT_HANDLE = 0x10000  # 1:0, the HTB qdisc
+PARENT_MINOR = 1  # 1:1, under which every vRNIC's class hangs (it holds the link's rate)
+FIRST_MINOR = 0x10  # vRNIC classes are 1:10 and up
+MAX_MINOR = 0xFFFF
+FILTER_PRIO = 10
+MIN_RATE_KBIT = 8  # HTB needs a rate; a class with no guarantee and weight 0 gets this floor
+
+
+@dataclass(frozen=True)
+class HtbClass:
+    minor: int  # the class is 1:minor
+    rate_kbit: int
+    ceil_kbit: int
+
+    @property
+    def classid(self) -> int:
+        return ROOT_HANDLE | self.minor
+
+
+@dataclass(frozen=True)
+class Shaped:
+    """One vRNIC under QoS: its policy and the class minor it was given (stable for its lifetime)."""
+
+    vrnic_id: str
+    policy: QosPolicy
+    minor: int
+
+
+def check_policy(policy: QosPolicy, link_mbps: int | None) -> None:
+    """A policy this link can honour by itself (the guarantee-below-cap rule is the policy's own)."""
+    for what, value in (("cap", policy.rate_cap_mbps), ("guarantee", policy.guarantee_mbps)):
+        if value is not None and link_mbps is not None and value > link_mbps:
+            raise InvalidArgument(f"a {what} of {value} Mbit/s exceeds the link's {link_mbps} Mbit/s")
+
+
+def admit(link_mbps: int | None, others: Iterable[QosPolicy], policy: QosPolicy) -> None:
+    """Refuse a guarantee the link cannot give next to the guarantees it already gives (numbers in the error)."""
+    check_policy(policy, link_mbps)
+    if policy.guarantee_mbps is None:
+        return
+    if link_mbps is None:
+        raise Conflict("a guarantee needs the link's speed, and this device's link has none "
+                       "(set VRNIC_QOS_LINK_MBPS)", current_state="unknown_link")
+    given = sum(p.guarantee_mbps or 0 for p in others)
+    if given + policy.guarantee_mbps > link_mbps:
+        raise Conflict(f"guarantees would sum to {given + policy.guarantee_mbps} Mbit/s "
+                       f"({given} given + {policy.guarantee_mbps} asked) on a {link_mbps} Mbit/s link",
+                       current_state="oversubscribed")
+
+
+def next_minor(taken: Iterable[int]) -> int:
+    used = set(taken)
+    for minor in range(FIRST_MINOR, MAX_MINOR + 1):
+        if minor not in used:
+            return minor
+    raise Conflict("no HTB class ids left on this link")
+
+
+def plan_classes(link_mbps: int, shaped: Iterable[Shaped]) -> dict[str, HtbClass]:
+    """Each vRNIC's HTB class: rate = its guarantee, or its weight's share of the rate no guarantee holds;
+    ceil = its cap, or the link."""
+    items = list(shaped)
+    link_kbit = link_mbps * 1000
+    guaranteed = sum((s.policy.guarantee_mbps or 0) * 1000 for s in items)
+    spare = max(link_kbit - guaranteed, 0)
+    weights = sum(s.policy.weight for s in items if s.policy.guarantee_mbps is None)
+    plan = {}
+    for s in items:
+        ceil = (s.policy.rate_cap_mbps or link_mbps) * 1000
+        if s.policy.guarantee_mbps is not None:
+            rate = s.policy.guarantee_mbps * 1000
+        else:
+            rate = spare * s.policy.weight // weights if weights else 0
+        rate = min(max(rate, MIN_RATE_KBIT), ceil)
+        plan[s.vrnic_id] = HtbClass(s.minor, rate, ceil)
+    return plan
+
+
+FlowKey = tuple[int, int | None]  # (UDP source port, BTH destination QPN or None for UD)
+
+
+def u32_keys(key: FlowKey) -> list[str]:
+    """pyroute2 u32 keys ("value/mask+offset", 32-bit words) for IPv4 UDP from the source port to the RoCEv2
+    port (and to the destination QP in the BTH). Offsets assume a 20-byte IPv4 header: rxe sends no IP options."""
+    sport, dest_qpn = key
+    keys = ["0x00110000/0x00ff0000+8",  # protocol UDP (byte 9)
+            f"{(sport << 16) | ROCE_V2_PORT:#010x}/0xffffffff+20"]  # UDP source port . destination port
+    if dest_qpn is not None:
+        keys.append(f"{dest_qpn:#010x}/0x00ffffff+32")  # BTH: reserved byte . destination QPN
+    return keys
+
+
+def key_of(matches: Iterable[tuple[int, int, int]]) -> FlowKey | None:
+    """The flow key a filter of ours matches, from its (mask, value, offset) matches; None if not ours.
+
+    Read byte by byte: pyroute2 re-cuts the words it is given (it moves a key so that its mask starts
+    with a non-zero byte), so the words read back need not be the words written."""
+    masks: dict[int, int] = {}
+    values: dict[int, int] = {}
+    for mask, value, off in matches:
+        for i in range(4):
+            shift = 24 - 8 * i
+            if (mask >> shift) & 0xFF:
+                masks[off + i], values[off + i] = (mask >> shift) & 0xFF, (value >> shift) & 0xFF
+
+    def whole(start: int, size: int) -> int | None:
+        if any(masks.get(start + i) != 0xFF for i in range(size)):
+            return None
+        return int.from_bytes(bytes(values[start + i] for i in range(size)), "big")
+
+    if whole(9, 1) != 17 or whole(22, 2) != ROCE_V2_PORT:  # UDP to the RoCEv2 port
+        return None
+    sport = whole(20, 2)
+    return None if sport is None else (sport, whole(33, 3))
+
+
+@dataclass(frozen=True)
+class Filter:
+    """One QP's packets into its vRNIC's class."""
+
+    key: FlowKey
+    minor: int
+
+
+@dataclass(frozen=True)
+class Drift:
+    """What to do so that the observed shaper matches the plan (Neutron-style set differences)."""
+
+    add_classes: tuple[HtbClass, ...]
+    change_classes: tuple[HtbClass, ...]
+    remove_classes: tuple[int, ...]  # minors
+    add_filters: tuple[Filter, ...]
+    remove_filters: tuple[Filter, ...]
+
+    @property
+    def empty(self) -> bool:
+        return not (self.add_classes or self.change_classes or self.remove_classes or self.add_filters
+                    or self.remove_filters)
+
+
+def drift(desired_classes: Mapping[int, HtbClass], observed_classes: Mapping[int, HtbClass],
+          desired_filters: Iterable[Filter], observed_filters: Iterable[Filter]) -> Drift:
+    """Classes by minor and filters as (sport, minor): what is missing, what differs, what is extra."""
+    want_f, have_f = set(desired_filters), set(observed_filters)
+    return Drift(
+        add_classes=tuple(c for m, c in sorted(desired_classes.items()) if m not in observed_classes),
+        change_classes=tuple(c for m, c in sorted(desired_classes.items())
+                             if m in observed_classes and not _close(observed_classes[m], c)),
+        remove_classes=tuple(sorted(m for m in observed_classes if m not in desired_classes)),
+        add_filters=tuple(sorted(want_f - have_f, key=_order)),
+        remove_filters=tuple(sorted(have_f - want_f, key=_order)),
+    )
+
+
+def _order(f: Filter) -> tuple[int, int, int]:
+    return f.minor, f.key[0], -1 if f.key[1] is None else f.key[1]
+
+
+def _close(observed: HtbClass, desired: HtbClass) -> bool:
+    """The kernel stores rates in bytes per second, so kbit values come back rounded: within 1 %."""
+    return all(abs(a - b) <= max(1, b // 100) for a, b in ((observed.rate_kbit, desired.rate_kbit),
+                                                          (observed.ceil_kbit, desired.ceil_kbit)))
+
+
+def jain_index(rates: Iterable[float]) -> float:
+    """Jain's fairness index: 1 when every share is equal, 1/n when one takes all."""
+    values = list(rates)
+    if not values or not any(values):
+        return 0.0
+    return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
