@@ -191,8 +191,8 @@ class HtbShaper(QosMechanism):
                 parms = c.get_attr("TCA_OPTIONS").get_attr("TCA_HTB_PARMS")
                 minor = c["handle"] & 0xFFFF
                 classes[minor] = HtbClass(minor, parms["rate"] * 8 // 1000, parms["ceil"] * 8 // 1000)
-                basic = (c.get_attr("TCA_STATS2") or {}).get_attr("TCA_STATS_BASIC") if c.get_attr("TCA_STATS2") \
-                    else None
+                stats = c.get_attr("TCA_STATS2")
+                basic = stats.get_attr("TCA_STATS_BASIC") if stats is not None else None
                 counters[minor] = ClassCounters(int(basic["bytes"]), int(basic["packets"])) if basic \
                     else ClassCounters(0, 0)
             with contextlib.suppress(Exception):  # no qdisc yet: no filters
