@@ -18,7 +18,7 @@ from sqlalchemy import Engine
 from vrnic import __version__
 from vrnic.api import problems
 from vrnic.api.controlplane import ControlPlane
-from vrnic.api.routes import router
+from vrnic.api.routes import metrics_router, router
 from vrnic.backend.service import BackendService
 from vrnic.config import DaemonSettings
 from vrnic.core.specs import VrnicMode
@@ -78,4 +78,5 @@ def create_app(settings: DaemonSettings, backend: BackendService, *, engine: Eng
     app.state.control_plane = cp
     problems.install(app)
     app.include_router(router)
+    app.include_router(metrics_router)
     return app

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from vrnic.api.auth import Principal
@@ -35,8 +37,10 @@ from vrnic.api.schemas import (
     VmMigrationPrepared,
     VmMigrationSwitched,
     VmUnbound,
+    VrnicCounters,
     VrnicCreate,
     VrnicOut,
+    VrnicQosChange,
 )
 from vrnic.core.lifecycle import VrnicState
 from vrnic.core.specs import VmBinding
@@ -159,6 +163,20 @@ async def list_vrnics(cp: CP, who: Caller, cursor: Cursor = None, limit: Limit =
         await cp.write(cp.vrnics.record_observed)
         page, _ = await run_in_threadpool(cp.vrnics.list_vrnics, who, cursor, limit, state=state, tenant=tenant)
     return page
+
+
+@router.patch("/vrnics/{vrnic_id}", tags=["vrnics"])
+async def change_vrnic_qos(vrnic_id: VrnicPath, body: VrnicQosChange, cp: CP, who: Caller) -> VrnicOut:
+    """Change a live vRNIC's QoS (cap, guarantee, weight): enforced at once, its QPs stay connected. Refused
+    (nothing changes) when the link cannot give the guarantee or the device has no QoS mechanism."""
+    return await cp.write(cp.vrnics.change_qos, who, vrnic_id, body.qos)
+
+
+@router.get("/vrnics/{vrnic_id}/counters", tags=["vrnics"])
+def vrnic_counters(vrnic_id: VrnicPath, cp: CP, who: Caller) -> VrnicCounters:
+    """Bytes and packets the vRNIC sent as its device's QoS mechanism counts them, and the rate since the
+    previous reading."""
+    return cp.vrnics.counters(who, vrnic_id)
 
 
 @router.get("/vrnics/{vrnic_id}", tags=["vrnics"])
@@ -315,3 +333,35 @@ def get_vrnic_hostdev(vrnic_id: VrnicPath, cp: CP, who: Caller,
                                                          description="libvirt user alias")] = None) -> Response:
     """The libvirt device XML that gives the vRNIC's VF to a VM (needs a PCI VF)."""
     return Response(cp.sriov.vrnic_hostdev_xml(who, vrnic_id, alias), media_type="application/xml")
+
+
+metrics_router = APIRouter()
+
+
+@metrics_router.get("/metrics", tags=["metrics"], response_class=PlainTextResponse)
+def metrics(cp: CP, who: Caller) -> PlainTextResponse:
+    """Operator: Prometheus text format. Per vRNIC whose device has QoS on: bytes and packets sent (counters)
+    and the send rate since the previous scrape (a gauge)."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.registry import Collector, CollectorRegistry
+
+    who.require_operator()
+    counted = cp.backend.qos_counters()
+
+    class Sent(Collector):
+        def collect(self):  # type: ignore[no-untyped-def]
+            tx_bytes = CounterMetricFamily("vrnic_tx_bytes", "Bytes a vRNIC sent (QoS mechanism)", labels=["vrnic"])
+            tx_packets = CounterMetricFamily("vrnic_tx_packets", "Packets a vRNIC sent", labels=["vrnic"])
+            rate = GaugeMetricFamily("vrnic_tx_rate_bits_per_second", "Send rate since the previous scrape",
+                                     labels=["vrnic"])
+            now = time.monotonic()
+            for vrnic_id, c in sorted(counted.items()):
+                tx_bytes.add_metric([vrnic_id], c["tx_bytes"])
+                tx_packets.add_metric([vrnic_id], c["tx_packets"])
+                rate.add_metric([vrnic_id], cp.vrnics.meter.read(f"metrics:{vrnic_id}", c["tx_bytes"], now))
+            yield from (tx_bytes, tx_packets, rate)
+
+    registry = CollectorRegistry()
+    registry.register(Sent())
+    return PlainTextResponse(generate_latest(registry).decode(), media_type=CONTENT_TYPE_LATEST)

@@ -139,6 +139,24 @@ class VmUnbound(BaseModel):
     unbound: list[str]
 
 
+class VrnicQosChange(BaseModel):
+    """PATCH /vrnics/{id}: a live vRNIC's new QoS, applied without disconnecting its QPs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    qos: QosPolicy
+
+
+class VrnicCounters(BaseModel):
+    """What a vRNIC sent, as the kernel's QoS mechanism counted it; zero while its device has no QoS on."""
+
+    vrnic_id: str
+    shaped: bool  # counted by a QoS mechanism (its device has QoS on)
+    tx_bytes: int
+    tx_packets: int
+    tx_rate_bps: float  # bits per second since the previous reading (0 at the first)
+
+
 class VmMigrationPrepared(BaseModel):
     domain: str
     phase: str

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 import uuid
 from typing import Any, TypeVar, cast
 
@@ -20,16 +21,17 @@ from vrnic.api.auth import Principal
 from vrnic.api.converters import vrnic_out
 from vrnic.api.inventory import Inventory
 from vrnic.api.pagination import PageRequest
-from vrnic.api.schemas import Page, VrnicCreate, VrnicOut
+from vrnic.api.schemas import Page, VrnicCounters, VrnicCreate, VrnicOut
 from vrnic.api.tenants import find_tenant, live_vrnics
 from vrnic.api.transactions import Transactions
 from vrnic.backend.service import BackendService
 from vrnic.core.lifecycle import VrnicAction, VrnicState, check_vrnic_count, next_state, observed_state
-from vrnic.core.specs import DataEngine, Quota, VrnicMode, VrnicSpec
+from vrnic.core.qos import RateMeter
+from vrnic.core.specs import DataEngine, QosPolicy, Quota, VrnicMode, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
 from vrnic.db.tables import Tenant, Vrnic, utcnow
 from vrnic.db.unit_of_work import DAEMON_ACTOR, UnitOfWork
-from vrnic.errors import Conflict, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+from vrnic.errors import Conflict, InvalidArgument, NotFound, NotSupported, PermissionDenied, Unauthenticated
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,7 @@ class Vrnics:
         self.tx = tx
         self.backend = backend
         self.inventory = inventory
+        self.meter = RateMeter()
 
     # -- allocate ---------------------------------------------------------------------------------
 
@@ -248,6 +251,34 @@ class Vrnics:
             ids = uow.session.scalars(select(Vrnic.public_id).where(
                 Vrnic.host_id == self.inventory.host_id, Vrnic.state != VrnicState.RELEASED.value))
             return sorted(set(ids) - held)
+
+    # -- QoS --------------------------------------------------------------------------------------
+
+    def change_qos(self, principal: Principal, vrnic_id: str, policy: QosPolicy) -> VrnicOut:
+        """A live vRNIC's QoS, enforced at once by vrnicd (in the transaction: refused means unchanged)."""
+        with self.tx.write(principal.actor) as uow:
+            row, tenant = find_vrnic(uow.session, principal, vrnic_id, for_update=True)
+            if row.state == VrnicState.RELEASED.value:
+                raise Conflict(f"vRNIC {vrnic_id} was released", current_state="released")
+            if row.host_id != self.inventory.host_id:
+                raise Conflict(f"vRNIC {vrnic_id} lives on another host", current_state="elsewhere")
+            if row.mode != VrnicMode.PARAVIRTUAL.value:
+                raise NotSupported(f"vRNIC {vrnic_id} is an SR-IOV VF: its rates are set when it is allocated "
+                                   "(release it and allocate another to change them)")
+            before = row.qos
+            self.backend.set_qos(vrnic_id, VrnicMode(row.mode), policy)
+            row.qos = policy.model_dump()
+            uow.record("vrnic.qos", f"vrnic/{vrnic_id}", row.tenant_id, {"from": before, "to": row.qos})
+            return self._out(uow.session, row, tenant)
+
+    def counters(self, principal: Principal, vrnic_id: str) -> VrnicCounters:
+        with self.tx.read() as uow:
+            find_vrnic(uow.session, principal, vrnic_id)
+        counted = self.backend.qos_counters().get(vrnic_id)
+        reading = self.meter.read(vrnic_id, counted["tx_bytes"] if counted else 0, time.monotonic())
+        return VrnicCounters(vrnic_id=vrnic_id, shaped=counted is not None,
+                             tx_bytes=counted["tx_bytes"] if counted else 0,
+                             tx_packets=counted["tx_packets"] if counted else 0, tx_rate_bps=reading)
 
     # -- release ----------------------------------------------------------------------------------
 

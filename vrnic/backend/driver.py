@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from importlib.metadata import entry_points
 from typing import Any, ClassVar
 
-from vrnic.core.specs import AttachInfo, DeviceInfo, VmBinding, VrnicMode, VrnicSpec
+from vrnic.core.specs import AttachInfo, DeviceInfo, QosPolicy, VmBinding, VrnicMode, VrnicSpec
 from vrnic.errors import NotFound, NotSupported
 
 ENTRY_POINT_GROUP = "vrnic.drivers"
@@ -61,6 +61,18 @@ class RnicDriver(ABC):
     def complete_vm_migration(self, domain: str) -> dict[str, object]:
         """QEMU's last pass is done and the destination has not run: switch the VM's vRNICs over."""
         raise NotSupported(f"the {self.name} driver does not migrate VMs")
+
+    def set_qos(self, vrnic_id: str, policy: QosPolicy) -> None:
+        """Change a live vRNIC's QoS (enforced at once, or refused with the reason)."""
+        raise NotSupported(f"the {self.name} driver cannot change a vRNIC's QoS while it lives")
+
+    def qos_counters(self) -> dict[str, dict[str, int]]:
+        """tx_bytes and tx_packets per vRNIC whose QoS this driver enforces."""
+        return {}
+
+    def reconcile_qos(self) -> int:
+        """Restore the QoS the kernel lost or changed; how many fixes."""
+        return 0
 
     def abort_vm_migration(self, domain: str) -> bool:
         """Drop a prepared migration; the source keeps serving the VM. False if there was none."""

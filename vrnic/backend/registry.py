@@ -114,6 +114,10 @@ class Registry:
         with self._lock:
             return set(self._by_id)
 
+    def all_on(self, device: str) -> list[VirtualRnic]:
+        with self._lock:
+            return [v for v in self._by_id.values() if v.device == device]
+
     def on_device(self, device: str) -> int:
         with self._lock:
             return sum(1 for v in self._by_id.values() if v.device == device)

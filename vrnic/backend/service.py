@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from vrnic.backend.driver import RnicDriver
-from vrnic.core.specs import AttachInfo, DeviceInfo, VmBinding, VrnicMode, VrnicSpec
+from vrnic.core.specs import AttachInfo, DeviceInfo, QosPolicy, VmBinding, VrnicMode, VrnicSpec
 from vrnic.errors import Conflict, InvalidArgument, NotFound, NotSupported
 
 if TYPE_CHECKING:
@@ -100,6 +100,15 @@ class BackendService:
 
     def complete_vm_migration(self, domain: str) -> dict[str, object]:
         return self.driver(VrnicMode.PARAVIRTUAL).complete_vm_migration(domain)
+
+    def set_qos(self, vrnic_id: str, mode: VrnicMode, policy: QosPolicy) -> None:
+        self.driver(mode).set_qos(vrnic_id, policy)
+
+    def qos_counters(self) -> dict[str, dict[str, int]]:
+        return {i: c for d in self._drivers.values() for i, c in d.qos_counters().items()}
+
+    def reconcile_qos(self) -> int:
+        return sum(d.reconcile_qos() for d in self._drivers.values())
 
     def abort_vm_migration(self, domain: str) -> bool:
         return any(d.abort_vm_migration(domain) for d in self._drivers.values())

@@ -285,6 +285,7 @@ class GuestSession:
             if self.guard is not None and qp.guard_flow not in (None, flow):
                 self.guard.drop(qp.guard_flow)
             qp.guard_flow = flow
+            qp.dest_qpn = phys_qpn
             self._classify(qp, phys_qpn)
             qp.peer_id, qp.peer_gid, qp.peer_vqpn = peer.spec.id, args.remote_gid, args.remote_qpn
             qp.link.update(path_mtu=args.path_mtu, max_dest_rd_atomic=args.max_dest_rd_atomic,
@@ -320,6 +321,20 @@ class GuestSession:
             self.qos.unclassify(self.vrnic_id, qp.qos_key)
         self.qos.classify(self.vrnic_id, key)
         qp.qos_key = key
+
+    def use_qos(self, qos: QosMechanism | None) -> None:
+        """QoS was switched on (or off) for this vRNIC's device: classify (or unclassify) what is connected."""
+        with self.lock:
+            if qos is self.qos:
+                return
+            for _, qp in self.state.qps.items():
+                self._unclassify(qp)
+            self.qos = qos
+            for _, qp in self.state.qps.items():
+                if qp.qp_type == "ud":
+                    self._classify(qp, None)
+                elif qp.state in ("rtr", "rts") and qp.dest_qpn is not None:
+                    self._classify(qp, qp.dest_qpn)
 
     def _unclassify(self, qp: QpEntry) -> None:
         if self.qos is not None and qp.qos_key is not None:
@@ -589,7 +604,7 @@ class GuestSession:
             qp.pending = dropped + qp.pending
             old_obj, old_qpn = qp.obj, qp.phys_qpn
             self.state.qp_by_phys.pop(old_qpn, None)
-            qp.obj, qp.phys_qpn = obj, phys_qpn
+            qp.obj, qp.phys_qpn, qp.dest_qpn = obj, phys_qpn, peer_phys_qpn
             self._classify(qp, peer_phys_qpn)  # the shadow sends with its own source port
             self.state.qp_by_phys[phys_qpn] = qp
             self.registry.move_qp(self.vrnic, qp.vqpn, old_qpn, phys_qpn)
@@ -608,7 +623,7 @@ class GuestSession:
             qp = self.state.qps.get(handle)
             self._wire(qp.obj, qp.qp_type, access, qkey, peer_phys_gid, dest_qpn, link)
             qp.state, qp.access, qp.qkey, qp.link = "rts", access, qkey, dict(link)
-            qp.peer_id, qp.peer_gid, qp.peer_vqpn = peer_id, peer_gid, peer_vqpn
+            qp.peer_id, qp.peer_gid, qp.peer_vqpn, qp.dest_qpn = peer_id, peer_gid, peer_vqpn, dest_qpn
             self._classify(qp, dest_qpn)
             if self.guard is not None:
                 qp.guard_flow = self.guard.flow(self.vrnic_id, self.vrnic.phys_gid, qp.phys_qpn, peer_phys_gid,

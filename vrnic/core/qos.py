@@ -190,3 +190,18 @@ def jain_index(rates: Iterable[float]) -> float:
     if not values or not any(values):
         return 0.0
     return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
+
+
+class RateMeter:
+    """Rates from counters read now and then: bits per second since the previous reading of the same
+    counter (0 at the first). The clock is passed in, so this stays pure."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def read(self, key: str, total_bytes: int, now: float) -> float:
+        previous = self._last.get(key)
+        self._last[key] = (now, total_bytes)
+        if previous is None or now <= previous[0] or total_bytes < previous[1]:
+            return 0.0
+        return (total_bytes - previous[1]) * 8 / (now - previous[0])

@@ -83,6 +83,7 @@ class QpEntry:
     recv_fifo: deque[Any] = field(default_factory=deque, repr=False)  # posted receives (guest WRs) in order
     held: bool = False  # a migration holds this QP: the engine leaves its rings alone
     link: dict[str, int] = field(default_factory=dict, repr=False)  # RTR/RTS parameters, to reconnect alike
+    dest_qpn: int | None = None  # the physical QPN an RC QP is connected to (what QoS classifies it by)
     qos_key: tuple[int, int | None] | None = None  # what QoS tells its packets by (rxe: UDP port, peer QPN)
 
 

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from vrnic.backend.driver import RnicDriver
 from vrnic.core.migration import MigrationPhase, SwitchoverReport
-from vrnic.core.specs import AttachInfo, DeviceInfo, PortInfo, VmBinding, VrnicMode, VrnicSpec
+from vrnic.core.specs import AttachInfo, DeviceInfo, PortInfo, QosPolicy, VmBinding, VrnicMode, VrnicSpec
 from vrnic.errors import Conflict, InvalidArgument, NotFound
 
 
@@ -33,6 +33,7 @@ class FakeDriver(RnicDriver):
         self._attached: set[str] = set()  # what a real driver would observe: a guest holding a session
         self._vms: dict[str, VmBinding] = {}
         self._migrating: dict[str, VmBinding] = {}  # domain -> its destination binding
+        self.qos: dict[str, QosPolicy] = {}  # live QoS changes, by vRNIC
         self._lock = threading.Lock()
 
     def devices(self) -> list[DeviceInfo]:
@@ -123,6 +124,13 @@ class FakeDriver(RnicDriver):
                 raise Conflict(f"VM {domain} has no migration prepared", current_state="bound")
             self._vms[domain] = target
         return asdict(SwitchoverReport(vrnics=[v.vrnic_id for v in target.vrnics]))
+
+    def set_qos(self, vrnic_id: str, policy: QosPolicy) -> None:
+        """The fake has no link: it records the policy (the API tier checks what reaches the backend)."""
+        with self._lock:
+            if vrnic_id not in self._vrnics:
+                raise NotFound(f"no vRNIC {vrnic_id} in the backend")
+            self.qos[vrnic_id] = policy
 
     def abort_vm_migration(self, domain: str) -> bool:
         with self._lock:

@@ -30,13 +30,24 @@ from vrnic.backend.driver import RnicDriver
 from vrnic.backend.engine import DataPathEngine, EngineHost, SharedRingEngine
 from vrnic.backend.flow_guard import FlowGuard
 from vrnic.backend.guest_memory import GuestMemory
+from vrnic.backend.qos_shaper import HtbShaper, QosMechanism, link_speed_mbps, uplink_netdev
 from vrnic.backend.rdma_cgroup import Confinement
 from vrnic.backend.registry import Registry, VirtualRnic
 from vrnic.backend.rnic_edge import DeviceContext, RnicEdge
 from vrnic.backend.session import GuestSession
 from vrnic.backend.vm_link import VmLink, connect_channel
 from vrnic.core.migration import MigrationPhase
-from vrnic.core.specs import AttachInfo, DataEngine, DeviceInfo, VmBinding, VrnicMode, VrnicSpec, active_roce_v2_gid
+from vrnic.core.qos import admit
+from vrnic.core.specs import (
+    AttachInfo,
+    DataEngine,
+    DeviceInfo,
+    QosPolicy,
+    VmBinding,
+    VrnicMode,
+    VrnicSpec,
+    active_roce_v2_gid,
+)
 from vrnic.core.verb_args import Attach, VmAttach
 from vrnic.errors import Conflict, DeviceError, InvalidArgument, NotFound, NotSupported, VrnicError
 
@@ -52,7 +63,7 @@ class VerbsDriver(RnicDriver):
     def __init__(self, socket_path: Path | str = DEFAULT_SOCKET, devices: list[str] | None = None,
                  edge: RnicEdge | None = None, channel: ChannelLimits | None = None,
                  direct_containment: str = "required", packet_guard: bool | FlowGuard = False,
-                 strict_isolation: bool = False) -> None:
+                 strict_isolation: bool = False, qos_link_mbps: int | None = None) -> None:
         """direct_containment: "required" refuses a direct-engine guest whose cgroup vrnicd cannot limit
         (rdma.max); "best-effort" lets it attach uncontained, with a warning and `contained: false`.
         packet_guard: filter RoCE egress of the devices served to the flows vrnicd connected (nftables).
@@ -64,6 +75,9 @@ class VerbsDriver(RnicDriver):
         self.guard: FlowGuard | None = (packet_guard if isinstance(packet_guard, FlowGuard)
                                         else FlowGuard() if packet_guard else None)
         self.strict_isolation = strict_isolation
+        self.qos_link_mbps = qos_link_mbps  # the uplinks' speed when sysfs has none (veth, some virtio-net)
+        self._shapers: dict[str, QosMechanism] = {}  # by device, while any vRNIC on it asks for QoS
+        self._qos_lock = threading.RLock()
         if edge is None:
             from vrnic.backend.pyverbs_edge import PyverbsEdge  # pyverbs only where a real device is used
 
@@ -90,7 +104,15 @@ class VerbsDriver(RnicDriver):
             self.guard.guard_address(phys_gid)
         vrnic = VirtualRnic(spec=spec, device=device, token=secrets.token_urlsafe(24), phys_gid=phys_gid,
                             gid_index=gid_index)
-        self.registry.add(vrnic)
+        with self._qos_lock:
+            self._admit_qos(spec.id, device, info, spec.qos)
+            self.registry.add(vrnic)
+            try:
+                self._qos_refresh(device)
+            except BaseException:
+                self.registry.remove(spec.id)
+                self._qos_refresh(device)
+                raise
         log.info("vRNIC %s (tenant %s) created on %s", spec.id, spec.tenant, device)
         return AttachInfo(vrnic_id=spec.id, mode=spec.mode, device=device, virtual_gid=spec.virtual_gid,
                           socket_path=str(self.socket_path), token=vrnic.token)
@@ -149,7 +171,7 @@ class VerbsDriver(RnicDriver):
                 engine = functools.partial(SharedRingEngine, busy_poll=busy_poll)
             session = session_type(vrnic, self.registry, device, memory, cred, doorbell_fd=doorbell_fd,
                                    notify_fd=notify_fd, engine_factory=engine, disconnect=disconnect,
-                                   guard=self.guard)
+                                   guard=self.guard, qos=self._shapers.get(vrnic.device))
             self.registry.attach(vrnic, session, vm_domain)
         except BaseException:
             if session is not None:
@@ -328,7 +350,8 @@ class VerbsDriver(RnicDriver):
             busy = bool(getattr(getattr(source, "engine", None), "busy_poll", False))
             return GuestSession(vrnic, self.registry, device, memory, cred, doorbell_fd=doorbell, notify_fd=None,
                                 engine_factory=functools.partial(SharedRingEngine, busy_poll=busy),
-                                disconnect=link.session_failed, guard=self.guard)
+                                disconnect=link.session_failed, guard=self.guard,
+                                qos=self._shapers.get(vrnic.device))
         except BaseException:
             if device is not None:
                 device.close()
@@ -394,7 +417,78 @@ class VerbsDriver(RnicDriver):
         session = vrnic.session
         if session is not None:
             session.close()
+        with self._qos_lock:
+            shaper = self._shapers.get(vrnic.device)
+            if shaper is not None:
+                shaper.forget(vrnic_id)
+            self._qos_refresh(vrnic.device)
         log.info("vRNIC %s released", vrnic_id)
+
+    # ----- QoS (vrnic.core.qos, vrnic.backend.qos_shaper) -------------------------------------------------
+    def _admit_qos(self, vrnic_id: str, device: str, info: DeviceInfo, policy: QosPolicy) -> None:
+        """Refuse a policy the device's mechanism cannot enforce, or that its link cannot give."""
+        if not policy.limits:
+            return
+        if not info.caps.get("qos_shaping"):
+            raise NotSupported(f"{device} has no QoS mechanism in vrnic (its RoCE traffic does not cross a netdev "
+                               f"vrnicd can shape); a cap, guarantee or weight cannot be enforced there")
+        shaper = self._shapers.get(device)
+        link = shaper.link_mbps if shaper is not None else (link_speed_mbps(uplink_netdev(device))
+                                                             or self.qos_link_mbps)
+        others = [v.spec.qos for v in self.registry.all_on(device) if v.spec.id != vrnic_id]
+        admit(link, others, policy)
+
+    def _qos_refresh(self, device: str) -> None:
+        """QoS is on for a device while any vRNIC on it asks for it; then every vRNIC on it has a class, and
+        every connected QP of theirs is classified (unclassified traffic would take the guarantees)."""
+        on_device = self.registry.all_on(device)
+        wanted = any(v.spec.qos.limits for v in on_device)
+        shaper = self._shapers.get(device)
+        if wanted:
+            if shaper is None:
+                shaper = self._shapers[device] = HtbShaper(uplink_netdev(device), link_mbps=self.qos_link_mbps)
+            for vrnic in on_device:
+                shaper.set_policy(vrnic.spec.id, vrnic.spec.qos)
+        elif shaper is None:
+            return
+        for vrnic in on_device:
+            session = vrnic.session
+            if isinstance(session, GuestSession):
+                session.use_qos(shaper if wanted else None)
+        if not wanted and shaper is not None:
+            shaper.close()
+            del self._shapers[device]
+
+    def set_qos(self, vrnic_id: str, policy: QosPolicy) -> None:
+        """Change a live vRNIC's QoS: its class changes in place, its QPs stay connected."""
+        vrnic = self.registry.get(vrnic_id)
+        with self._qos_lock:
+            self._admit_qos(vrnic_id, vrnic.device, self.edge.describe(vrnic.device), policy)
+            previous = vrnic.spec
+            vrnic.spec = previous.model_copy(update={"qos": policy})
+            try:
+                self._qos_refresh(vrnic.device)
+            except BaseException:
+                vrnic.spec = previous
+                self._qos_refresh(vrnic.device)
+                raise
+        log.info("vRNIC %s: QoS now %s", vrnic_id, policy.model_dump())
+
+    def qos_counters(self) -> dict[str, dict[str, int]]:
+        """Bytes and packets each shaped vRNIC sent, as the kernel counted them."""
+        with self._qos_lock:
+            return {i: {"tx_bytes": c.bytes, "tx_packets": c.packets}
+                    for shaper in self._shapers.values() for i, c in shaper.counters().items()}
+
+    def reconcile_qos(self) -> int:
+        """Put back what drifted (a class or filter removed or changed behind vrnicd); how many fixes."""
+        fixed = 0
+        with self._qos_lock:
+            for shaper in self._shapers.values():
+                d = shaper.reconcile()
+                fixed += len(d.add_classes) + len(d.change_classes) + len(d.remove_classes) \
+                    + len(d.add_filters) + len(d.remove_filters)
+        return fixed
 
     def vrnic_ids(self) -> set[str]:
         return self.registry.ids()
@@ -411,6 +505,10 @@ class VerbsDriver(RnicDriver):
                 self._unbind(domain)
         super().close()
         self.server.stop()
+        with self._qos_lock:
+            for shaper in self._shapers.values():
+                shaper.close()
+            self._shapers.clear()
         if self.guard is not None:
             self.guard.close()
 

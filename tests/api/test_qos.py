@@ -1,0 +1,66 @@
+"""QoS through the REST API: a live change (PATCH), the counters, the Prometheus endpoint; on the fake driver,
+which records what reaches the backend (the kernel tier enforces it on rxe: tests/kernel/test_qos_rxe.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from vrnic.backend.drivers.fake import FakeDriver
+from vrnic.backend.service import BackendService
+from vrnic.core.specs import QosPolicy, VrnicMode
+
+pytestmark = pytest.mark.api
+Tenant = dict[str, str]
+
+
+def _as(tenant: Tenant) -> dict[str, str]:
+    return {"Authorization": tenant["auth"]}
+
+
+def _allocate(client: TestClient, tenant: Tenant, qos: dict[str, Any] | None = None) -> dict[str, Any]:
+    response = client.post("/api/v1/vrnics", json={"qos": qos or {}}, headers=_as(tenant))
+    assert response.status_code == 201, response.text
+    return response.json()  # type: ignore[no-any-return]
+
+
+def test_a_live_qos_change_reaches_the_backend_and_is_recorded(client: TestClient, backend: BackendService,
+                                                               make_tenant: Callable[..., Tenant]) -> None:
+    acme, other = make_tenant("acme"), make_tenant("other")
+    mine = _allocate(client, acme, {"rate_cap_mbps": 80})
+    url = f"/api/v1/vrnics/{mine['id']}"
+    changed = client.patch(url, json={"qos": {"rate_cap_mbps": 40, "guarantee_mbps": 10, "weight": 2}},
+                           headers=_as(acme))
+    assert changed.status_code == 200, changed.text
+    assert changed.json()["qos"] == {"rate_cap_mbps": 40, "guarantee_mbps": 10, "weight": 2}
+    assert client.get(url, headers=_as(acme)).json()["qos"]["rate_cap_mbps"] == 40
+    fake = backend.driver(VrnicMode.PARAVIRTUAL)
+    assert isinstance(fake, FakeDriver) and fake.qos[mine["id"]] == QosPolicy(rate_cap_mbps=40, guarantee_mbps=10,
+                                                                              weight=2)
+    events = client.get("/api/v1/events", params={"action": "vrnic.qos"}).json()["items"]
+    assert any(e["subject"] == f"vrnic/{mine['id']}" and e["detail"]["to"]["rate_cap_mbps"] == 40 for e in events)
+    # bad input: a guarantee above the cap, unknown fields, another tenant's vRNIC, a released one
+    bad = client.patch(url, json={"qos": {"rate_cap_mbps": 10, "guarantee_mbps": 20}}, headers=_as(acme))
+    assert bad.status_code == 422 and "exceeds the cap" in bad.text
+    assert client.patch(url, json={"qos": {"burst": 1}}, headers=_as(acme)).status_code == 422
+    assert client.patch(url, json={"qos": {"weight": 0}}, headers=_as(acme)).status_code == 422
+    assert client.patch(url, json={"qos": {}}, headers=_as(other)).status_code == 404
+    assert client.delete(url, headers=_as(acme)).status_code == 200
+    gone = client.patch(url, json={"qos": {}}, headers=_as(acme))
+    assert gone.status_code == 409 and gone.json()["current_state"] == "released"
+
+
+def test_counters_and_metrics(client: TestClient, make_tenant: Callable[..., Tenant]) -> None:
+    acme = make_tenant("acme")
+    mine = _allocate(client, acme)
+    counters = client.get(f"/api/v1/vrnics/{mine['id']}/counters", headers=_as(acme))
+    assert counters.status_code == 200
+    assert counters.json() == {"vrnic_id": mine["id"], "shaped": False, "tx_bytes": 0, "tx_packets": 0,
+                               "tx_rate_bps": 0.0}
+    assert client.get("/metrics", headers=_as(acme)).status_code == 403  # operator only
+    scraped = client.get("/metrics")
+    assert scraped.status_code == 200 and scraped.headers["content-type"].startswith("text/plain")
+    assert "# TYPE vrnic_tx_bytes_total counter" in scraped.text
