@@ -42,7 +42,7 @@ def _classes() -> dict[str, tuple[int, int]]:
     found = {}
     for line in _tc("class", "show", "dev", DEV).splitlines():
         words = line.split()
-        if len(words) > 4 and words[:2] == ["class", "htb"] and words[3:5] == ["parent", "1:1"]:
+        if len(words) > 4 and words[:2] == ["class", "htb"] and words[3:5] == ["parent", "7672:1"]:
             found[words[2]] = (_kbit(words[words.index("rate") + 1]), _kbit(words[words.index("ceil") + 1]))
     return found
 
@@ -51,7 +51,7 @@ def _filters() -> dict[str, str]:
     """'match value' -> flowid of the u32 filters on 1:."""
     found = {}
     current = None
-    for line in _tc("filter", "show", "dev", DEV, "parent", "1:").splitlines():
+    for line in _tc("filter", "show", "dev", DEV, "parent", "7672:").splitlines():
         if "flowid" in line:
             current = line.split("flowid")[1].split()[0]
         if line.strip().startswith("match") and " at 20" in line and current:
@@ -80,44 +80,51 @@ def test_classes_and_filters_follow_vrnics_and_qps_and_drift_is_restored(veth: s
         shaper.set_policy("b", QosPolicy(guarantee_mbps=30, rate_cap_mbps=80))
         shaper.set_policy("c", QosPolicy(weight=3))
         # a: weight 1 of the 70 Mbit/s no guarantee holds (17.5), c: weight 3 (52.5); b: its guarantee
-        assert _classes() == {"1:10": (17_500, 50_000), "1:11": (30_000, 80_000), "1:12": (52_500, 100_000)}
+        assert _classes() == {"7672:10": (17_500, 50_000), "7672:11": (30_000, 80_000), "7672:12": (52_500, 100_000)}
         with pytest.raises(Conflict, match=r"sum to 110 Mbit/s \(30 given \+ 80 asked\) on a 100 Mbit/s link"):
             shaper.set_policy("d", QosPolicy(guarantee_mbps=80))
-        assert "1:13" not in _classes()  # nothing was installed for the refused one
+        assert "7672:13" not in _classes()  # nothing was installed for the refused one
         shaper.classify("a", (0xC123, 0x11))
         shaper.classify("a", (0xC124, 0x12))
         shaper.classify("a", (0xC124, 0x12))  # two QPs with one key: one filter, counted twice
         shaper.classify("b", (0xC456, None))
-        assert _filters() == {"c12312b7": "1:10", "c12412b7": "1:10", "c45612b7": "1:11"}
+        assert _filters() == {"c12312b7": "7672:10", "c12412b7": "7672:10", "c45612b7": "7672:11"}
         with pytest.raises(Conflict, match="cannot tell this QP's packets"):
             shaper.classify("b", (0xC123, 0x11))
         shaper.unclassify("a", (0xC124, 0x12))
-        assert _filters() == {"c12312b7": "1:10", "c12412b7": "1:10", "c45612b7": "1:11"}
+        assert _filters() == {"c12312b7": "7672:10", "c12412b7": "7672:10", "c45612b7": "7672:11"}
         shaper.unclassify("a", (0xC124, 0x12))
-        assert _filters() == {"c12312b7": "1:10", "c45612b7": "1:11"}
+        assert _filters() == {"c12312b7": "7672:10", "c45612b7": "7672:11"}
         # live change: the class is rewritten in place, its filters stay
         shaper.set_policy("a", QosPolicy(rate_cap_mbps=20))
-        assert _classes()["1:10"][1] == 20_000 and _filters()["c12312b7"] == "1:10"
+        assert _classes()["7672:10"][1] == 20_000 and _filters()["c12312b7"] == "7672:10"
         # drift by hand, restored by reconcile (a set difference, both ways)
-        _tc("class", "del", "dev", veth, "classid", "1:12")
-        _tc("class", "add", "dev", veth, "parent", "1:1", "classid", "1:99", "htb", "rate", "1mbit")
-        handle = next(line.split("fh")[1].split()[0] for line in _tc("filter", "show", "dev", veth, "parent", "1:")
-                      .splitlines() if "flowid 1:11" in line)
-        _tc("filter", "del", "dev", veth, "parent", "1:", "protocol", "ip", "prio", "10", "handle", handle, "u32")
+        _tc("class", "del", "dev", veth, "classid", "7672:12")
+        _tc("class", "add", "dev", veth, "parent", "7672:1", "classid", "7672:99", "htb", "rate", "1mbit")
+        handle = next(line.split("fh")[1].split()[0] for line in _tc("filter", "show", "dev", veth, "parent", "7672:")
+                      .splitlines() if "flowid 7672:11" in line)
+        _tc("filter", "del", "dev", veth, "parent", "7672:", "protocol", "ip", "prio", "10", "handle", handle, "u32")
         found = shaper.reconcile()
         assert [c.minor for c in found.add_classes] == [0x12] and found.remove_classes == (0x99,)
         assert [f.key for f in found.add_filters] == [(0xC456, None)]
         assert shaper.reconcile().empty
-        assert set(_classes()) == {"1:10", "1:11", "1:12"} and _filters()["c45612b7"] == "1:11"
+        assert set(_classes()) == {"7672:10", "7672:11", "7672:12"} and _filters()["c45612b7"] == "7672:11"
         # a restarted vrnicd adopts what it wants and reconciles the kernel to it
         again = HtbShaper(veth, link_mbps=100)
         again.adopt({"a": QosPolicy(rate_cap_mbps=20), "b": QosPolicy(guarantee_mbps=30, rate_cap_mbps=80),
                      "c": QosPolicy(weight=3)}, {"a": [(0xC123, 0x11)], "b": [(0xC456, None)]})
         assert again.reconcile().empty
         shaper.forget("c")
-        assert set(_classes()) == {"1:10", "1:11"}
+        assert set(_classes()) == {"7672:10", "7672:11"}
         counters = shaper.counters()
         assert set(counters) == {"a", "b"} and counters["a"].bytes >= 0
     finally:
         shaper.close()
     assert "htb" not in _tc("qdisc", "show", "dev", veth)
+    # what a vrnicd killed with -9 leaves behind is swept by the next one
+    left = HtbShaper(veth, link_mbps=100)
+    left.set_policy("a", QosPolicy(rate_cap_mbps=5))
+    left._ipr.close()  # as if the process died: nothing removed
+    left._ipr = None
+    assert "htb 7672:" in _tc("qdisc", "show", "dev", veth)
+    assert HtbShaper(veth).sweep() and "htb" not in _tc("qdisc", "show", "dev", veth)

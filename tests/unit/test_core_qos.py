@@ -32,7 +32,7 @@ def test_guarantees_get_their_rate_and_the_rest_is_shared_by_weight() -> None:
     assert plan["a"] == HtbClass(0x10, 40_000, 60_000)
     assert plan["b"] == HtbClass(0x11, 40_000, 200_000)  # a quarter of the 160 Mbit/s no guarantee holds
     assert plan["c"] == HtbClass(0x12, 50_000, 50_000)  # three quarters, but never above its cap
-    assert plan["a"].classid == 0x10010
+    assert plan["a"].classid == 0x76720010
 
 
 def test_admission_refuses_oversubscribed_guarantees_with_the_numbers() -> None:

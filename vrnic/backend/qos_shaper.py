@@ -324,6 +324,16 @@ class HtbShaper(QosMechanism):
             self._filters = {i: Counter(keys.get(i, ())) for i in shaped}
         return self.reconcile()
 
+    def sweep(self) -> bool:
+        """Remove a qdisc of ours that no vrnicd wants (one killed before it could remove it). True if found."""
+        with self._lock, self._netlink("qdisc") as (ipr, index):
+            ours = [q for q in ipr.get_qdiscs(index) if q["parent"] == 0xFFFFFFFF and q["handle"] == ROOT_HANDLE]
+            if ours and not self._shaped:
+                ipr.tc("del", "htb", index, ROOT_HANDLE)
+                log.warning("QoS left on %s by an earlier vrnicd removed", self.netdev)
+                return True
+            return False
+
     def close(self) -> None:
         with self._lock:
             if self._ipr is None:

@@ -20,7 +20,7 @@ from vrnic.core.specs import QosPolicy
 from vrnic.errors import Conflict, InvalidArgument
 
 ROCE_V2_PORT = 4791
-ROOT_HANDLE = 0x10000  # 1:0, the HTB qdisc
+ROOT_HANDLE = 0x7672 << 16  # 7672: ("vr"), the HTB qdisc: a handle of its own marks it as vrnic's
 PARENT_MINOR = 1  # 1:1, under which every vRNIC's class hangs (it holds the link's rate)
 FIRST_MINOR = 0x10  # vRNIC classes are 1:10 and up
 MAX_MINOR = 0xFFFF

@@ -90,6 +90,7 @@ class VerbsDriver(RnicDriver):
         self._vm_lock = threading.Lock()
         self.server = ChannelServer(self.socket_path, self.open_session, channel)
         self.server.start()
+        self._sweep_qos()
 
     def devices(self) -> list[DeviceInfo]:
         names = [n for n in self.edge.device_names() if self._only is None or n in self._only]
@@ -425,6 +426,17 @@ class VerbsDriver(RnicDriver):
         log.info("vRNIC %s released", vrnic_id)
 
     # ----- QoS (vrnic.core.qos, vrnic.backend.qos_shaper) -------------------------------------------------
+    def _sweep_qos(self) -> None:
+        """At start nothing is wanted yet: QoS an earlier vrnicd left on the uplinks goes (set difference)."""
+        for info in self.devices():
+            if info.caps.get("qos_shaping"):
+                try:
+                    shaper = HtbShaper(uplink_netdev(info.name))
+                    shaper.sweep()
+                    shaper.close()
+                except VrnicError as exc:
+                    log.warning("could not check %s for QoS left behind: %s", info.name, exc)
+
     def _admit_qos(self, vrnic_id: str, device: str, info: DeviceInfo, policy: QosPolicy) -> None:
         """Refuse a policy the device's mechanism cannot enforce, or that its link cannot give."""
         if not policy.limits:
