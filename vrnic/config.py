@@ -65,6 +65,10 @@ class DaemonSettings(BaseSettings):
     # Refuse the direct engine where the guard cannot hold: guard off, or a device whose own traffic bypasses it.
     strict_isolation: bool = False
     sriov_reconcile_interval: float = Field(30.0, ge=0)  # seconds between SR-IOV reconcile passes; 0: startup only
+    # QoS on paravirtual vRNICs (rxe: HTB on the uplink netdev): the link's speed where sysfs has none (veth,
+    # virtio-net), needed for guarantees; and how often drift in the kernel is put back (0: never).
+    qos_link_mbps: int | None = Field(None, ge=1, le=10_000_000)
+    qos_reconcile_interval: float = Field(30.0, ge=0)
     log_level: str = "info"
 
     @property

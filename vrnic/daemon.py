@@ -45,6 +45,7 @@ def build_backend(settings: DaemonSettings) -> BackendService:
         if mode is VrnicMode.PARAVIRTUAL and name == "verbs":
             options = {"channel": channel_limits(settings), "direct_containment": settings.direct_containment,
                        "packet_guard": settings.packet_guard, "strict_isolation": settings.strict_isolation,
+                       "qos_link_mbps": settings.qos_link_mbps,
                        **options}
         try:
             driver = build_sriov_driver(settings, options) if mode is VrnicMode.SRIOV and name == "sriov" \

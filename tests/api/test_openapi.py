@@ -84,5 +84,5 @@ def test_schema_documents_problem_json_and_bearer_auth(served: str) -> None:
     assert {p["name"] for p in allocate["parameters"]} == {"idempotency-key"}
     # attach state is observed by vrnicd: no client can set it
     assert not [path for path in document["paths"] if path.endswith(("/attach", "/detach"))]
-    assert set(document["paths"]["/api/v1/vrnics/{vrnic_id}"]) == {"get", "delete"}
+    assert set(document["paths"]["/api/v1/vrnics/{vrnic_id}"]) == {"get", "delete", "patch"}  # patch: QoS only
     assert "observes" in document["paths"]["/api/v1/vrnics/{vrnic_id}"]["get"]["description"]

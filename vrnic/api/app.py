@@ -29,6 +29,19 @@ from vrnic.errors import InvalidArgument, VrnicError
 log = logging.getLogger(__name__)
 
 
+async def _reconcile_qos(backend: BackendService, interval: float) -> None:
+    """Put back QoS classes and filters that drifted in the kernel (someone ran tc by hand)."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            fixed = await run_in_threadpool(backend.reconcile_qos)
+        except Exception:  # keep the loop: try again next time
+            log.exception("QoS reconcile pass failed")
+            continue
+        if fixed:
+            log.warning("QoS reconcile: %d correction(s)", fixed)
+
+
 def create_app(settings: DaemonSettings, backend: BackendService, *, engine: Engine | None = None,
                api_url: str | None = None) -> FastAPI:
     """The API app. Refuses (SchemaOutOfDate) a database whose schema is not at head.
@@ -66,11 +79,15 @@ def create_app(settings: DaemonSettings, backend: BackendService, *, engine: Eng
                 log.error("SR-IOV reconcile at startup failed: %s", exc)
             if settings.sriov_reconcile_interval > 0:
                 reconciler = asyncio.create_task(cp.sriov.reconcile_periodically(settings.sriov_reconcile_interval))
+        qos: asyncio.Task[None] | None = None
+        if settings.qos_reconcile_interval > 0:
+            qos = asyncio.create_task(_reconcile_qos(backend, settings.qos_reconcile_interval))
         yield
-        if reconciler is not None:
-            reconciler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reconciler
+        for task in (reconciler, qos):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         cp.close()
 
     app = FastAPI(title="vrnic", version=__version__, lifespan=lifespan,

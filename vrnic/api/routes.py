@@ -335,7 +335,7 @@ def get_vrnic_hostdev(vrnic_id: VrnicPath, cp: CP, who: Caller,
     return Response(cp.sriov.vrnic_hostdev_xml(who, vrnic_id, alias), media_type="application/xml")
 
 
-metrics_router = APIRouter()
+metrics_router = APIRouter(responses=RESPONSES)
 
 
 @metrics_router.get("/metrics", tags=["metrics"], response_class=PlainTextResponse)

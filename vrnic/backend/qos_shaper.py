@@ -90,6 +90,12 @@ class QosMechanism(ABC):
         """Remove everything this mechanism installed."""
 
 
+def _burst(kbit: int) -> int:
+    """Bytes a class may send at once: 20 ms at its rate, at least 64 KiB (one 64 KiB WRITE). HTB's default
+    (a timer tick's worth) loses rate whenever its timer runs late, as it does under emulation."""
+    return max(64 << 10, kbit * 1000 // 8 // 50)
+
+
 def uplink_netdev(device: str) -> str:
     """The netdev a RoCE device sends through (rxe: the one it was created on)."""
     ndevs = Path(f"/sys/class/infiniband/{device}/ports/1/gid_attrs/ndevs/0")
@@ -161,7 +167,8 @@ class HtbShaper(QosMechanism):
     def _put_class(self, htb: HtbClass) -> None:
         with self._netlink("class") as (ipr, index):
             ipr.tc("replace-class", "htb", index, htb.classid, parent=ROOT_HANDLE | PARENT_MINOR,
-                   rate=f"{htb.rate_kbit}kbit", ceil=f"{htb.ceil_kbit}kbit")
+                   rate=f"{htb.rate_kbit}kbit", ceil=f"{htb.ceil_kbit}kbit", burst=_burst(htb.rate_kbit),
+                   cburst=_burst(htb.ceil_kbit))
 
     def _del_class(self, minor: int) -> None:
         with self._netlink("class") as (ipr, index):

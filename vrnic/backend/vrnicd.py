@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="filter RoCE egress to the flows vrnicd connected (nftables; see kernel/roce_guard)")
     parser.add_argument("--strict-isolation", action="store_true",
                         help="refuse the direct engine where the packet guard cannot hold")
+    parser.add_argument("--qos-link-mbps", type=int, help="the uplinks' speed for QoS guarantees when sysfs has none")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         driver = VerbsDriver(socket_path=args.socket, channel=ChannelLimits(socket_mode=args.socket_mode,
                                                                             socket_gid=group_id(args.socket_group)),
                              direct_containment=args.direct_containment, packet_guard=args.packet_guard,
-                             strict_isolation=args.strict_isolation)
+                             strict_isolation=args.strict_isolation, qos_link_mbps=args.qos_link_mbps)
     except (VrnicError, ValueError) as exc:
         print(f"vrnicd: {exc}", file=sys.stderr)
         return 2

@@ -33,12 +33,14 @@ def allocate(
     quota: Annotated[list[str] | None, typer.Option(help="Quota KEY=N (repeat), e.g. max_qps=8.")] = None,
     rate_cap: Annotated[int | None, typer.Option(help="QoS rate cap, Mbit/s.")] = None,
     guarantee: Annotated[int | None, typer.Option(help="QoS guaranteed rate, Mbit/s.")] = None,
+    weight: Annotated[int, typer.Option(help="QoS weight of its fair share of what no guarantee holds.")] = 1,
     idempotency_key: Annotated[str | None, typer.Option(help="Retry-safe: the same key returns the same vRNIC.")
                                ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Allocate a vRNIC and print its attach information (the attach token is shown only now)."""
-    body: dict[str, Any] = {"mode": mode.value, "qos": {"rate_cap_mbps": rate_cap, "guarantee_mbps": guarantee}}
+    body: dict[str, Any] = {"mode": mode.value, "qos": {"rate_cap_mbps": rate_cap, "guarantee_mbps": guarantee,
+                                                       "weight": weight}}
     if engine is not DataEngine.RING:
         body["engine"] = engine.value
     if tenant:
@@ -65,8 +67,23 @@ def list_(state: Annotated[VrnicState | None, typer.Option(help="Only this state
 
 @app.command("show")
 def show_(vrnic_id: str, as_json: JsonFlag = False) -> None:
+    """A vRNIC, with what it sent (bytes, packets, the rate since the previous reading) when QoS counts it."""
     with api() as client:
         vrnic = client.request("GET", f"/vrnics/{vrnic_id}")
+        vrnic["counters"] = client.request("GET", f"/vrnics/{vrnic_id}/counters")
+    show_fields(vrnic if as_json else _flat(vrnic), as_json)
+
+
+@app.command("set-qos")
+def set_qos(vrnic_id: str,
+            rate_cap: Annotated[int | None, typer.Option(help="Rate cap, Mbit/s (none: no cap).")] = None,
+            guarantee: Annotated[int | None, typer.Option(help="Guaranteed rate, Mbit/s (none: none).")] = None,
+            weight: Annotated[int, typer.Option(help="Weight of its fair share.")] = 1,
+            as_json: JsonFlag = False) -> None:
+    """Change a live vRNIC's QoS; its QPs stay connected. The whole policy is replaced."""
+    body = {"qos": {"rate_cap_mbps": rate_cap, "guarantee_mbps": guarantee, "weight": weight}}
+    with api() as client:
+        vrnic = client.request("PATCH", f"/vrnics/{vrnic_id}", json_body=body)
     show_fields(vrnic if as_json else _flat(vrnic), as_json)
 
 
