@@ -124,10 +124,17 @@ def test_caps_guarantees_live_changes_and_drift_on_rxe(qos_driver: object, devic
             print(f"cap doubled live: {doubled:.2f} MB/s")
             assert abs(doubled * 8 / (cap_mbps * 2) - 1) <= 0.10 or doubled > uncapped * 0.9
             # a guarantee the link cannot give is refused, with the numbers; nothing changes
-            with pytest.raises(Conflict, match=rf"sum to {LINK_MBPS + 100} Mbit/s"):
-                drv.set_qos(b_info.vrnic_id, QosPolicy(guarantee_mbps=LINK_MBPS + 100))  # type: ignore[attr-defined]
+            drv.set_qos(b_info.vrnic_id, QosPolicy(guarantee_mbps=LINK_MBPS - 50, weight=2))  # type: ignore[attr-defined]
+            refusal = rf"sum to {LINK_MBPS + 10} Mbit/s \({LINK_MBPS - 50} given \+ 60 asked\)"
+            with pytest.raises(Conflict, match=refusal):
+                drv.set_qos(a_info.vrnic_id, QosPolicy(rate_cap_mbps=cap_mbps * 2, guarantee_mbps=60))  # type: ignore[attr-defined]
+            assert _classes(dev)["7672:10"] == f"{cap_mbps * 2}Mbit"  # refused: unchanged
+            drv.set_qos(b_info.vrnic_id, QosPolicy(weight=2))  # type: ignore[attr-defined]
             # drift: a class and a filter removed by hand come back
-            _tc("class", "del", "dev", dev, "classid", "7672:11")
+            handle = next(line.split("fh")[1].split()[0] for line in _tc("filter", "show", "dev", dev).splitlines()
+                          if "flowid 7672:11" in line)
+            _tc("filter", "del", "dev", dev, "parent", "7672:", "protocol", "ip", "prio", "10", "handle", handle, "u32")
+            _tc("class", "del", "dev", dev, "classid", "7672:11")  # (a class with filters into it cannot go)
             assert drv.reconcile_qos() >= 2  # type: ignore[attr-defined]
             assert set(_classes(dev)) == {"7672:10", "7672:11"} and sorted(_flows(dev)) == ["7672:10", "7672:11"]
             assert drv.reconcile_qos() == 0  # type: ignore[attr-defined]
