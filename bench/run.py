@@ -20,11 +20,11 @@ GUEST_PART = RESULTS / "guest.json"
 
 
 def guest_suites() -> list[Record]:
-    from bench import control_plane, direct, migration, native_verbs, paravirt, vm
+    from bench import control_plane, direct, migration, native_verbs, paravirt, qos, vm
 
     native = native_verbs.run()
     mediated = paravirt.run(native)
-    return (native + mediated + direct.run(native) + vm.run(native, mediated) + migration.run()
+    return (native + mediated + direct.run(native) + vm.run(native, mediated) + migration.run() + qos.run()
             + control_plane.run_guest())
 
 
