@@ -3,7 +3,7 @@ VENV ?= /opt/vrnic/venv
 BIN := $(VENV)/bin
 KERNEL_TIMEOUT ?= 2400
 
-.PHONY: setup test test-host test-kernel test-two-hosts test-sriov-nic lint demo demo-vm demo-migrate bench
+.PHONY: setup test test-host test-kernel test-two-hosts test-sriov-nic lint demo demo-vm demo-migrate demo-qos bench
 
 setup:
 	@./scripts/setup.sh
@@ -40,6 +40,10 @@ demo-vm: setup
 # Live migration of a VM in the middle of RDMA traffic between two raw QEMUs in the lab; vrnicd moves the vRNIC.
 demo-migrate: setup
 	$(BIN)/vrnic lab run --topology pair --timeout 900 -- python -m vrnic.lab.migrate_demo
+
+# Two tenants share a link under their QoS caps: vrnicd's HTB on rxe0's uplink, a cap, a guarantee, a live change.
+demo-qos: setup
+	$(BIN)/vrnic lab run --topology pair --timeout 600 -- python -m vrnic.lab.qos_demo
 
 bench: setup
 	$(BIN)/python -m bench.run
