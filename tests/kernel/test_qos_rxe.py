@@ -106,7 +106,7 @@ def test_caps_guarantees_live_changes_and_drift_on_rxe(qos_driver: object, devic
         uncapped = _stream_mb_per_s(a, qa, peer, 2.0)
         print(f"\nuncapped: {uncapped:.1f} MB/s")
         # a cap on a live vRNIC: its connected QP is classified at once, and the stream obeys
-        cap_mbps = max(8, min(int(uncapped * 8 * 0.4), 200))  # well under what rxe does here
+        cap_mbps = max(8, min(int(uncapped * 8 * 0.25), 200))  # well under what rxe does here, doubled too
         drv.set_qos(a_info.vrnic_id, QosPolicy(rate_cap_mbps=cap_mbps))  # type: ignore[attr-defined]
         assert _classes(dev) == {"7672:10": f"{cap_mbps}Mbit"} and _flows(dev) == ["7672:10"]
         capped = _stream_mb_per_s(a, qa, peer, 3.0)
@@ -122,12 +122,13 @@ def test_caps_guarantees_live_changes_and_drift_on_rxe(qos_driver: object, devic
             drv.set_qos(a_info.vrnic_id, QosPolicy(rate_cap_mbps=cap_mbps * 2))  # type: ignore[attr-defined]
             doubled = _stream_mb_per_s(a, qa, peer, 3.0)
             print(f"cap doubled live: {doubled:.2f} MB/s")
-            assert abs(doubled * 8 / (cap_mbps * 2) - 1) <= 0.10 or doubled > uncapped * 0.9
+            assert abs(doubled * 8 / (cap_mbps * 2) - 1) <= 0.15 and doubled > capped * 1.5, (doubled, capped)
             # a guarantee the link cannot give is refused, with the numbers; nothing changes
-            drv.set_qos(b_info.vrnic_id, QosPolicy(guarantee_mbps=LINK_MBPS - 50, weight=2))  # type: ignore[attr-defined]
-            refusal = rf"sum to {LINK_MBPS + 10} Mbit/s \({LINK_MBPS - 50} given \+ 60 asked\)"
+            drv.set_qos(b_info.vrnic_id, QosPolicy(guarantee_mbps=LINK_MBPS - 10, weight=2))  # type: ignore[attr-defined]
+            asked = min(20, cap_mbps * 2)
+            refusal = rf"sum to {LINK_MBPS - 10 + asked} Mbit/s \({LINK_MBPS - 10} given \+ {asked} asked\)"
             with pytest.raises(Conflict, match=refusal):
-                drv.set_qos(a_info.vrnic_id, QosPolicy(rate_cap_mbps=cap_mbps * 2, guarantee_mbps=60))  # type: ignore[attr-defined]
+                drv.set_qos(a_info.vrnic_id, QosPolicy(rate_cap_mbps=cap_mbps * 2, guarantee_mbps=asked))  # type: ignore[attr-defined]
             assert _classes(dev)["7672:10"] == f"{cap_mbps * 2}Mbit"  # refused: unchanged
             drv.set_qos(b_info.vrnic_id, QosPolicy(weight=2))  # type: ignore[attr-defined]
             # drift: a class and a filter removed by hand come back

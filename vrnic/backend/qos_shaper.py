@@ -160,9 +160,9 @@ class HtbShaper(QosMechanism):
             root = [q for q in ipr.get_qdiscs(index) if q["parent"] == 0xFFFFFFFF]
             if not (root and root[0].get_attr("TCA_KIND") == "htb" and root[0]["handle"] == ROOT_HANDLE):
                 ipr.tc("replace", "htb", index, ROOT_HANDLE, default=0)  # unclassified traffic is not shaped
-            rate = f"{self.link_mbps}mbit"
+            rate, burst = f"{self.link_mbps}mbit", _burst(self.link_mbps * 1000)
             ipr.tc("replace-class", "htb", index, ROOT_HANDLE | PARENT_MINOR, parent=ROOT_HANDLE, rate=rate,
-                   ceil=rate)
+                   ceil=rate, burst=burst, cburst=burst)  # the link's class too: a tick's burst cuts lending
 
     def _put_class(self, htb: HtbClass) -> None:
         with self._netlink("class") as (ipr, index):
