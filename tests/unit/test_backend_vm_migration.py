@@ -206,6 +206,7 @@ def test_a_send_waiting_for_a_receive_goes_again_after_the_switchover(driver: Ve
             p_mr.write(f"send {n}".encode(), n * 64)
             p_qps[0].post_send(SendRequest(n, WrOpcode.SEND, (p_mr.sge(n * 64, 6),)))
         assert [c.wr_id for c in p_cq.wait(1)] == [1]  # the second waits for a receive
+        peer.call("sync")  # and is on the NIC by now, not still in the peer's ring
         report = driver.complete_vm_migration("vm1")
         assert report["sends_carried"] == 1 and report["drain_ms"] < 4000, report
         resume_on(guest, dest)
