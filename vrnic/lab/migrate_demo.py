@@ -17,6 +17,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -197,17 +198,22 @@ def run(out: Steps, work: Path) -> None:
     out.say(f"rdma res show: {counts_line(final)} (the baseline from before the VM was bound)")
 
 
-def main() -> int:
+def run_demo(name: str, body: Callable[[Steps, Path], None]) -> int:
+    """Run a lab demo's steps in a scratch directory under /run; 0, or 1 with the reason."""
     console = Console(highlight=False, soft_wrap=True)  # long ids and paths stay on one line
     logging.getLogger("vrnic").setLevel(logging.WARNING)  # vrnicd's INFO lines would bury the steps
     try:
-        with tempfile.TemporaryDirectory(prefix="vrnic-demo-mig-", dir="/run") as tmp:
-            run(Steps(console), Path(tmp))
+        with tempfile.TemporaryDirectory(prefix=f"vrnic-{name}-", dir="/run") as tmp:
+            body(Steps(console), Path(tmp))
     except (Failed, VrnicError, RuntimeError, OSError) as exc:
-        console.print(f"[red]demo-migrate failed:[/red] {escape(str(exc))}")
+        console.print(f"[red]{name} failed:[/red] {escape(str(exc))}")
         return 1
-    console.print("[green]demo-migrate: ok[/green]")
+    console.print(f"[green]{name}: ok[/green]")
     return 0
+
+
+def main() -> int:
+    return run_demo("demo-migrate", run)
 
 
 if __name__ == "__main__":

@@ -18,16 +18,11 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import logging
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
-
-from rich.console import Console
-from rich.markup import escape
 
 from vrnic.backend.drivers.paravirtual import VerbsDriver
 from vrnic.backend.qos_shaper import uplink_netdev
@@ -37,7 +32,7 @@ from vrnic.core.specs import AttachInfo, QosPolicy, Quota, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
 from vrnic.errors import VrnicError
 from vrnic.frontend import CQ, MR, PD, QP, Access, Context, SendRequest, WrOpcode
-from vrnic.lab.migrate_demo import Failed, Steps, check, counts_line, wait_for  # the demos' shared steps
+from vrnic.lab.migrate_demo import Steps, check, counts_line, run_demo, wait_for  # the demos' shared steps
 
 LINK_MBPS, ACME_CAP, GLOBEX_GUARANTEE, ACME_RAISED = 64, 24, 32, 48
 POLICIES = {"acme": QosPolicy(rate_cap_mbps=ACME_CAP), "globex": QosPolicy(guarantee_mbps=GLOBEX_GUARANTEE)}
@@ -230,16 +225,7 @@ def run(out: Steps, work: Path) -> None:
 
 
 def main() -> int:
-    console = Console(highlight=False, soft_wrap=True)
-    logging.getLogger("vrnic").setLevel(logging.WARNING)  # vrnicd's INFO lines would bury the steps
-    try:
-        with tempfile.TemporaryDirectory(prefix="vrnic-demo-qos-", dir="/run") as tmp:
-            run(Steps(console), Path(tmp))
-    except (Failed, VrnicError, RuntimeError, OSError) as exc:
-        console.print(f"[red]demo-qos failed:[/red] {escape(str(exc))}")
-        return 1
-    console.print("[green]demo-qos: ok[/green]")
-    return 0
+    return run_demo("demo-qos", run)
 
 
 if __name__ == "__main__":
