@@ -97,6 +97,14 @@ def _connected(driver: VerbsDriver, vm: Vm, vm_info: AttachInfo, peer: Context, 
     return guest, g_qps, p_qps, g_mr, p_mr, g_cq, p_cq
 
 
+def _prepare(driver: VerbsDriver, source: Vm, dest: Vm, vm_info: AttachInfo) -> dict[str, object]:
+    """QEMU's pre-copy (the source RAM as it is now), then vrnicd's prepare to the destination of domain vm1."""
+    shutil.copyfile(source.ram, dest.ram)
+    prepared = driver.prepare_vm_migration("vm1", dest.binding(vm_info.vrnic_id).model_copy(update={"domain": "vm1"}))
+    dest.accept()
+    return prepared
+
+
 def test_a_vm_migrates_under_traffic_and_keeps_every_write(driver: VerbsDriver, edge: FakeEdge,
                                                            make_vrnic: Callable[..., AttachInfo],
                                                            make_vm: Callable[[str], Vm]) -> None:
@@ -108,10 +116,7 @@ def test_a_vm_migrates_under_traffic_and_keeps_every_write(driver: VerbsDriver, 
         # receives posted by the guest before the migration: the peer's SENDs during it land there
         g_qps[0].post_recv([RecvRequest(100 + i, (g_mr.sge(i * 1024, 1024),)) for i in range(4)])
         # QEMU's pre-copy: the destination gets the source's RAM as it is now
-        shutil.copyfile(source.ram, dest.ram)
-        target = dest.binding(vm_info.vrnic_id)
-        prepared = driver.prepare_vm_migration("vm1", target.model_copy(update={"domain": "vm1"}))
-        dest.accept()
+        prepared = _prepare(driver, source, dest, vm_info)
         assert prepared["moving"] == [vm_info.vrnic_id] and prepared["presetup_mrs"] == 1
         # during the migration: sequence-numbered RDMA WRITEs into the VM, and SENDs it receives
         for seq in range(1, 9):
@@ -199,9 +204,7 @@ def test_a_send_waiting_for_a_receive_goes_again_after_the_switchover(driver: Ve
     with Context.attach(peer_info) as peer:
         guest, g_qps, p_qps, g_mr, p_mr, g_cq, p_cq = _connected(driver, source, vm_info, peer, qps=1)
         g_qps[0].post_recv(RecvRequest(1, (g_mr.sge(0, 64),)))
-        shutil.copyfile(source.ram, dest.ram)
-        driver.prepare_vm_migration("vm1", dest.binding(vm_info.vrnic_id).model_copy(update={"domain": "vm1"}))
-        dest.accept()
+        _prepare(driver, source, dest, vm_info)
         for n in (1, 2):
             p_mr.write(f"send {n}".encode(), n * 64)
             p_qps[0].post_send(SendRequest(n, WrOpcode.SEND, (p_mr.sge(n * 64, 6),)))
@@ -226,9 +229,7 @@ def test_a_pair_changed_after_prepare_is_connected_the_slow_way(driver: VerbsDri
     source, dest = make_vm("vm1"), make_vm("vm1-incoming")
     with Context.attach(peer_info) as peer:
         guest, g_qps, p_qps, g_mr, p_mr, g_cq, p_cq = _connected(driver, source, vm_info, peer)
-        shutil.copyfile(source.ram, dest.ram)
-        driver.prepare_vm_migration("vm1", dest.binding(vm_info.vrnic_id).model_copy(update={"domain": "vm1"}))
-        dest.accept()
+        _prepare(driver, source, dest, vm_info)
         live = len(edge.live)
         guest.call("modify_qp", qp=g_qps[1].handle, state="err")  # after prepare: its pre-set-up pair is stale
         report = driver.complete_vm_migration("vm1")
