@@ -22,9 +22,11 @@ test-host:
 test-kernel:
 	$(BIN)/vrnic lab run --netdevsim --rerun-on-panic --timeout $(KERNEL_TIMEOUT) -- pytest -m kernel tests
 
-# Two guests wired by a QEMU dgram link: an RDMA WRITE from guest b lands in guest a, verified by a.
+# Two guests wired by a QEMU dgram link as two hosts: first a native RDMA WRITE from b into a (the smoke), then
+# PostgreSQL on a, `vrnic daemon` on both, and the two_hosts tests run on a while b serves a's requests.
 test-two-hosts:
-	$(BIN)/vrnic lab run --topology two-hosts --timeout 300 -- python -m vrnic.lab.smoke --two-hosts
+	$(BIN)/vrnic lab run --topology two-hosts --timeout 540 -- \
+		python -m vrnic.lab.two_hosts --smoke -- env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest -m two_hosts -p no:cacheprovider tests/two_hosts
 
 # Real SR-IOV VFs (PCI functions with netdevs) on an emulated igb NIC; runs QEMU 10 (see make setup).
 test-sriov-nic:

@@ -1,7 +1,8 @@
 """Test tiers: the directory a test lives in is its marker.
 
 unit: pure logic; api: real database; kernel: real RDMA/netlink (inside the
-lab); libvirt: a real libvirtd with QEMU on the host.
+lab); libvirt: a real libvirtd with QEMU on the host; two_hosts: the lab's
+two-hosts topology (tests/two_hosts/conftest.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-TIERS = ("unit", "api", "kernel", "libvirt")
+TIERS = ("unit", "api", "kernel", "libvirt", "two_hosts")
 
 
 def _have_rdma() -> bool:

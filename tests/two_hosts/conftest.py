@@ -1,0 +1,29 @@
+"""Two-hosts tier: the lab's two guests as two hosts, one PostgreSQL on a, `vrnic daemon` on each.
+
+pytest runs on host a (`make test-two-hosts`: `python -m vrnic.lab.two_hosts --smoke -- pytest ...` in
+both guests); host b serves a's requests through its control server. Anywhere else these tests skip.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from vrnic.lab.two_hosts.rig import Rig, in_two_hosts_lab
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if in_two_hosts_lab() and os.environ.get("VRNIC_LAB_ROLE") == "a" and "VRNIC_LAB_CONTROL" in os.environ:
+        return
+    skip = pytest.mark.skip(reason="runs on host a of the lab's two-hosts topology (`make test-two-hosts`)")
+    for item in items:
+        if item.path.is_relative_to(os.path.dirname(__file__)):
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def rig() -> Iterator[Rig]:
+    with Rig.start() as started:
+        yield started
