@@ -1,7 +1,8 @@
 """`make bench`: run every benchmark, write bench/results/latest.json, print a table.
 
 Host benchmarks run here; kernel benchmarks run inside the lab guest
-(`--in-guest`) and their records are merged in.
+(`--in-guest`), the multi-host ones on the lab's two hosts (bench/multihost.py),
+and their records are merged in.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from rich.table import Table
 from bench.harness import RESULTS, Record, load, write
 
 GUEST_PART = RESULTS / "guest.json"
+MULTIHOST_PART = RESULTS / "multihost.json"  # written by bench.multihost on host a of the two-hosts lab
 
 
 def guest_suites() -> list[Record]:
@@ -62,6 +64,15 @@ def main() -> int:
         return 1
     records += load(GUEST_PART)
     GUEST_PART.unlink()
+    MULTIHOST_PART.unlink(missing_ok=True)
+    two_hosts = [*lab[:4], "--topology", "two-hosts", *lab[4:], sys.executable, "-m", "vrnic.lab.two_hosts", "--",
+                 sys.executable, "-m", "bench.multihost", "--out", str(MULTIHOST_PART)]
+    rc = subprocess.run(two_hosts, cwd=Path(__file__).parents[1], check=False).returncode
+    if rc != 0 or not MULTIHOST_PART.exists():
+        print(f"bench: the two-hosts suite failed in the lab (exit {rc})", file=sys.stderr)
+        return 1
+    records += load(MULTIHOST_PART)
+    MULTIHOST_PART.unlink()
     write(records, RESULTS / "latest.json")
     show(records)
     print(f"wrote {RESULTS / 'latest.json'}")

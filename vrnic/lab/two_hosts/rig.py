@@ -126,6 +126,25 @@ class Rig:
         return httpx.Client(base_url=f"{self.url(host)}/api/v1", headers={"Authorization": f"Bearer {token}"},
                             timeout=timeout)
 
+    def make_tenant(self, name: str, **fields: object) -> str:
+        """A tenant (through a's API); returns its token."""
+        with self.client("a") as api:
+            made = api.post("/tenants", json={"name": name, **fields})
+        if made.status_code != 201:
+            raise LabError(f"creating tenant {name}: {made.status_code} {made.text}")
+        return str(made.json()["token"])
+
+    def allocate(self, host: str, token: str, **body: object) -> dict[str, object]:
+        """POST /vrnics through host's API for the tenant of token, placed on host; the VrnicOut (with attach)."""
+        with self.client(host, token) as api:
+            made = api.post("/vrnics", json={"device": "rxe0", **body})
+        if made.status_code != 201:
+            raise LabError(f"allocating a vRNIC on {host}: {made.status_code} {made.text}")
+        vrnic: dict[str, object] = made.json()
+        if vrnic["host"] != host:
+            raise LabError(f"asked for a vRNIC on {host}, got one on {vrnic['host']}")
+        return vrnic
+
     def run_on_b(self, argv: list[str], timeout: float = 120.0,
                  env: Mapping[str, str] | None = None) -> dict[str, object]:
         """Run a program on host b to its end: rc, stdout, stderr."""
