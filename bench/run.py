@@ -65,7 +65,7 @@ def main() -> int:
     records += load(GUEST_PART)
     GUEST_PART.unlink()
     MULTIHOST_PART.unlink(missing_ok=True)
-    two_hosts = [*lab[:4], "--topology", "two-hosts", *lab[4:], sys.executable, "-m", "vrnic.lab.two_hosts", "--",
+    two_hosts = [*lab[:5], "--topology", "two-hosts", *lab[5:], sys.executable, "-m", "vrnic.lab.two_hosts", "--",
                  sys.executable, "-m", "bench.multihost", "--out", str(MULTIHOST_PART)]
     rc = subprocess.run(two_hosts, cwd=Path(__file__).parents[1], check=False).returncode
     if rc != 0 or not MULTIHOST_PART.exists():
