@@ -1,8 +1,9 @@
 """Host a drives host b: a JSON-lines control server on b, and its client.
 
 One request per line, one answer per line: {"op": ..., ...} -> {"ok": true, ...} or {"ok": false, "error"}.
-Ops: ping; agent.start {config}, agent.stop, agent.kill {signal}, agent.status; spawn {argv, env} -> id;
-wait {id, timeout} -> rc, stdout, stderr (or running); signal {id, signal}; run {argv, env, timeout};
+Ops: ping; agent.start {config}, agent.stop, agent.kill {signal}, agent.status; spawn {argv, env, stdin} -> id;
+write {id, text} to its stdin; readline {id, timeout} -> line; wait {id, timeout} -> rc, stdout, stderr (or
+running); signal {id, signal}; run {argv, env, timeout};
 done {rc} ends the server, which then exits with rc (b's exit code mirrors the suite's result). The lab link
 is private to the two guests; nothing here is meant for any other network.
 """
@@ -36,6 +37,16 @@ class _Child:
     stdout: list[str] = field(default_factory=list)
     stderr: list[str] = field(default_factory=list)
     readers: list[threading.Thread] = field(default_factory=list)
+    read: int = 0  # stdout lines already handed out by readline
+    more: threading.Condition = field(default_factory=threading.Condition)
+
+    def collect(self, stream: Any, sink: list[str]) -> None:
+        for line in stream:
+            with self.more:
+                sink.append(line)
+                self.more.notify_all()
+        with self.more:
+            self.more.notify_all()
 
 
 class HostControl:
@@ -74,13 +85,16 @@ class HostControl:
         return {"running": agent is not None and agent.running(), "pid": None if agent is None else agent.pid,
                 "log_tail": "" if agent is None else agent.log_tail()}
 
-    def op_spawn(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> dict[str, Any]:
-        process = subprocess.Popen(list(argv), env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL,
+    def op_spawn(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
+                 stdin: bool = False) -> dict[str, Any]:
+        """Start a program; stdin=True keeps a pipe to it open for op write (line-driven guest programs)."""
+        process = subprocess.Popen(list(argv), env={**os.environ, **(env or {})},
+                                   stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                    start_new_session=True)
         child = _Child(process)
         for stream, sink in ((process.stdout, child.stdout), (process.stderr, child.stderr)):
-            reader = threading.Thread(target=lambda s=stream, k=sink: k.extend(s), daemon=True)
+            reader = threading.Thread(target=child.collect, args=(stream, sink), daemon=True)
             reader.start()
             child.readers.append(reader)
         with self._lock:
@@ -101,6 +115,33 @@ class HostControl:
         with self._lock:
             self.children.pop(id, None)
         return {"running": False, "rc": rc, "stdout": "".join(child.stdout), "stderr": "".join(child.stderr)}
+
+    def op_write(self, id: int, text: str) -> dict[str, Any]:
+        child = self._child(id)
+        assert child.process.stdin is not None
+        child.process.stdin.write(text)
+        child.process.stdin.flush()
+        return {}
+
+    def op_readline(self, id: int, timeout: float = 60.0) -> dict[str, Any]:
+        """The child's next stdout line; line None if it ended (or nothing came within timeout: timed_out)."""
+        child = self._child(id)
+        deadline = time.monotonic() + timeout
+        with child.more:
+            while child.read >= len(child.stdout):
+                ended = child.process.poll() is not None and not any(r.is_alive() for r in child.readers[:1])
+                left = deadline - time.monotonic()
+                if ended or left <= 0:
+                    return {"line": None, "timed_out": not ended, "stderr": "".join(child.stderr)[-3000:]}
+                child.more.wait(min(left, 0.5))
+            child.read += 1
+            return {"line": child.stdout[child.read - 1]}
+
+    def _child(self, id: int) -> _Child:
+        child = self.children.get(id)
+        if child is None:
+            raise LabError(f"no child {id}")
+        return child
 
     def op_signal(self, id: int, signal: int = signal.SIGTERM) -> dict[str, Any]:
         child = self.children.get(id)

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import httpx
 
@@ -33,8 +33,9 @@ AGENT_TOKEN = "vra_lab-two-hosts-agent"
 DATABASE = "vrnic"
 LOG_DIR = PROJECT_DIR / ".lab" / "two-hosts"  # on the shared work dir: readable after the run
 # Short heartbeats so that "down within the window" is seconds, not minutes (settings of issue 13's agents).
-AGENT_ENV = {"VRNIC_HEARTBEAT_INTERVAL_S": "1", "VRNIC_HOST_DOWN_AFTER_S": "4", "VRNIC_AGENT_TOKEN": AGENT_TOKEN,
-             "VRNIC_LOG_LEVEL": "info"}
+HEARTBEAT_S, DOWN_AFTER_S = 1.0, 4.0
+AGENT_ENV = {"VRNIC_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S), "VRNIC_HOST_DOWN_AFTER_S": str(DOWN_AFTER_S),
+             "VRNIC_AGENT_TOKEN": AGENT_TOKEN, "VRNIC_LOG_LEVEL": "info"}
 
 
 class Agent(Protocol):
@@ -68,8 +69,10 @@ class Rig:
     @classmethod
     @contextmanager
     def start(cls, agent_env: Mapping[str, str] | None = None, root: Path = Path("/run/vrnic-two-hosts"),
-              log: bool = True) -> Iterator[Rig]:
-        """PostgreSQL on a, `vrnic db upgrade`, the agents of a and b (started in parallel); all torn down."""
+              log: bool = True, host_env: Mapping[str, Mapping[str, str]] | None = None) -> Iterator[Rig]:
+        """PostgreSQL on a, `vrnic db upgrade`, the agents of a and b (started in parallel); all torn down.
+
+        agent_env: more VRNIC_* settings for both agents; host_env: per host ({"b": {...}})."""
         addrs = lab_addrs()
         if os.environ.get("VRNIC_LAB_ROLE") != "a":
             raise LabError("the rig is driven from host a")
@@ -100,7 +103,8 @@ class Rig:
             env = {**AGENT_ENV, **(agent_env or {})}
             configs = {host: AgentConfig(host_name=host, listen_host=addr, database_url=url,
                                          operator_token=OPERATOR_TOKEN, state_dir=root / f"agent-{host}",
-                                         log_file=LOG_DIR / f"agent-{host}.log", env=env)
+                                         log_file=LOG_DIR / f"agent-{host}.log",
+                                         env={**env, **(host_env or {}).get(host, {})})
                        for host, addr in addrs.items()}
             for config in configs.values():
                 config.log_file.unlink(missing_ok=True)
@@ -134,13 +138,15 @@ class Rig:
             raise LabError(f"creating tenant {name}: {made.status_code} {made.text}")
         return str(made.json()["token"])
 
-    def allocate(self, host: str, token: str, **body: object) -> dict[str, object]:
-        """POST /vrnics through host's API for the tenant of token, placed on host; the VrnicOut (with attach)."""
-        with self.client(host, token) as api:
-            made = api.post("/vrnics", json={"device": "rxe0", **body})
+    def allocate(self, via: str, token: str, host: str | None = None, **body: object) -> dict[str, Any]:
+        """POST /vrnics through via's API for the tenant of token, placed on host (default: via); the VrnicOut
+        (with attach)."""
+        host = host or via
+        with self.client(via, token) as api:
+            made = api.post("/vrnics", json={"device": "rxe0", "host": host, **body})
         if made.status_code != 201:
             raise LabError(f"allocating a vRNIC on {host}: {made.status_code} {made.text}")
-        vrnic: dict[str, object] = made.json()
+        vrnic: dict[str, Any] = made.json()
         if vrnic["host"] != host:
             raise LabError(f"asked for a vRNIC on {host}, got one on {vrnic['host']}")
         return vrnic
