@@ -349,19 +349,22 @@ def metrics(cp: CP, who: Caller) -> PlainTextResponse:
     who.require_operator()
     counted = cp.backend.qos_counters()
 
-    class Sent(Collector):
+    class Counted(Collector):
         def collect(self):  # type: ignore[no-untyped-def]
-            tx_bytes = CounterMetricFamily("vrnic_tx_bytes", "Bytes a vRNIC sent (QoS mechanism)", labels=["vrnic"])
-            tx_packets = CounterMetricFamily("vrnic_tx_packets", "Packets a vRNIC sent", labels=["vrnic"])
-            rate = GaugeMetricFamily("vrnic_tx_rate_bits_per_second", "Send rate since the previous scrape",
-                                     labels=["vrnic"])
             now = time.monotonic()
-            for vrnic_id, c in sorted(counted.items()):
-                tx_bytes.add_metric([vrnic_id], c["tx_bytes"])
-                tx_packets.add_metric([vrnic_id], c["tx_packets"])
-                rate.add_metric([vrnic_id], cp.vrnics.meter.read(f"metrics:{vrnic_id}", c["tx_bytes"], now))
-            yield from (tx_bytes, tx_packets, rate)
+            for way, verb, noun in (("tx", "sent", "Send"), ("rx", "received", "Receive")):
+                nbytes = CounterMetricFamily(f"vrnic_{way}_bytes", f"Bytes a vRNIC {verb} (QoS mechanism)",
+                                             labels=["vrnic"])
+                packets = CounterMetricFamily(f"vrnic_{way}_packets", f"Packets a vRNIC {verb}", labels=["vrnic"])
+                rate = GaugeMetricFamily(f"vrnic_{way}_rate_bits_per_second", f"{noun} rate since the previous "
+                                         "scrape", labels=["vrnic"])
+                for vrnic_id, c in sorted(counted.items()):
+                    nbytes.add_metric([vrnic_id], c.get(f"{way}_bytes", 0))
+                    packets.add_metric([vrnic_id], c.get(f"{way}_packets", 0))
+                    rate.add_metric([vrnic_id], cp.vrnics.meter.read(f"metrics:{way}:{vrnic_id}",
+                                                                     c.get(f"{way}_bytes", 0), now))
+                yield from (nbytes, packets, rate)
 
     registry = CollectorRegistry()
-    registry.register(Sent())
+    registry.register(Counted())
     return PlainTextResponse(generate_latest(registry).decode(), media_type=CONTENT_TYPE_LATEST)

@@ -148,13 +148,17 @@ class VrnicQosChange(BaseModel):
 
 
 class VrnicCounters(BaseModel):
-    """What a vRNIC sent, as the kernel's QoS mechanism counted it; zero while its device has no QoS on."""
+    """What a vRNIC sent and received, as the kernel's QoS mechanism counted it; zero while its device has no
+    QoS on."""
 
     vrnic_id: str
     shaped: bool  # counted by a QoS mechanism (its device has QoS on)
     tx_bytes: int
     tx_packets: int
     tx_rate_bps: float  # bits per second since the previous reading (0 at the first)
+    rx_bytes: int = 0
+    rx_packets: int = 0
+    rx_rate_bps: float = 0.0
 
 
 class VmMigrationPrepared(BaseModel):

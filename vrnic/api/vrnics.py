@@ -274,11 +274,13 @@ class Vrnics:
     def counters(self, principal: Principal, vrnic_id: str) -> VrnicCounters:
         with self.tx.read() as uow:
             find_vrnic(uow.session, principal, vrnic_id)
-        counted = self.backend.qos_counters().get(vrnic_id)
-        reading = self.meter.read(vrnic_id, counted["tx_bytes"] if counted else 0, time.monotonic())
-        return VrnicCounters(vrnic_id=vrnic_id, shaped=counted is not None,
-                             tx_bytes=counted["tx_bytes"] if counted else 0,
-                             tx_packets=counted["tx_packets"] if counted else 0, tx_rate_bps=reading)
+        counted = self.backend.qos_counters().get(vrnic_id) or {}
+        now = time.monotonic()
+        tx, rx = counted.get("tx_bytes", 0), counted.get("rx_bytes", 0)
+        return VrnicCounters(vrnic_id=vrnic_id, shaped=bool(counted), tx_bytes=tx,
+                             tx_packets=counted.get("tx_packets", 0), tx_rate_bps=self.meter.read(vrnic_id, tx, now),
+                             rx_bytes=rx, rx_packets=counted.get("rx_packets", 0),
+                             rx_rate_bps=self.meter.read(f"rx:{vrnic_id}", rx, now))
 
     # -- release ----------------------------------------------------------------------------------
 

@@ -67,7 +67,7 @@ class RnicDriver(ABC):
         raise NotSupported(f"the {self.name} driver cannot change a vRNIC's QoS while it lives")
 
     def qos_counters(self) -> dict[str, dict[str, int]]:
-        """tx_bytes and tx_packets per vRNIC whose QoS this driver enforces."""
+        """tx_bytes, tx_packets, rx_bytes and rx_packets per vRNIC whose QoS this driver enforces."""
         return {}
 
     def reconcile_qos(self) -> int:

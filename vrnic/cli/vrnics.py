@@ -67,7 +67,8 @@ def list_(state: Annotated[VrnicState | None, typer.Option(help="Only this state
 
 @app.command("show")
 def show_(vrnic_id: str, as_json: JsonFlag = False) -> None:
-    """A vRNIC, with what it sent (bytes, packets, the rate since the previous reading) when QoS counts it."""
+    """A vRNIC, with what it sent and received (bytes, packets, the rates since the previous reading) when QoS
+    counts it."""
     with api() as client:
         vrnic = client.request("GET", f"/vrnics/{vrnic_id}")
         vrnic["counters"] = client.request("GET", f"/vrnics/{vrnic_id}/counters")
