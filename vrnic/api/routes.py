@@ -22,6 +22,8 @@ from vrnic.api.schemas import (
     NumVfsChanged,
     Page,
     ReconcileOut,
+    SecurityRuleCreate,
+    SecurityRuleOut,
     SriovPfOut,
     SriovVfOut,
     TenantCreate,
@@ -284,6 +286,29 @@ def list_events(cp: CP, who: Caller, cursor: Cursor = None, limit: Limit = 50,
                 action: Annotated[str | None, Query(max_length=40, pattern=Printable)] = None) -> Page[EventOut]:
     """The audit log, oldest first; a tenant sees only events about itself."""
     return cp.inventory.list_events(who, cursor, limit, subject=subject, action=action)
+
+
+# -- security groups: a tenant's own VPC's rules (the operator: any tenant's) ------------------------
+
+@router.post("/security-rules", status_code=status.HTTP_201_CREATED, tags=["security-rules"])
+async def add_security_rule(body: SecurityRuleCreate, cp: CP, who: Caller, response: Response) -> SecurityRuleOut:
+    """Allow or deny peers of another tenant's VPC ("*": any other). Cross-VPC connections need an allow on both
+    sides and no deny on either; checked by the agents at connect time, and audited."""
+    rule = await cp.write(cp.security_rules.create, who, body)
+    response.headers["Location"] = f"/api/v1/security-rules/{rule.id}"
+    return rule
+
+
+@router.get("/security-rules", tags=["security-rules"])
+def list_security_rules(cp: CP, who: Caller, cursor: Cursor = None, limit: Limit = 50,
+                        tenant: Annotated[str | None, Query(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")] = None
+                        ) -> Page[SecurityRuleOut]:
+    return cp.security_rules.list(who, cursor, limit, tenant=tenant)
+
+
+@router.delete("/security-rules/{rule_id}", status_code=status.HTTP_204_NO_CONTENT, tags=["security-rules"])
+async def delete_security_rule(rule_id: BigId, cp: CP, who: Caller) -> None:
+    await cp.write(cp.security_rules.delete, who, rule_id)
 
 
 # -- SR-IOV: PFs and VFs (operator only), a vRNIC's VF (its tenant too) ---------------------------
