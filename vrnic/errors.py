@@ -69,6 +69,12 @@ class PermissionDenied(VrnicError):
     code = "permission_denied"
 
 
+class Unavailable(VrnicError):
+    """Another host's agent (or the service it needs) cannot be reached now; retry later (API: 503)."""
+
+    code = "unavailable"
+
+
 class DeviceError(VrnicError):
     """The kernel or device refused an operation; carries the errno."""
 

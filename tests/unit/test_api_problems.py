@@ -29,6 +29,7 @@ EXPECTED = {
     errors.LabError: 500,
     errors.BootFailure: 500,
     SchemaOutOfDate: 503,
+    errors.Unavailable: 503,
 }
 
 

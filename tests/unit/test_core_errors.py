@@ -21,6 +21,7 @@ from vrnic.errors import (
     PermissionDenied,
     QuotaExceeded,
     Unauthenticated,
+    Unavailable,
     VrnicError,
     error_from_dict,
 )
@@ -47,6 +48,7 @@ EXAMPLES: list[VrnicError] = [
     NotSupported("mode sriov is not enabled on this host"),
     Unauthenticated("missing bearer token"),
     PermissionDenied("not yours"),
+    Unavailable("the agent of host b is unreachable"),
     DeviceError("ibv_create_qp failed", errno=12),
     DeviceError("no errno"),
     LabError("qemu missing"),

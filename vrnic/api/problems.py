@@ -24,6 +24,7 @@ from vrnic.errors import (
     PermissionDenied,
     QuotaExceeded,
     Unauthenticated,
+    Unavailable,
     VrnicError,
 )
 
@@ -42,6 +43,7 @@ STATUS: dict[type[VrnicError], int] = {
     NotSupported: 422,  # understood, but this host cannot do it (mode not enabled, no device)
     DeviceError: 502,  # the kernel or device below us refused
     SchemaOutOfDate: 503,  # someone migrated the database under a running daemon
+    Unavailable: 503,  # another host's agent is down or unreachable
 }
 
 # Documented on every route, so clients (and schemathesis) know the possible problem answers.
