@@ -13,6 +13,8 @@ import pytest
 
 from vrnic.lab.two_hosts.rig import Rig, in_two_hosts_lab
 
+B_DEVICE_CAP = 6  # b's rxe0 takes this many live vRNICs (the race for the last slot)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if in_two_hosts_lab() and os.environ.get("VRNIC_LAB_ROLE") == "a" and "VRNIC_LAB_CONTROL" in os.environ:
@@ -25,5 +27,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def rig() -> Iterator[Rig]:
-    with Rig.start() as started:
+    with Rig.start(host_env={"b": {"VRNIC_DEVICE_MAX_VRNICS": str(B_DEVICE_CAP)}}) as started:
         yield started

@@ -1,0 +1,39 @@
+"""Helpers of the two-hosts tests: answers, waiting, releasing, the audit log."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vrnic.lab.two_hosts.rig import Rig
+
+
+def ok(answer: dict[str, Any]) -> dict[str, Any]:
+    assert "error" not in answer, answer
+    return answer
+
+
+def eventually(check: Callable[[], Any], timeout: float, every: float = 0.25) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result or time.monotonic() > deadline:
+            return result
+        time.sleep(every)
+
+
+def release(rig: Rig, *vrnics: dict[str, Any]) -> None:
+    """DELETE each; a guest killed a moment ago may still count as attached until its agent notices (409)."""
+    with rig.client("a") as api:
+        for vrnic in vrnics:
+            answer = eventually(lambda v=vrnic: (r := api.delete(f"/vrnics/{v['id']}")).status_code != 409 and r,
+                                timeout=15)
+            assert answer and answer.status_code == 200, (vrnic["id"], answer and answer.text)
+
+
+def events(rig: Rig, action: str, host: str = "a") -> list[dict[str, Any]]:
+    with rig.client(host) as api:
+        page = api.get("/events", params={"action": action, "limit": 100})
+    assert page.status_code == 200, page.text
+    return list(page.json()["items"])
