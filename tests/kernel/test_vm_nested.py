@@ -218,7 +218,7 @@ def _boot(domain: Any, name: str, channel: Path, console: Path) -> tuple[socket.
     offset = console.stat().st_size if console.exists() else 0  # the console log is appended to
     report = partial(domain_report, name, console)
     t0 = time.monotonic()
-    bounded(domain.create, 120, f"starting {name} (virDomainCreate)", report)
+    bounded(domain.create, 180, f"starting {name} (virDomainCreate)", report)
     TIMINGS["domain_create_s"] = time.monotonic() - t0
     # (a) running
     assert bounded(domain.state, 30, "virDomainGetState", report)[0] == libvirt.VIR_DOMAIN_RUNNING
@@ -227,7 +227,7 @@ def _boot(domain: Any, name: str, channel: Path, console: Path) -> tuple[socket.
     sock = None
     buf = bytearray()
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 240  # a bound on a hang, not a budget: a loaded lab is slow
         sock = _connect(channel, deadline)
         ready = _readline(sock, buf, deadline)
     except (TimeoutError, ConnectionError) as exc:

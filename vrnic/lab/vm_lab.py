@@ -126,7 +126,7 @@ class VmLab:
         """libvirt's state of a domain define_vm() made, its QEMU log, console and the lab kernel's last lines."""
         return domain_report(domain, self.workdir / domain / "console.log")
 
-    def start_vm(self, name: str, files: Path, ready_timeout: float = 180) -> tuple[ControlPort, dict[str, Any]]:
+    def start_vm(self, name: str, files: Path, ready_timeout: float = 240) -> tuple[ControlPort, dict[str, Any]]:
         """`virsh start NAME`, then the VM program's `ready` on its control port: (the port, the message).
 
         A nested guest that stops before its /init printed anything (early_stop) is booted once more, and
