@@ -144,6 +144,7 @@ class VrnicSide:
         from vrnic.frontend import QP
 
         self.qp = QP(self.pd, self.cq, self.cq)
+        self.qp.modify("init")  # as rdma_cm hands out QPs; connect() goes on to RTR and RTS
         return {"gid": self.ctx.gid, "qpn": self.qp.qpn}
 
     def connect(self, peer: dict[str, Any]) -> None:
@@ -207,6 +208,7 @@ class Leader:
             peer = self.line.recv()  # b created its QP and connected it to ours
             side.connect(peer)
             samples.append((time.perf_counter() - started) * 1e3)
+            self.line.send({"connected": True})  # b keeps its QP until ours is connected (vrnic resolves it)
             self.line.recv()  # b closed its QP: the next round starts clean
             side.close_qp()
         return samples
@@ -259,6 +261,7 @@ def follow(leader: str, sides: dict[str, Callable[[], Side]]) -> None:
                     mine = side.new_qp()
                     side.connect(peer)
                     line.send(mine)
+                    line.recv()  # a connected to this QP
                     side.close_qp()
                     line.send({"closed": True})
             elif command["op"] == "ping_pong":
