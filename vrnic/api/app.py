@@ -53,8 +53,8 @@ async def _beat(cp: ControlPlane, interval: float) -> None:
             if down:
                 log.warning("host(s) marked down (no heartbeat): %s", ", ".join(down))
             await cp.write(cp.vrnics.record_observed)
-        except Exception:  # the database may be restarting: beat again next time
-            log.exception("heartbeat failed")
+        except Exception as exc:  # the database may be restarting: beat again next time
+            log.warning("heartbeat failed (next try in %.1f s): %s", interval, exc)
 
 
 def create_app(settings: DaemonSettings, backend: BackendService, *, engine: Engine | None = None,

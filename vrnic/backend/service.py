@@ -1,7 +1,7 @@
 """The backend service boundary: what the control plane (API, CLI through the API) asks of vrnicd.
 
-The API only talks to this class, so it could later talk to a remote host agent
-with the same methods.
+The API only talks to this class; another host's BackendService is reached through that host's agent
+(vrnic.api.agent serves it, vrnic.backend.remote.RemoteBackend calls it with the same method names).
 """
 
 from __future__ import annotations
