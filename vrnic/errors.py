@@ -82,6 +82,12 @@ class DeviceError(VrnicError):
         return {**super().to_dict(), "errno": self.errno}
 
 
+class Unavailable(VrnicError):
+    """Something this host needs is down or unreachable (another host's agent, the database); retry later."""
+
+    code = "unavailable"
+
+
 class LabError(VrnicError):
     """The lab (QEMU guest) could not be prepared or started."""
 

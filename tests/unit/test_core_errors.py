@@ -21,6 +21,7 @@ from vrnic.errors import (
     PermissionDenied,
     QuotaExceeded,
     Unauthenticated,
+    Unavailable,
     VrnicError,
     error_from_dict,
 )
@@ -49,6 +50,7 @@ EXAMPLES: list[VrnicError] = [
     PermissionDenied("not yours"),
     DeviceError("ibv_create_qp failed", errno=12),
     DeviceError("no errno"),
+    Unavailable("the agent of host b cannot be reached"),
     LabError("qemu missing"),
     BootFailure("guest did not boot"),
 ]

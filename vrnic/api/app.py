@@ -17,6 +17,7 @@ from sqlalchemy import Engine
 
 from vrnic import __version__
 from vrnic.api import problems
+from vrnic.api.agent_peers import router as agent_peers_router
 from vrnic.api.controlplane import ControlPlane
 from vrnic.api.routes import metrics_router, router
 from vrnic.backend.service import BackendService
@@ -93,7 +94,9 @@ def create_app(settings: DaemonSettings, backend: BackendService, *, engine: Eng
     app = FastAPI(title="vrnic", version=__version__, lifespan=lifespan,
                   description="Virtual RDMA NICs for VMs and containers: tenants, vRNICs, devices, hosts, events.")
     app.state.control_plane = cp
+    app.state.agent_token = getattr(settings, "agent_token", None) or settings.operator_token  # other agents' key
     problems.install(app)
     app.include_router(router)
     app.include_router(metrics_router)
+    app.include_router(agent_peers_router)
     return app

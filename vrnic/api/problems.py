@@ -24,6 +24,7 @@ from vrnic.errors import (
     PermissionDenied,
     QuotaExceeded,
     Unauthenticated,
+    Unavailable,
     VrnicError,
 )
 
@@ -41,6 +42,7 @@ STATUS: dict[type[VrnicError], int] = {
     Conflict: 409,
     NotSupported: 422,  # understood, but this host cannot do it (mode not enabled, no device)
     DeviceError: 502,  # the kernel or device below us refused
+    Unavailable: 503,  # another host's agent (or the database) cannot be reached
     SchemaOutOfDate: 503,  # someone migrated the database under a running daemon
 }
 
