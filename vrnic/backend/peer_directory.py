@@ -33,7 +33,7 @@ from vrnic.errors import NotFound, Unavailable, VrnicError, error_from_dict
 log = logging.getLogger(__name__)
 _Answer = TypeVar("_Answer", bound=BaseModel)
 
-LOOKUP_TIMEOUT_S = 2.0  # a peer lookup is one small query to another agent; longer means it is in trouble
+LOOKUP_TIMEOUT_S = 5.0  # a peer lookup is one small query to another agent; longer means it is in trouble
 CM_MARGIN_S = 2.0  # a connect request waits for the listener: its own timeout plus this
 
 

@@ -399,7 +399,9 @@ class GuestSession:
             resolved = self.registry.peer_qp(self.vrnic, gid, request.vqpn, via="cm accept")
             with self.lock:
                 self._bring_up(qp, gid, request.vqpn, args.access, resolved)
-        except BaseException:
+        except BaseException as exc:
+            log.warning("vRNIC %s: accepting connection request %d from %s failed: %s", self.vrnic_id, request.id,
+                        gid, exc)
             self.cm.answer(request, None, "the listener could not connect its QP")
             raise
         if not self.cm.answer(request, (qp.vqpn, bytes.fromhex(args.private_data))):
@@ -439,12 +441,13 @@ class GuestSession:
             return qp
 
     def _bring_up(self, qp: QpEntry, gid: str, vqpn: int, access: int, resolved: tuple[Peer, int]) -> None:
-        """INIT, RTR, RTS towards a peer QP resolved beforehand (the caller holds the lock now)."""
+        """INIT (unless the guest moved it there already, with its own access flags), RTR, RTS towards a peer QP
+        resolved beforehand (the caller holds the lock now)."""
         if self._closed:
             raise Conflict("the session is closed", current_state="detached")
         if self.state.qps.get(qp.handle) is not qp:
             raise NotFound(f"QP {qp.vqpn} was destroyed")
-        for state in ("init", "rtr", "rts"):
+        for state in ("init", "rtr", "rts") if qp.state == "reset" else ("rtr", "rts"):
             self.op_modify_qp(verb_args.ModifyQp(qp=qp.handle, state=state, access=access, remote_gid=gid,
                                                  remote_qpn=vqpn), resolved=resolved if state == "rtr" else None)
 

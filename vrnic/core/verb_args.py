@@ -144,7 +144,7 @@ class CmAccept(Args):
     request: int = Field(ge=0, lt=1 << 63)
     qp: Handle
     private_data: str = Field("", max_length=2 * ACCEPT_PRIVATE_DATA, pattern=HEX)  # hex
-    access: int = Field(15, ge=0, le=15)
+    access: int = Field(15, ge=0, le=15)  # for a QP in RESET; one in INIT keeps its own
 
 
 class CmReject(Args):
@@ -159,7 +159,7 @@ class CmConnect(Args):
     port: int = Field(ge=1, le=65535)
     private_data: str = Field("", max_length=2 * CONNECT_PRIVATE_DATA, pattern=HEX)  # hex
     timeout_ms: int = Field(5000, ge=1, le=MAX_CM_TIMEOUT_MS)
-    access: int = Field(15, ge=0, le=15)
+    access: int = Field(15, ge=0, le=15)  # for a QP in RESET; one in INIT keeps its own
 
 
 OPS: dict[str, type[Args]] = {

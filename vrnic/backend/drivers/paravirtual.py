@@ -33,7 +33,7 @@ from vrnic.backend.driver import RnicDriver
 from vrnic.backend.engine import DataPathEngine, EngineHost, SharedRingEngine
 from vrnic.backend.flow_guard import FlowGuard
 from vrnic.backend.guest_memory import GuestMemory
-from vrnic.backend.peer_directory import AgentDirectory, Locator, PeerDirectory
+from vrnic.backend.peer_directory import LOOKUP_TIMEOUT_S, AgentDirectory, Locator, PeerDirectory
 from vrnic.backend.peer_service import PeerService
 from vrnic.backend.qos_shaper import HtbShaper, QosMechanism, link_speed_mbps, uplink_netdev
 from vrnic.backend.rdma_cgroup import Confinement
@@ -69,7 +69,8 @@ class VerbsDriver(RnicDriver):
                  edge: RnicEdge | None = None, channel: ChannelLimits | None = None,
                  direct_containment: str = "required", packet_guard: bool | FlowGuard = False,
                  strict_isolation: bool = False, qos_link_mbps: int | None = None, locator: Locator | None = None,
-                 agent_token: str | SecretStr | None = None, directory: PeerDirectory | None = None) -> None:
+                 agent_token: str | SecretStr | None = None, directory: PeerDirectory | None = None,
+                 peer_timeout_s: float = LOOKUP_TIMEOUT_S) -> None:
         """direct_containment: "required" refuses a direct-engine guest whose cgroup vrnicd cannot limit
         (rdma.max); "best-effort" lets it attach uncontained, with a warning and `contained: false`.
         packet_guard: filter RoCE egress of the devices served to the flows vrnicd connected (nftables).
@@ -77,7 +78,8 @@ class VerbsDriver(RnicDriver):
         loops its own traffic back past it, as rxe does).
         locator: the cluster's store (security-group rules, virtual IPs, which host holds a GID, the audit log);
         with agent_token, peers on other hosts are reached through their agents (AgentDirectory; `directory`
-        replaces it). Without a locator only this vrnicd's vRNICs are peers, and only within their VPC."""
+        replaces it; peer_timeout_s bounds each of its lookups). Without a locator only this vrnicd's vRNICs are
+        peers, and only within their VPC."""
         if direct_containment not in ("required", "best-effort"):
             raise InvalidArgument(f"direct_containment is 'required' or 'best-effort', not {direct_containment!r}")
         self.direct_containment = direct_containment
@@ -97,8 +99,8 @@ class VerbsDriver(RnicDriver):
         token = agent_token.get_secret_value() if isinstance(agent_token, SecretStr) else agent_token
         if locator is not None and directory is None and not token:
             log.warning("a locator but no agent token: peers on other hosts stay unreachable")
-        self._own_directory = AgentDirectory(locator, token) if directory is None and locator is not None and token \
-            else None
+        self._own_directory = (AgentDirectory(locator, token, peer_timeout_s)
+                               if directory is None and locator is not None and token else None)
         self.registry = Registry(locator=locator, directory=directory or self._own_directory)
         self.cm = ConnectionManager()  # listeners of every vRNIC here, for local and remote connectors
         self.peers = PeerService(self.registry, self.cm)  # what other hosts' agents may ask about ours
