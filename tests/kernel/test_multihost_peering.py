@@ -9,6 +9,7 @@ programmed with the other device's physical GID and QPN, which neither guest eve
 
 from __future__ import annotations
 
+import ipaddress
 import threading
 import time
 from collections.abc import Iterator
@@ -39,12 +40,12 @@ def rig(device_pair: tuple[str, str], tmp_path: Path) -> Iterator[TwoAgents]:
 
 
 class Guest:
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, qp_type: str = "rc") -> None:
         self.ctx = ctx
         self.pd = PD(ctx)
         self.cq = CQ(ctx, 64)
         self.mr = MR(self.pd, 65536, ALL)
-        self.qp = QP(self.pd, self.cq, self.cq)
+        self.qp = QP(self.pd, self.cq, self.cq, qp_type=qp_type)
 
     def close(self) -> None:
         for obj in (self.qp, self.mr, self.cq, self.pd, self.ctx):
@@ -122,6 +123,28 @@ def test_guests_on_two_agents_connect_by_virtual_ip_and_move_bytes(rig: TwoAgent
         assert [c.status for c in b.cq.wait(1, timeout=30)] == [WcStatus.SUCCESS]
         assert [c.wr_id for c in a.cq.wait(1, timeout=30)] == [9]
         assert a.mr.read(12, 8192) == b"reply from b"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_ud_between_two_agents_resolves_the_destination_and_names_the_source_virtually(rig: TwoAgents) -> None:
+    a = Guest(Context.attach(rig.make("a"), arena_bytes=1 << 20), qp_type="ud")
+    b = Guest(Context.attach(rig.make("b"), arena_bytes=1 << 20), qp_type="ud")
+    try:
+        for g in (a, b):
+            for state in ("init", "rtr", "rts"):
+                g.qp.modify(state)
+        b.qp.post_recv([RecvRequest(i, (b.mr.sge(i * 1024, 1024),)) for i in range(2)], sync=True)
+        for i in range(2):
+            a.mr.write(f"datagram {i}".encode(), i * 64)
+            a.qp.post_send(SendRequest(10 + i, WrOpcode.SEND, (a.mr.sge(i * 64, 10),),
+                                       ud_gid=ipaddress.IPv6Address(b.ctx.gid).packed, ud_qpn=b.qp.qpn,
+                                       ud_qkey=0x11111111))
+        assert [c.status for c in a.cq.wait(2, timeout=30)] == [WcStatus.SUCCESS] * 2
+        received = b.cq.wait(2, timeout=30)
+        assert [(c.status, c.src_qp, c.byte_len) for c in received] == [(WcStatus.SUCCESS, a.qp.qpn, 50)] * 2
+        assert [b.mr.read(10, i * 1024 + 40) for i in range(2)] == [b"datagram 0", b"datagram 1"]  # after the GRH
     finally:
         a.close()
         b.close()

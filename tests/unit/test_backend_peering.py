@@ -11,19 +11,21 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from tests.peering_fakes import MemoryLocator
+from vrnic.backend import registry as registry_module
 from vrnic.backend.cm import ConnectionManager
 from vrnic.backend.drivers.paravirtual import VerbsDriver
 from vrnic.backend.fake_edge import FakeEdge
 from vrnic.backend.peer_directory import AgentRef, RemotePeer
 from vrnic.backend.peer_service import PeerService
 from vrnic.backend.registry import MR_REFETCH_S, Registry, VirtualRnic
+from vrnic.backend.session import GuestSession
 from vrnic.core.peering import Identity
 from vrnic.core.specs import AttachInfo, VrnicSpec
 from vrnic.core.translate import MrWindow
@@ -44,9 +46,11 @@ class LoopbackDirectory:
     services: dict[str, PeerService] = field(default_factory=dict)  # host -> its driver's service
     down: set[str] = field(default_factory=set)
     calls: list[str] = field(default_factory=list)
+    on_call: Callable[[str], None] = lambda what: None
 
     def _service(self, agent: AgentRef | None, what: str, gid: str = "") -> PeerService:
         self.calls.append(what)
+        self.on_call(what)
         if agent is None:  # as AgentDirectory says it
             raise NotFound(f"no reachable vRNIC with virtual GID {gid}")
         if agent.host in self.down:
@@ -196,6 +200,47 @@ def test_a_key_registered_after_connecting_is_fetched_again_but_a_bad_one_not_ev
                                        rkey=0xBAD))
         assert {c.status for c in a.cq.wait(20)} == {WcStatus.REM_ACCESS_ERR}
         assert hosts.directory.calls.count("mrs") - fetched <= 2
+
+
+def test_a_remote_peer_is_looked_up_without_the_session_lock(hosts: Hosts) -> None:
+    with Context.attach(hosts.make("a"), ARENA) as ca, Context.attach(hosts.make("b"), ARENA) as cb:
+        a, b = Guest(ca), Guest(cb)
+        session = hosts.drivers["a"].registry.get(ca.vrnic_id).session
+        assert isinstance(session, GuestSession)
+        free: list[bool] = []
+
+        def take() -> None:
+            got = session.lock.acquire(timeout=2)
+            free.append(got)
+            if got:
+                session.lock.release()
+
+        def probe(what: str) -> None:  # while the other agent is asked, another thread (the engine) gets the lock
+            if what == "qp":
+                taker = threading.Thread(target=take)
+                taker.start()
+                taker.join()
+
+        hosts.directory.on_call = probe
+        a.qp.connect(cb.gid, b.qp.qpn)
+        assert free == [True]
+
+
+def test_a_deregistered_remote_mr_stops_translating_within_the_ttl(hosts: Hosts, edge: FakeEdge,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(registry_module, "MR_TTL_S", 0.3)
+    with Context.attach(hosts.make("a"), ARENA) as ca, Context.attach(hosts.make("b"), ARENA) as cb:
+        a, b = Guest(ca), Guest(cb)
+        a.qp.connect(cb.gid, b.qp.qpn)
+        b.qp.connect(ca.gid, a.qp.qpn)
+        gone = MR(b.pd, 4096, ALL)
+        a.qp.post_send(SendRequest(1, WrOpcode.RDMA_WRITE, (a.mr.sge(0, 8),), remote_addr=gone.addr, rkey=gone.rkey))
+        assert [c.status for c in a.cq.wait(1)] == [WcStatus.SUCCESS]
+        gone.close()
+        time.sleep(0.4)
+        a.qp.post_send(SendRequest(2, WrOpcode.RDMA_WRITE, (a.mr.sge(0, 8),), remote_addr=gone.addr, rkey=gone.rkey))
+        assert [c.status for c in a.cq.wait(1)] == [WcStatus.REM_ACCESS_ERR]
+        assert 2 not in [wr.wr_id for _, wr in edge.posted]  # refused by vrnicd, not by the NIC
 
 
 def test_another_tenant_on_another_host_is_refused_audited_and_allowed_by_peering_rules(hosts: Hosts) -> None:

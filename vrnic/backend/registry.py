@@ -37,6 +37,7 @@ _T = TypeVar("_T")
 RULES_TTL_S = 1.0  # security-group changes reach connect-time checks within this
 REMOTE_CACHE_S = 1.0  # a remote UD destination or UD source, once resolved, is trusted this long
 MR_REFETCH_S = 0.25  # a missing remote key asks the owner again at most this often
+MR_TTL_S = 5.0  # remote MR windows are trusted this long: a peer's deregistered MR stops translating by then
 AUDIT_QUIET_S = 10.0  # the same refusal (asker, target, action) is written once per this
 
 
@@ -212,6 +213,11 @@ class Registry:
             if published is not None:
                 for phys_qpn in published.qpn_by_vqpn.values():
                     self._by_phys.pop((vrnic.phys_gid, phys_qpn), None)
+            # what it cached of remote peers goes with it
+            for pair in [k for k in self._mr_cache if k[0] == vrnic.spec.id]:
+                del self._mr_cache[pair]
+            for key in [k for k in self._remote_cache if k[1] == vrnic.spec.id]:
+                del self._remote_cache[key]
 
     def hand_over(self, vrnic: VirtualRnic, old: Closeable, new: Closeable, qpns: dict[int, int],
                   mrs: dict[int, MrWindow]) -> None:
@@ -457,7 +463,8 @@ class Registry:
         now = time.monotonic()
         with self._lock:
             cached = self._mr_cache.get(key)
-        if cached is not None and (not refetch or now - cached.fetched_at < MR_REFETCH_S):
+        age = now - cached.fetched_at if cached is not None else 0.0
+        if cached is not None and age < MR_TTL_S and (not refetch or age < MR_REFETCH_S):
             return cached.windows
         try:
             windows = {w.vkey: w for w in self.remote(asker, peer.identity.virtual_gid,

@@ -102,10 +102,13 @@ class GuestSession:
                 raise Conflict("the session is closed", current_state="detached")
             unlocked: dict[str, Any] = getattr(self, f"op_{op}")(args)
             return unlocked
+        # A peer on another host is looked up before the lock is taken: the engine does not wait for that agent.
+        resolved = self._remote_peer(args) if op in ("connect", "modify_qp") else None
         with self.lock:
             if self._closed:
                 raise Conflict("the session is closed", current_state="detached")
-            result: dict[str, Any] = getattr(self, f"op_{op}")(args)
+            result: dict[str, Any] = (getattr(self, f"op_{op}")(args) if resolved is None
+                                      else getattr(self, f"op_{op}")(args, resolved=resolved))
         if op in ENGINE_OPS:
             self.engine.wake()
         return result
@@ -356,13 +359,27 @@ class GuestSession:
             raise InvalidArgument("RTR needs remote_gid and remote_qpn (the peer's virtual identity)")
         return self.registry.peer_qp(self.vrnic, remote_gid, remote_qpn)
 
-    def op_connect(self, args: verb_args.Connect) -> dict[str, Any]:
+    def _remote_peer(self, args: Any) -> tuple[Peer, int] | None:
+        """For connect and an RC QP's RTR: the peer and its physical QPN if another host holds it (else None:
+        a local peer is looked up under the lock, as the connect-time check always was)."""
+        if isinstance(args, verb_args.ModifyQp) and args.state != "rtr":
+            return None
+        gid, vqpn = args.remote_gid, args.remote_qpn
+        if gid is None or vqpn is None or self.registry.directory is None or self.registry.holds(gid):
+            return None
+        qp = self.state.qps.get(args.qp)
+        if qp.qp_type != "rc":
+            return None
+        return self.registry.peer_qp(self.vrnic, gid, vqpn)
+
+    def op_connect(self, args: verb_args.Connect, resolved: tuple[Peer, int] | None = None) -> dict[str, Any]:
         qp = self.state.qps.get(args.qp)
         if qp.qp_type != "rc":
             raise InvalidArgument("connect is for RC QPs; UD QPs name their peer per work request")
         for state in ("init", "rtr", "rts"):
             self.op_modify_qp(verb_args.ModifyQp(qp=args.qp, state=state, access=args.access,
-                                                 remote_gid=args.remote_gid, remote_qpn=args.remote_qpn))
+                                                 remote_gid=args.remote_gid, remote_qpn=args.remote_qpn),
+                              resolved=resolved if state == "rtr" else None)
         return {"state": "rts"}
 
     def op_resolve_rkey(self, _: verb_args.ResolveRkey) -> dict[str, Any]:
