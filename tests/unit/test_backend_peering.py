@@ -453,3 +453,46 @@ def test_accepting_a_request_whose_connector_gave_up_fails() -> None:
         cmgr.claim("v1", request.id, owner)
     with pytest.raises(NotFound):
         cmgr.claim("v1", request.id, owner)
+
+
+def test_a_listener_queues_a_bounded_backlog_and_remote_waits_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vrnic.backend import cm as cm_module
+    from vrnic.backend import peer_service
+
+    monkeypatch.setattr(cm_module, "BACKLOG", 2)
+    monkeypatch.setattr(peer_service, "MAX_REMOTE_CM_WAITS", 1)
+    cmgr = ConnectionManager()
+    registry = Registry()
+    spec = VrnicSpec(id="v1", tenant="t", vpc_id=1, virtual_gid=make_virtual_gid(1, 1))
+    owner = type("S", (), {"close": lambda self: None})()
+    target = VirtualRnic(spec=spec, device="d", token="t", phys_gid="::ffff:10.0.0.1", gid_index=1)
+    registry.add(target)
+    registry.attach(target, owner)
+    cmgr.listen("v1", 5, owner)
+    outcomes: list[str] = []
+    service = PeerService(registry, cmgr)
+
+    def here(n: int) -> object:  # a connector of this host
+        return cmgr.connect(ident(10 + n, "t", 1), "v1", 5, n, b"", 1.0)
+
+    def remote(n: int) -> object:  # one of another host, through this agent's route
+        return service.cm_connect(ident(10 + n, "t", 1), spec.virtual_gid, 5, n, b"", 1.0)
+
+    def attempt(call: Callable[[int], object], n: int) -> None:
+        try:
+            call(n)
+        except Conflict as exc:
+            outcomes.append(str(exc))
+
+    threads = [threading.Thread(target=attempt, args=(remote, 0)), threading.Thread(target=attempt, args=(here, 1))]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    attempt(here, 2)  # a third request: the backlog (2) is full
+    attempt(remote, 3)  # a second wait from another host: one may wait at a time
+    assert outcomes[:2] == ["connection refused: the listener on port 5 has 2 requests waiting",
+                            "connection refused: 1 requests from other hosts are waiting here already"]
+    for t in threads:
+        t.join(5)
+    assert sorted(outcomes[2:]) == ["the listener on port 5 did not answer within 1 s"] * 2
+

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from vrnic.core.peering import Identity
 from vrnic.errors import Conflict, NotFound
 
+BACKLOG = 16  # requests queued on one listener and not taken yet (rdma_listen's backlog); more are rejected
+
 
 @dataclass(eq=False)
 class CmRequest:
@@ -130,6 +132,9 @@ class ConnectionManager:
             listener = self._listeners.get((vrnic_id, port))
             if listener is None:
                 raise Conflict(f"connection refused: nothing listens on port {port}", current_state="rejected")
+            if len(listener.queue) >= BACKLOG:
+                raise Conflict(f"connection refused: the listener on port {port} has {BACKLOG} requests waiting",
+                               current_state="rejected")
             request = CmRequest(next(self._ids), port, asker, vqpn, private_data)
             listener.queue.append(request)
             self._cond.notify_all()

@@ -8,18 +8,25 @@ does not exist. The HTTP routes are vrnic.api.agent_peers; the asking side is pe
 
 from __future__ import annotations
 
+import threading
+
 from vrnic.backend.cm import ConnectionManager
 from vrnic.backend.registry import Registry
 from vrnic.core.peering import Identity
 from vrnic.core.translate import MrWindow
 from vrnic.core.vaddr import parse_virtual_gid
-from vrnic.errors import InvalidArgument
+from vrnic.errors import Conflict, InvalidArgument
+
+# Connect requests from other hosts wait for a guest's answer on one of the API's worker threads: at most this
+# many at once, so guests that never answer cannot take every thread of this agent's API.
+MAX_REMOTE_CM_WAITS = 16
 
 
 class PeerService:
     def __init__(self, registry: Registry, cm: ConnectionManager) -> None:
         self.registry = registry
         self.cm = cm
+        self._cm_waits = threading.BoundedSemaphore(MAX_REMOTE_CM_WAITS)
 
     @staticmethod
     def _check_asker(asker: Identity) -> None:
@@ -47,4 +54,10 @@ class PeerService:
         """Queue the request on the listener and wait for its guest's answer (the caller's thread waits)."""
         self._check_asker(asker)
         target = self.registry.local_peer(asker, virtual_gid, "cm connect (remote)")
-        return self.cm.connect(asker, target.spec.id, port, vqpn, private_data, timeout)
+        if not self._cm_waits.acquire(blocking=False):
+            raise Conflict(f"connection refused: {MAX_REMOTE_CM_WAITS} requests from other hosts are waiting here "
+                           f"already", current_state="rejected")
+        try:
+            return self.cm.connect(asker, target.spec.id, port, vqpn, private_data, timeout)
+        finally:
+            self._cm_waits.release()
