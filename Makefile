@@ -28,7 +28,7 @@ test-two-hosts:
 
 # Real SR-IOV VFs (PCI functions with netdevs) on an emulated igb NIC; runs QEMU 10 (see make setup).
 test-sriov-nic:
-	$(BIN)/vrnic lab run --sriov-nic --topology single --timeout 600 -- pytest -m kernel tests/kernel/test_sriov_vf_netdev.py tests/kernel/test_vm_sriov_hostdev.py
+	$(BIN)/vrnic lab run --sriov-nic --topology single --rerun-on-panic --timeout 600 -- pytest -m kernel tests/kernel/test_sriov_vf_netdev.py tests/kernel/test_vm_sriov_hostdev.py
 
 demo: setup
 	$(BIN)/vrnic lab run -- python -m vrnic.demo

@@ -72,8 +72,8 @@ def two_agents(edge: RnicEdge, devices: tuple[str, str], tmp: Path, **driver_opt
             engine = make_engine(f"sqlite:///{tmp / f'{host}.db'}")
             stack.callback(engine.dispose)
             upgrade(engine)
-            # No agent_token setting yet on this branch: the operator token is the agent token's fallback.
-            settings = DaemonSettings(state_dir=tmp, operator_token=SecretStr(AGENT_TOKEN), host_name=f"host-{host}",
+            settings = DaemonSettings(state_dir=tmp, operator_token=SecretStr("vro_peering-rig-operator"),
+                                      agent_token=SecretStr(AGENT_TOKEN), host_name=f"host-{host}",
                                       paravirtual_driver=None, sriov_driver=None, qos_reconcile_interval=0)
             url = stack.enter_context(serve_in_thread(create_app(settings, backend, engine=engine)))
             rig.agents[host] = Agent(host, device, driver, url)

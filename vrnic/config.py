@@ -69,11 +69,34 @@ class DaemonSettings(BaseSettings):
     # virtio-net), needed for guarantees; and how often drift in the kernel is put back (0: never).
     qos_link_mbps: int | None = Field(None, ge=1, le=10_000_000)
     qos_reconcile_interval: float = Field(30.0, ge=0)
+    # Multi-host: what other agents and API servers use to reach this host (default: http://listen_host:port),
+    # the token agents present to each other's /agent/v1 routes (default: the operator token), the heartbeat,
+    # and the cap of live vRNICs recorded for each device of this host (None: no cap).
+    advertise_url: str | None = None
+    agent_token: SecretStr | None = None
+    heartbeat_interval_s: float = Field(2.0, gt=0)
+    host_down_after_s: float | None = Field(None, gt=0)  # default: 3 heartbeats
+    device_max_vrnics: int | None = Field(None, ge=0, le=1 << 20)
     log_level: str = "info"
 
     @property
     def database(self) -> str:
         return self.database_url or f"sqlite:///{self.state_dir / 'vrnic.db'}"
+
+    @property
+    def api_url(self) -> str:
+        """Where this host's API and agent routes are reached from other hosts."""
+        return (self.advertise_url or f"http://{self.listen_host}:{self.listen_port}").rstrip("/")
+
+    @property
+    def down_after_s(self) -> float:
+        return self.host_down_after_s if self.host_down_after_s is not None else 3 * self.heartbeat_interval_s
+
+    @property
+    def agent_secret(self) -> str | None:
+        """The agent token, else the operator token."""
+        token = self.agent_token or self.operator_token
+        return token.get_secret_value() if token is not None else None
 
     @property
     def operator_token_file(self) -> Path:

@@ -7,6 +7,7 @@ The API reaches the backend only through BackendService, built here from drivers
 from __future__ import annotations
 
 import gc
+import inspect
 import logging
 import os
 import secrets
@@ -21,7 +22,7 @@ import uvicorn
 from pydantic import SecretStr
 
 from vrnic.backend.channel import ChannelLimits, group_id
-from vrnic.backend.driver import RnicDriver, load_driver
+from vrnic.backend.driver import RnicDriver, driver_class, load_driver
 from vrnic.backend.service import BackendService
 from vrnic.config import DaemonSettings
 from vrnic.core.specs import VrnicMode
@@ -45,7 +46,7 @@ def build_backend(settings: DaemonSettings) -> BackendService:
         if mode is VrnicMode.PARAVIRTUAL and name == "verbs":
             options = {"channel": channel_limits(settings), "direct_containment": settings.direct_containment,
                        "packet_guard": settings.packet_guard, "strict_isolation": settings.strict_isolation,
-                       "qos_link_mbps": settings.qos_link_mbps,
+                       "qos_link_mbps": settings.qos_link_mbps, **multi_host_options(settings, name),
                        **options}
         try:
             driver = build_sriov_driver(settings, options) if mode is VrnicMode.SRIOV and name == "sriov" \
@@ -62,6 +63,24 @@ def build_backend(settings: DaemonSettings) -> BackendService:
                  ", ".join(d.name for d in driver.devices()) or "none")
         drivers[mode] = driver
     return BackendService(drivers)
+
+
+def multi_host_options(settings: DaemonSettings, name: str) -> dict[str, Any]:
+    """What a driver needs to reach vRNICs on other hosts, for the options its constructor takes: `locator` (the
+    shared database, vrnic.db.locator.DbLocator) and `agent_token` (for other hosts' /agent/v1 routes)."""
+    try:
+        accepted = inspect.signature(driver_class(name)).parameters
+    except (VrnicError, ImportError, OSError, TypeError, ValueError):
+        return {}  # load_driver reports a missing driver
+    options: dict[str, Any] = {}
+    if "locator" in accepted:
+        from vrnic.db.engine import make_engine
+        from vrnic.db.locator import DbLocator
+
+        options["locator"] = DbLocator(make_engine(settings.database))
+    if "agent_token" in accepted:
+        options["agent_token"] = settings.agent_secret
+    return options
 
 
 def channel_limits(settings: DaemonSettings) -> ChannelLimits:
@@ -133,8 +152,7 @@ class _Server(uvicorn.Server):
 def build_app(settings: DaemonSettings, backend: BackendService) -> FastAPI:
     from vrnic.api.app import create_app  # FastAPI and SQLAlchemy load only when the API is wanted
 
-    return create_app(settings, backend,
-                      api_url=f"http://{settings.listen_host}:{settings.listen_port}")
+    return create_app(settings, backend, api_url=settings.api_url)
 
 
 def run(settings: DaemonSettings) -> None:

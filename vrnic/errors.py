@@ -69,6 +69,12 @@ class PermissionDenied(VrnicError):
     code = "permission_denied"
 
 
+class Unavailable(VrnicError):
+    """Another host's agent (or the service it needs) cannot be reached now; retry later (API: 503)."""
+
+    code = "unavailable"
+
+
 class DeviceError(VrnicError):
     """The kernel or device refused an operation; carries the errno."""
 
@@ -80,12 +86,6 @@ class DeviceError(VrnicError):
 
     def to_dict(self) -> dict[str, object]:
         return {**super().to_dict(), "errno": self.errno}
-
-
-class Unavailable(VrnicError):
-    """Something this host needs is down or unreachable (another host's agent, the database); retry later."""
-
-    code = "unavailable"
 
 
 class LabError(VrnicError):

@@ -147,3 +147,30 @@ def test_unreachable_api_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> N
     assert result.exit_code == 1
     assert result.stderr.startswith("vrnic: cannot reach the vrnic API at http://127.0.0.1:9")
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_security_rules_add_list_delete(run) -> None:  # type: ignore[no-untyped-def]
+    code, out, _ = run("tenants", "create", "acme", "--vpc-cidr", "10.8.0.0/24", "--json")
+    assert code == 0 and json.loads(out)["vpc_cidr"] == "10.8.0.0/24"
+    acme = json.loads(out)["token"]
+    run("tenants", "create", "globex")
+    code, out, _ = run("security-rules", "add", "allow", "globex", "--json", token=acme)
+    assert code == 0
+    rule = json.loads(out)
+    assert (rule["tenant"], rule["action"], rule["peer_tenant"]) == ("acme", "allow", "globex")
+    code, out, _ = run("security-rules", "add", "deny", "*", "--tenant", "globex")
+    assert code == 0 and "deny" in out
+    code, out, _ = run("security-rules", "list", "--json", token=acme)
+    assert code == 0 and [r["id"] for r in json.loads(out)] == [rule["id"]]
+    code, out, _ = run("security-rules", "list", "--tenant", "globex")
+    assert code == 0 and "globex" in out and "deny" in out and "acme" not in out
+    code, _, err = run("security-rules", "add", "allow", "globex", token=acme)
+    assert code == 1 and err.startswith("vrnic: 409 conflict:") and len(err.strip().splitlines()) == 1
+    code, out, _ = run("security-rules", "delete", str(rule["id"]), token=acme)
+    assert code == 0 and f"deleted security rule {rule['id']}" in out
+    code, _, err = run("security-rules", "delete", str(rule["id"]), token=acme)
+    assert code == 1 and f"404 not_found: no security rule {rule['id']}" in err
+    code, out, _ = run("vrnics", "allocate", "--virtual-ip", "10.8.0.20", "--json", token=acme)
+    assert code == 0 and json.loads(out)["virtual_ip"] == "10.8.0.20"
+    code, out, _ = run("vrnics", "list")
+    assert code == 0 and "10.8.0.20" in out

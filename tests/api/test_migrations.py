@@ -130,3 +130,32 @@ def test_vrnic_engine_is_added_as_ring_and_dropped_in_place(migrated: Engine) ->
     with migrated.connect() as connection:  # the rows stay, and so does what refers to them
         assert connection.execute(text("SELECT public_id FROM vrnics ORDER BY serial")).all() == [("vr-1",), ("vr-2",)]
         assert connection.execute(text("SELECT vrnic_serial FROM sriov_vfs")).all() == [(1,)]
+
+
+def test_multi_host_columns_and_one_live_holder_per_virtual_ip(migrated: Engine) -> None:
+    assert {c["name"] for c in inspect(migrated).get_columns("hosts")} >= {"state"}
+    assert "security_rules" in inspect(migrated).get_table_names()
+    vrnic = ("INSERT INTO vrnics (public_id, tenant_id, mode, state, host_id, device_name, quota, qos, virtual_gid, "
+             "attach_extra, created_at, updated_at, virtual_ip) VALUES (:id, :tenant, 'paravirtual', :state, 1, "
+             "'fake0', '{}', '{}', :id, '{}', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, :ip)")
+    with migrated.begin() as connection:  # hosts and tenants from before 0005 get its defaults
+        connection.execute(text("INSERT INTO hosts (name, version, registered_at, last_seen_at) "
+                                "VALUES ('h', '0', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
+        for tenant, vpc in (("t", 1), ("u", 2)):
+            connection.execute(text("INSERT INTO tenants (name, vpc_id, default_quota, created_at) "
+                                    "VALUES (:n, :v, '{}', CURRENT_TIMESTAMP)"), {"n": tenant, "v": vpc})
+        assert connection.execute(text("SELECT state FROM hosts")).all() == [("up",)]
+        assert connection.execute(text("SELECT DISTINCT vpc_cidr FROM tenants")).all() == [("10.0.0.0/16",)]
+        connection.execute(text(vrnic), {"id": "vr-1", "tenant": 1, "state": "released", "ip": "10.0.0.1"})
+        connection.execute(text(vrnic), {"id": "vr-2", "tenant": 1, "state": "allocated", "ip": "10.0.0.1"})
+        connection.execute(text(vrnic), {"id": "vr-3", "tenant": 2, "state": "allocated", "ip": "10.0.0.1"})
+    with pytest.raises(IntegrityError), migrated.begin() as connection:  # a second live holder in one tenant
+        connection.execute(text(vrnic), {"id": "vr-4", "tenant": 1, "state": "attached", "ip": "10.0.0.1"})
+    downgrade(migrated, "0004")
+    assert "virtual_ip" not in {c["name"] for c in inspect(migrated).get_columns("vrnics")}
+    assert "security_rules" not in inspect(migrated).get_table_names()
+    with migrated.connect() as connection:  # the rows stay
+        assert connection.execute(text("SELECT public_id FROM vrnics ORDER BY serial")).all() == [
+            ("vr-1",), ("vr-2",), ("vr-3",)]
+    upgrade(migrated)
+    check_schema(migrated)

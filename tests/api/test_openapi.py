@@ -86,3 +86,11 @@ def test_schema_documents_problem_json_and_bearer_auth(served: str) -> None:
     assert not [path for path in document["paths"] if path.endswith(("/attach", "/detach"))]
     assert set(document["paths"]["/api/v1/vrnics/{vrnic_id}"]) == {"get", "delete", "patch"}  # patch: QoS only
     assert "observes" in document["paths"]["/api/v1/vrnics/{vrnic_id}"]["get"]["description"]
+    # security groups: add, list, delete; the agents' host-to-host routes are not part of the public API
+    assert set(document["paths"]["/api/v1/security-rules"]) == {"get", "post"}
+    assert set(document["paths"]["/api/v1/security-rules/{rule_id}"]) == {"delete"}
+    assert not [path for path in document["paths"] if path.startswith("/agent/")]
+    created = document["components"]["schemas"]["VrnicCreate"]["properties"]
+    assert {"host", "virtual_ip"} <= set(created)
+    assert {"reachable", "virtual_ip"} <= set(document["components"]["schemas"]["VrnicOut"]["properties"])
+    assert document["components"]["schemas"]["HostOut"]["properties"]["state"]["enum"] == ["up", "down"]

@@ -53,14 +53,24 @@ def test_a_live_qos_change_reaches_the_backend_and_is_recorded(client: TestClien
     assert gone.status_code == 409 and gone.json()["current_state"] == "released"
 
 
-def test_counters_and_metrics(client: TestClient, make_tenant: Callable[..., Tenant]) -> None:
+def test_counters_and_metrics(client: TestClient, backend: BackendService, make_tenant: Callable[..., Tenant],
+                              monkeypatch: pytest.MonkeyPatch) -> None:
     acme = make_tenant("acme")
     mine = _allocate(client, acme)
     counters = client.get(f"/api/v1/vrnics/{mine['id']}/counters", headers=_as(acme))
     assert counters.status_code == 200
     assert counters.json() == {"vrnic_id": mine["id"], "shaped": False, "tx_bytes": 0, "tx_packets": 0,
-                               "tx_rate_bps": 0.0}
+                               "tx_rate_bps": 0.0, "rx_bytes": 0, "rx_packets": 0, "rx_rate_bps": 0.0}
     assert client.get("/metrics", headers=_as(acme)).status_code == 403  # operator only
     scraped = client.get("/metrics")
     assert scraped.status_code == 200 and scraped.headers["content-type"].startswith("text/plain")
     assert "# TYPE vrnic_tx_bytes_total counter" in scraped.text
+    assert "# TYPE vrnic_rx_bytes_total counter" in scraped.text
+    # The in-memory NIC counts nothing (the kernel tier counts on rxe): what a mechanism reports is passed on.
+    monkeypatch.setattr(backend, "qos_counters", lambda: {mine["id"]: {
+        "tx_bytes": 1000, "tx_packets": 10, "rx_bytes": 5000, "rx_packets": 7}})
+    counted = client.get(f"/api/v1/vrnics/{mine['id']}/counters", headers=_as(acme)).json()
+    assert (counted["shaped"], counted["tx_bytes"], counted["rx_bytes"], counted["rx_packets"]) == (True, 1000, 5000, 7)
+    scraped = client.get("/metrics").text
+    assert f'vrnic_rx_bytes_total{{vrnic="{mine["id"]}"}} 5000.0' in scraped
+    assert f'vrnic_tx_packets_total{{vrnic="{mine["id"]}"}} 10.0' in scraped

@@ -5,8 +5,8 @@ Proves on the real thing: a vRNIC's class appears with its policy and every vRNI
 each connected QP gets a filter (read back with `tc`), which goes with the QP; a cap holds an RDMA WRITE
 stream to within 10 %; a live change (set_qos) applies without disconnecting, and the stream goes on at the
 new cap; drift made with `tc` is put back by reconcile; a guarantee the link cannot give is refused with
-the numbers; when no vRNIC on the device asks for QoS any more the qdisc goes. Kernel objects are back to
-their baseline at the end.
+the numbers; what arrives for a vRNIC's QPs is counted (an ingress filter per QP); when no vRNIC on the
+device asks for QoS any more the qdiscs go. Kernel objects are back to their baseline at the end.
 
 Run: vrnic lab run -e PYTHONPATH=$PWD -- pytest -m kernel tests/kernel/test_qos_rxe.py
 """
@@ -57,6 +57,12 @@ def _flows(dev: str) -> list[str]:
             if "flowid" in line]
 
 
+def _counted_arrivals(dev: str) -> list[int]:
+    """Bytes counted by each receive-counting filter of ours (ingress, a pass action per local QP)."""
+    out = _tc("-s", "filter", "show", "dev", dev, "ingress")
+    return [int(line.split()[1]) for line in out.splitlines() if line.strip().startswith("Sent ")]
+
+
 def _stream_mb_per_s(writer: Guest, qp: object, reader: Guest, seconds: float) -> float:
     """RDMA WRITE 64 KiB at a time, 4 in flight, for `seconds`: MB/s."""
     sge = writer.mr.sge(0, WRITE)
@@ -102,7 +108,7 @@ def test_caps_guarantees_live_changes_and_drift_on_rxe(qos_driver: object, devic
     assert "htb 7672:" not in _tc("qdisc", "show", "dev", dev)  # nobody asks for QoS: nothing installed
     a, peer = Guest(a_info), Guest(peer_info)
     try:
-        qa, _ = connected_pair(a, peer)
+        qa, qpeer = connected_pair(a, peer)
         uncapped = _stream_mb_per_s(a, qa, peer, 2.0)
         print(f"\nuncapped: {uncapped:.1f} MB/s")
         # a cap on a live vRNIC: its connected QP is classified at once, and the stream obeys
@@ -141,16 +147,30 @@ def test_caps_guarantees_live_changes_and_drift_on_rxe(qos_driver: object, devic
             assert drv.reconcile_qos() == 0  # type: ignore[attr-defined]
             counters = drv.qos_counters()  # type: ignore[attr-defined]
             assert counters[a_info.vrnic_id]["tx_bytes"] > 1_000_000, counters
+            # what arrives is counted too (an ingress filter per QP): the peer writes 2 MiB into a
+            assert len(_counted_arrivals(dev)) == 2  # a's QP and b's
+            before = counters[a_info.vrnic_id]
+            for n in range(32):
+                qpeer.post_send(SendRequest(n, WrOpcode.RDMA_WRITE, (peer.mr.sge(0, WRITE),),
+                                            remote_addr=a.mr.addr, rkey=a.mr.rkey))
+                assert peer.cq.wait(1, timeout=30)[0].status == 0
+            after = drv.qos_counters()[a_info.vrnic_id]  # type: ignore[attr-defined]
+            arrived = after["rx_bytes"] - before["rx_bytes"]
+            print(f"received: {arrived} bytes in {after['rx_packets'] - before['rx_packets']} packets "
+                  f"for {32 * WRITE} bytes written")
+            assert 32 * WRITE <= arrived <= 32 * WRITE * 1.2, (before, after)  # payload + headers
+            assert after["tx_bytes"] - before["tx_bytes"] < 32 * WRITE // 10  # a only acknowledged
             # a QP that goes takes its filter
             qb.close()
             b.qps.remove(qb)
-            assert _flows(dev) == ["7672:10"]
+            assert _flows(dev) == ["7672:10"] and len(_counted_arrivals(dev)) == 1
         finally:
             b.close()
         drv.release_vrnic(b_info.vrnic_id)  # type: ignore[attr-defined]
         assert set(_classes(dev)) == {"7672:10"}
         drv.set_qos(a_info.vrnic_id, QosPolicy())  # type: ignore[attr-defined]
-        assert "htb 7672:" not in _tc("qdisc", "show", "dev", dev)  # nobody asks any more: the qdisc goes
+        qdiscs = _tc("qdisc", "show", "dev", dev)
+        assert "htb 7672:" not in qdiscs and "ingress" not in qdiscs  # nobody asks any more: the qdiscs go
         again = _stream_mb_per_s(a, qa, peer, 1.0)
         assert again > capped * 1.3, (again, capped)  # and the QP, connected all along, runs free again
     finally:

@@ -15,12 +15,14 @@ Run: vrnic lab run --topology single -e PYTHONPATH=$PWD -- python -m pytest -s t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +31,25 @@ import pytest
 from vrnic.backend.guest_memory import GuestMemory
 from vrnic.backend.sysfs import rdma_devices
 from vrnic.core.proto import MAX_BODY, FrameDecoder, encode
+from vrnic.errors import LabError
 from vrnic.lab.kernel import kernel_image
 from vrnic.lab.vm_guest import busybox_initramfs
-from vrnic.lab.vm_host import URI, VmHost, VmHostConfig, leftover_processes, ram_file
+from vrnic.lab.vm_host import (
+    URI,
+    NestedBootFailed,
+    VmHost,
+    VmHostConfig,
+    bounded,
+    domain_report,
+    domain_running,
+    early_stop,
+    leftover_processes,
+    ram_file,
+    read_from,
+    retry_boot_once,
+    virsh,
+    wait_until,
+)
 from vrnic.vm.domain_xml import (
     DEFAULT_CHANNEL,
     DirectKernelBoot,
@@ -46,6 +64,7 @@ from vrnic.vm.guest_ram import GuestRamFile, parse_hmp_xp
 BUSYBOX = Path("/bin/busybox")
 NESTED_MODULES = ("virtio_pci", "virtio_console")
 MEMORY_MIB = 256
+NESTED_MARK = "vrnic-nested:"  # the first thing the guest's /init prints on its console
 PAGE = 4096
 TIMINGS: dict[str, float] = {}
 
@@ -60,6 +79,7 @@ TIMINGS: dict[str, float] = {}
 NESTED_INIT = """#!/bin/busybox sh
 /bin/busybox --install -s /bin
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
+echo "vrnic-nested: init at $(cut -d' ' -f1 /proc/uptime) s"
 for m in {modules}; do insmod /modules/$m || echo "vrnic-nested: insmod $m failed"; done
 dev=
 for _ in $(seq 200); do
@@ -166,10 +186,63 @@ def _rdma_write_into(address: int, payload: bytes) -> dict[str, float]:
     return {"reg_mr_on_ram_file_ms": reg * 1000, "rdma_write_into_guest_ms": write * 1000}
 
 
-def _hmp(domain: Any, command: str) -> str:
+def _hmp(domain: Any, command: str, report: Callable[[], str]) -> str:
     import libvirt_qemu
 
-    return str(libvirt_qemu.qemuMonitorCommand(domain, command, libvirt_qemu.VIR_DOMAIN_QEMU_MONITOR_COMMAND_HMP))
+    return str(bounded(lambda: libvirt_qemu.qemuMonitorCommand(
+        domain, command, libvirt_qemu.VIR_DOMAIN_QEMU_MONITOR_COMMAND_HMP), 60, f"QEMU monitor: {command}", report))
+
+
+def _connect(channel: Path, deadline: float) -> socket.socket:
+    """The host end of the guest's channel (QEMU listens on it from the start)."""
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(5)
+        try:
+            sock.connect(str(channel))
+            return sock
+        except OSError as exc:
+            sock.close()
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"cannot connect to {channel}: {exc}") from exc
+            time.sleep(0.1)
+
+
+def _boot(domain: Any, name: str, channel: Path, console: Path) -> tuple[socket.socket, bytearray, float]:
+    """Start the domain and wait for the guest's `ready` on its channel: (socket, buffer, start time).
+
+    NestedBootFailed when the domain stopped before the guest's /init printed its first line (early_stop);
+    LabError, with the domain's report, on any other failure to get `ready` (never retried)."""
+    import libvirt
+
+    offset = console.stat().st_size if console.exists() else 0  # the console log is appended to
+    report = partial(domain_report, name, console)
+    t0 = time.monotonic()
+    bounded(domain.create, 180, f"starting {name} (virDomainCreate)", report)
+    TIMINGS["domain_create_s"] = time.monotonic() - t0
+    # (a) running
+    assert bounded(domain.state, 30, "virDomainGetState", report)[0] == libvirt.VIR_DOMAIN_RUNNING
+    assert bounded(domain.isActive, 30, "virDomainIsActive", report) == 1
+    # the guest says ready once it opened its port
+    sock = None
+    buf = bytearray()
+    try:
+        deadline = time.monotonic() + 240  # a bound on a hang, not a budget: a loaded lab is slow
+        sock = _connect(channel, deadline)
+        ready = _readline(sock, buf, deadline)
+    except (TimeoutError, ConnectionError) as exc:
+        if sock is not None:
+            sock.close()
+        if isinstance(exc, ConnectionError):  # QEMU hung up: give libvirt a moment to notice
+            with contextlib.suppress(LabError):
+                wait_until(lambda: not domain_running(name), 15, f"{name} stopping")
+        reason = early_stop(domain_running(name), read_from(console, offset), NESTED_MARK)
+        if reason is not None:
+            raise NestedBootFailed(f"{name}: {reason}\n{report()}") from exc
+        raise LabError(f"the guest never said ready on {channel} ({exc})\n{report()}") from exc
+    TIMINGS["create_to_guest_ready_s"] = time.monotonic() - t0
+    assert ready == "ready", f"{ready!r}\n{report()}"
+    return sock, buf, t0
 
 
 def test_nested_vm_ram_file_and_channel(host: VmHost, tmp_path: Path) -> None:
@@ -193,30 +266,18 @@ def test_nested_vm_ram_file_and_channel(host: VmHost, tmp_path: Path) -> None:
         console=SerialConsole(log=console),
     )
     token = secrets.token_hex(8)
-    conn = libvirt.open(URI)
-    domain = conn.defineXML(spec.to_xml())
+    report = partial(domain_report, name, console)
+    conn = bounded(lambda: libvirt.open(URI), 60, f"connecting to libvirtd ({URI})")
+    domain = bounded(lambda: conn.defineXML(spec.to_xml()), 60, f"defining {name} (virDomainDefineXML)")
     try:
-        t0 = time.monotonic()
-        domain.create()
-        TIMINGS["domain_create_s"] = time.monotonic() - t0
-        # (a) running
-        assert domain.state()[0] == libvirt.VIR_DOMAIN_RUNNING
-        assert domain.isActive() == 1
+        # (a) running, and the guest's ready on the channel; a guest that died unborn is booted once more
+        sock, buf, t0 = retry_boot_once(lambda: _boot(domain, name, channel, console), name)
         # (b1) the RAM file, where libvirt puts it
-        ram_path = ram_file(host.config, domain.ID(), name)
+        ram_path = ram_file(host.config, bounded(domain.ID, 30, "virDomainGetID", report), name)
         assert ram_path.exists(), sorted(str(p) for p in host.config.memory_backing_dir.rglob("*"))
         assert ram_path.stat().st_size == MEMORY_MIB << 20
         ram = GuestRamFile(ram_path)
-        # (c) the channel: the guest says ready once it opened the port, then echoes
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect(str(channel))
-        buf = bytearray()
-        try:
-            ready = _readline(sock, buf, time.monotonic() + 120)
-        except (TimeoutError, ConnectionError) as exc:
-            raise AssertionError(f"guest never said ready ({exc}); console:\n{console.read_text()[-3000:]}") from exc
-        TIMINGS["create_to_guest_ready_s"] = time.monotonic() - t0
-        assert ready == "ready"
+        # (c) the channel: the guest echoes
         t1 = time.monotonic()
         sock.sendall(f"hello {token}\n".encode())
         echoed = _readline(sock, buf, time.monotonic() + 30)
@@ -236,7 +297,7 @@ def test_nested_vm_ram_file_and_channel(host: VmHost, tmp_path: Path) -> None:
         assert page >= 0, "the guest's pattern is in the RAM file, but not page-aligned (no page cache page)"
         print(f"\npattern first at file offset {offset:#x}; /ramproof's first page at {page:#x}")
         # ... at the same guest-physical address, as QEMU's monitor reads it
-        address, seen = parse_hmp_xp(_hmp(domain, f"xp /32xb {page:#x}"))
+        address, seen = parse_hmp_xp(_hmp(domain, f"xp /32xb {page:#x}", report))
         assert address == page
         assert seen == ram.read_gpa(page, 32)
         assert seen.startswith(needle)
@@ -245,7 +306,7 @@ def test_nested_vm_ram_file_and_channel(host: VmHost, tmp_path: Path) -> None:
         try:
             # (inside /ramproof's page: the next page of the file is elsewhere in guest RAM)
             memory.view[page + 2048:page + 2048 + 9] = b"HOSTWROTE"
-            _, seen = parse_hmp_xp(_hmp(domain, f"xp /9xb {page + 2048:#x}"))
+            _, seen = parse_hmp_xp(_hmp(domain, f"xp /9xb {page + 2048:#x}", report))
             assert seen == b"HOSTWROTE"
             # an RDMA WRITE (rxe0 -> an MR over the RAM file) lands in the guest's file
             if "rxe0" in rdma_devices():
@@ -263,8 +324,7 @@ def test_nested_vm_ram_file_and_channel(host: VmHost, tmp_path: Path) -> None:
         # (c2) vrnicd restarting: the host end disconnects and reconnects; the guest keeps its port open
         sock.close()
         time.sleep(0.5)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect(str(channel))
+        sock = _connect(channel, time.monotonic() + 30)
         buf = bytearray()
         sock.sendall(b"ping again\n")
         pong = _readline(sock, buf, time.monotonic() + 30)
@@ -296,18 +356,20 @@ def test_nested_vm_ram_file_and_channel(host: VmHost, tmp_path: Path) -> None:
         TIMINGS["frames_echo_kib_per_s"] = 2 * sent / 1024 / seconds
         # (d) destroy + undefine: nothing left (destroy first: `cat` exits when we hang up, and so would init)
         t3 = time.monotonic()
-        domain.destroy()
+        bounded(domain.destroy, 60, f"destroying {name} (virDomainDestroy)", report)
         sock.close()
         TIMINGS["destroy_s"] = time.monotonic() - t3
-        domain.undefine()
+        bounded(domain.undefine, 60, f"undefining {name}", report)
         domain = None
-        assert conn.listAllDomains() == []
+        assert bounded(conn.listAllDomains, 30, "virConnectListAllDomains") == []
         assert not ram_path.exists()
         assert not [p for p in leftover_processes() if "qemu" in p]
     finally:
         if domain is not None:
-            print(f"console of the nested guest:\n{console.read_text()[-3000:] if console.exists() else '(none)'}")
-            if domain.isActive():
-                domain.destroy()
-            domain.undefine()
-        conn.close()
+            print(f"the nested guest, as the test left it:\n{report()}")
+            # virsh, not this connection: a libvirt call of ours may still be stuck on it
+            for command in ("destroy", "undefine"):
+                done = virsh(command, name)
+                print(f"virsh {command} {name}: {done.returncode} {(done.stdout + done.stderr).strip()}")
+        with contextlib.suppress(Exception):
+            bounded(conn.close, 10, "closing the libvirt connection")

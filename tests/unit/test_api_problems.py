@@ -26,10 +26,10 @@ EXPECTED = {
     errors.Conflict: 409,
     errors.NotSupported: 422,
     errors.DeviceError: 502,
-    errors.Unavailable: 503,
     errors.LabError: 500,
     errors.BootFailure: 500,
     SchemaOutOfDate: 503,
+    errors.Unavailable: 503,
 }
 
 

@@ -48,9 +48,9 @@ EXAMPLES: list[VrnicError] = [
     NotSupported("mode sriov is not enabled on this host"),
     Unauthenticated("missing bearer token"),
     PermissionDenied("not yours"),
+    Unavailable("the agent of host b is unreachable"),
     DeviceError("ibv_create_qp failed", errno=12),
     DeviceError("no errno"),
-    Unavailable("the agent of host b cannot be reached"),
     LabError("qemu missing"),
     BootFailure("guest did not boot"),
 ]

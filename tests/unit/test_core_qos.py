@@ -16,6 +16,8 @@ from vrnic.core.qos import (
     key_of,
     next_minor,
     plan_classes,
+    rx_qpn_of,
+    rx_u32_keys,
     u32_keys,
 )
 from vrnic.core.specs import QosPolicy
@@ -85,6 +87,28 @@ def test_u32_keys_and_their_decoding_round_trip() -> None:
                             for m, v, o in written]) == written
     assert key_of([(0x00FF0000, 0x00110000, 8), (0xFFFFFFFF, 0x12345678, 20)]) is None  # not RoCEv2: not ours
     assert key_of([(0x00FF0000, 0x00060000, 8), (0xFFFFFFFF, 0xC0DE12B7, 20)]) is None  # TCP
+
+
+def _words(keys: list[str]) -> list[tuple[int, int, int]]:
+    out = []
+    for key in keys:
+        value, _, rest = key.partition("/")
+        mask, _, offset = rest.partition("+")
+        out.append((int(mask, 16), int(value, 16), int(offset)))
+    return out
+
+
+def test_receive_counting_keys_round_trip_and_are_told_apart_from_send_filters() -> None:
+    assert rx_u32_keys(0x1B0A) == ["0x00110000/0x00ff0000+8", "0x000012b7/0x0000ffff+20",  # to port 4791
+                                   "0x00001b0a/0x00ffffff+32"]  # for local QP 0x1b0a
+    assert rx_qpn_of(_words(rx_u32_keys(0x1B0A))) == 0x1B0A
+    # pyroute2 re-cuts words so that a mask starts with a non-zero byte: the same bytes, other words
+    assert rx_qpn_of([(0xFF000000, 0x11000000, 9), (0xFFFF0000, 0x12B70000, 22), (0xFFFFFF00, 0x001B0A00, 33)]) \
+        == 0x1B0A
+    send = _words(u32_keys((0xC0DE, 0x1B0A)))
+    assert rx_qpn_of(send) is None and key_of(_words(rx_u32_keys(0x1B0A))) is None  # neither reads as the other
+    assert rx_qpn_of(_words(rx_u32_keys(7))[:2]) is None  # no QPN: not ours
+    assert rx_qpn_of([(0x00FF0000, 0x00060000, 8), *_words(rx_u32_keys(7))[1:]]) is None  # TCP
 
 
 def test_jain_index() -> None:

@@ -8,8 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vrnic.core.vaddr import make_virtual_gid, parse_virtual_gid
-from vrnic.errors import InvalidArgument
+from vrnic.core.vaddr import (
+    check_virtual_ip,
+    first_free_virtual_ip,
+    make_virtual_gid,
+    next_virtual_ip,
+    parse_virtual_gid,
+    vpc_network,
+)
+from vrnic.errors import Conflict, InvalidArgument
 
 
 def test_layout_is_fd76_726e_vpc_serial() -> None:
@@ -74,3 +81,53 @@ def test_parse_refuses_serial_zero_which_make_never_produces(gid: str) -> None:
 def test_parse_refuses_a_scoped_address() -> None:
     with pytest.raises(InvalidArgument):
         parse_virtual_gid("fd76:726e::1%eth0")
+
+
+# -- virtual IPs ------------------------------------------------------------------------------------
+
+def test_the_first_virtual_ip_is_the_first_host_address_then_the_next() -> None:
+    assert next_virtual_ip("10.0.0.0/16", None) == "10.0.0.1"
+    assert next_virtual_ip("10.0.0.0/16", "10.0.0.255") == "10.0.1.0"  # a host address inside a /16
+    assert next_virtual_ip("10.0.0.0/30", "10.0.0.2") is None  # .3 is the broadcast address
+    assert next_virtual_ip("10.0.0.0/30", "10.0.0.9") is None  # after something outside: none
+
+
+def test_first_free_skips_taken_and_runs_out() -> None:
+    assert first_free_virtual_ip("192.168.5.0/29", {"192.168.5.1", "192.168.5.3"}) == "192.168.5.2"
+    with pytest.raises(Conflict, match=r"no free virtual IP left in the VPC 192\.168\.5\.0/30"):
+        first_free_virtual_ip("192.168.5.0/30", {"192.168.5.1", "192.168.5.2"})
+
+
+@pytest.mark.parametrize(("ip", "why"), [
+    ("10.1.0.1", "outside the VPC's 10.0.0.0/16"),
+    ("10.0.0.0", "network or broadcast"),
+    ("10.0.255.255", "network or broadcast"),
+    ("10.0.0.300", "not an IPv4 address"),
+    ("fd00::1", "not an IPv4 address"),
+])
+def test_a_requested_virtual_ip_is_checked(ip: str, why: str) -> None:
+    with pytest.raises(InvalidArgument, match=why):
+        check_virtual_ip("10.0.0.0/16", ip)
+
+
+def test_a_requested_virtual_ip_comes_back_canonical() -> None:
+    assert check_virtual_ip("10.0.0.0/16", "10.0.3.7") == "10.0.3.7"
+
+
+@pytest.mark.parametrize(("cidr", "why"), [("10.0.0.1/16", "host bits set"), ("10.0.0.0/31", "too small"),
+                                           ("fd00::/64", "not an IPv4 network"), ("nonsense", "not an IPv4")])
+def test_vpc_ranges_are_checked(cidr: str, why: str) -> None:
+    with pytest.raises(InvalidArgument, match=why):
+        vpc_network(cidr)
+
+
+@settings(deadline=None)
+@given(taken=st.sets(st.integers(1, 14)))
+def test_first_free_is_the_lowest_host_address_not_taken(taken: set[int]) -> None:
+    addresses = {f"172.16.0.{i}" for i in taken}
+    free = [i for i in range(1, 15) if i not in taken]
+    if not free:
+        with pytest.raises(Conflict):
+            first_free_virtual_ip("172.16.0.0/28", addresses)
+    else:
+        assert first_free_virtual_ip("172.16.0.0/28", addresses) == f"172.16.0.{free[0]}"

@@ -86,3 +86,35 @@ def test_daemon_settings_from_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyP
     settings = DaemonSettings(_env_file=config)  # what VRNIC_CONFIG=<file> selects
     assert settings.database == "postgresql+psycopg://vrnic@db/vrnic"
     assert (settings.paravirtual_driver, settings.listen_port) == ("fake", 8555)
+
+
+def test_multi_host_settings_default_from_the_listen_address_and_the_operator_token(tmp_path: Path) -> None:
+    settings = DaemonSettings(state_dir=tmp_path, listen_host="10.0.2.15", listen_port=9000,
+                              operator_token=SecretStr("vro_op"), heartbeat_interval_s=0.5)
+    assert settings.api_url == "http://10.0.2.15:9000"
+    assert settings.agent_secret == "vro_op" and settings.down_after_s == 1.5
+    advertised = settings.model_copy(update={"advertise_url": "http://node-a:8470/", "host_down_after_s": 4.0,
+                                             "agent_token": SecretStr("vra_shared")})
+    assert advertised.api_url == "http://node-a:8470" and advertised.down_after_s == 4.0
+    assert advertised.agent_secret == "vra_shared"
+
+
+def test_the_locator_and_agent_token_go_only_to_a_driver_that_takes_them(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import vrnic.daemon as daemon
+    from vrnic.backend.drivers.fake import FakeDriver
+    from vrnic.db.locator import DbLocator
+
+    settings = DaemonSettings(state_dir=tmp_path, operator_token=SecretStr("vro_op"))
+    assert daemon.multi_host_options(settings, "fake") == {}
+    assert daemon.multi_host_options(settings, "no-such-driver") == {}
+
+    class PeeringDriver(FakeDriver):
+        def __init__(self, locator: object = None, agent_token: str | None = None) -> None:
+            super().__init__()
+
+    monkeypatch.setattr(daemon, "driver_class", lambda name: PeeringDriver)
+    options = daemon.multi_host_options(settings, "verbs")
+    assert set(options) == {"locator", "agent_token"} and options["agent_token"] == "vro_op"
+    assert isinstance(options["locator"], DbLocator)
+    options["locator"].db.engine.dispose()

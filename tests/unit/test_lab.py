@@ -1,15 +1,21 @@
-"""The pure parts of the lab: QEMU argv, kernel choice, guest scripts."""
+"""The pure parts of the lab: QEMU argv, kernel choice, guest scripts; the runner giving up a locked-up guest."""
 
 from __future__ import annotations
 
+import io
+import queue
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
+from vrnic.config import LabSettings
 from vrnic.errors import InvalidArgument, LabError
 from vrnic.lab.guest import (
     EXIT_BOOT_FAILURE,
+    EXIT_GUEST_LOST,
     MARKER,
     GuestPlan,
     Topology,
@@ -20,6 +26,7 @@ from vrnic.lab.guest import (
 )
 from vrnic.lab.kernel import choose_kernel, parse_show_depends
 from vrnic.lab.qemu import DgramLink, GuestSpec, kernel_cmdline, qemu_argv
+from vrnic.lab.runner import LabRunner, _Guest, locked_up
 
 SPEC = GuestSpec(kernel=Path("/boot/vmlinuz-6.1.0-56-amd64"), initrd=Path("/var/cache/vrnic/i.cpio.gz"),
                  work_dir=Path("/work/main"), run_dir=Path("/work/main/.lab/runs/1"))
@@ -181,3 +188,32 @@ def test_the_iommu_comes_only_with_the_sriov_nic_and_can_be_left_out() -> None:
     assert "intel_iommu=on" not in _option(argv, "-append")[0]
     plain = qemu_argv(SPEC)
     assert not any("iommu" in arg for arg in plain)
+
+
+LOCKUP = "[  256.673817] watchdog: BUG: soft lockup - CPU#0 stuck for {}s! [qemu-system-x86:244]"
+
+
+def test_locked_up_is_a_cpu_stuck_for_two_minutes() -> None:
+    assert locked_up(LOCKUP.format(131))
+    assert locked_up("tests/kernel/test_vm_nested.py " + LOCKUP.format(120))  # after pytest's unfinished line
+    assert not locked_up(LOCKUP.format(26))  # a loaded host can starve the guest that long
+    assert not locked_up("watchdog: BUG: soft lockup in a test's own output, no CPU")
+
+
+def test_a_locked_up_guest_is_given_up_at_once_and_counts_as_a_panic(tmp_path: Path) -> None:
+    runner = LabRunner(LabSettings(work_dir=tmp_path), console=Console(file=io.StringIO()), out=io.StringIO())
+    runner.panicked = None
+    process = subprocess.Popen(["sleep", "60"])
+    guest = _Guest(role="a", process=process, rc_file=tmp_path / "rc-a", log=io.StringIO())
+    events: queue.Queue[tuple[str, str | None]] = queue.Queue()
+    for line in (f"{MARKER}ready", LOCKUP.format(26), LOCKUP.format(52), LOCKUP.format(131), "never read"):
+        events.put(("a", line))
+    started = time.monotonic()
+    try:
+        assert runner._stream([guest], events, started, timeout=60, prefix=False) is False
+    finally:
+        process.kill()
+        process.wait()
+    assert events.get_nowait() == ("a", "never read")  # it did not wait for the lab's timeout
+    assert runner._verdict([guest], False, started, 60) == EXIT_GUEST_LOST
+    assert runner.panicked is not None and "stuck for 131s" in runner.panicked  # --rerun-on-panic reruns

@@ -1,21 +1,33 @@
-"""The pure parts of the lab's VM host: qemu.conf settings, daemon argv, RAM file paths, capabilities."""
+"""The pure parts of the lab's VM host: qemu.conf settings, daemon argv, RAM file paths, capabilities; and the
+bounds on its waits (bounded, wait_until, _run) and the one retry of a nested boot that died unborn."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from vrnic.errors import LabError
 from vrnic.lab.vm_host import (
+    TIMED_OUT,
+    NestedBootFailed,
+    NestedBootRetried,
     VmHost,
     VmHostConfig,
+    _run,
+    bounded,
     capabilities_domain_types,
+    early_stop,
     libvirtd_argv,
     qemu_conf_settings,
     ram_dir,
     ram_file,
+    read_from,
+    retry_boot_once,
     virtlogd_argv,
+    wait_until,
 )
 
 CAPS = """<capabilities>
@@ -71,3 +83,96 @@ def test_refuses_to_run_outside_the_lab(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.delenv("VRNIC_LAB", raising=False)
     with pytest.raises(LabError, match="inside the lab"):
         VmHost().start()
+
+
+# --- bounds on waits, and the one retry ---------------------------------------------------------------
+
+def test_early_stop_is_a_domain_gone_before_the_guest_spoke() -> None:
+    assert early_stop(False, "", "vm: init at") == "the domain stopped before the guest printed 'vm: init at'; " \
+                                                   "its console is empty"
+    reason = early_stop(False, "[ 0.5] some warning\n", "vm: init at")
+    assert reason is not None and "console holds 19 bytes, last: '[ 0.5] some warning'" in reason
+    # still running: a slow boot, not a dead one; the guest spoke: whatever follows is the feature's
+    assert early_stop(True, "", "vm: init at") is None
+    assert early_stop(False, "vm: init at 0.8 s\nvm: insmod igbvf failed\n", "vm: init at") is None
+
+
+def test_read_from_an_offset_of_an_appended_log(tmp_path: Path) -> None:
+    log = tmp_path / "console.log"
+    assert read_from(log) == ""
+    log.write_bytes(b"first boot\n")
+    offset = log.stat().st_size
+    with log.open("ab") as f:
+        f.write(b"second boot \xff\n")
+    assert read_from(log, offset) == "second boot \ufffd\n"
+    assert read_from(log).startswith("first boot")
+
+
+def test_bounded_returns_raises_or_gives_up_naming_the_wait() -> None:
+    assert bounded(lambda: 42, 5, "answer") == 42
+
+    def fails() -> None:
+        raise ValueError("libvirt said no")
+
+    with pytest.raises(ValueError, match="libvirt said no"):
+        bounded(fails, 5, "a call that fails")
+    release = threading.Event()
+    started = time.monotonic()
+    with pytest.raises(LabError, match=r"(?s)virDomainCreate of x did not return within 0 s\n--- the report"):
+        bounded(release.wait, 0.2, "virDomainCreate of x", lambda: "--- the report")
+    assert time.monotonic() - started < 2
+    release.set()
+
+
+def test_a_failing_report_does_not_hide_the_timeout() -> None:
+    def broken() -> str:
+        raise OSError("no virsh")
+
+    with pytest.raises(LabError, match=r"(?s)waiting: not within 0 s.*no report: OSError"):
+        wait_until(lambda: False, 0.1, "waiting", broken, step=0.02)
+    assert wait_until(lambda: True, 1, "instant") < 1
+
+
+def test_run_bounds_a_command(tmp_path: Path) -> None:
+    result = _run(["sleep", "5"], check=False, timeout=0.2)
+    assert result.returncode == TIMED_OUT and "within 0 s" in result.stderr
+    with pytest.raises(LabError, match="`sleep 5` did not finish within 0 s"):
+        _run(["sleep", "5"], timeout=0.2)
+
+
+def test_retry_boot_once_retries_only_the_transient_failure_and_only_once() -> None:
+    said: list[str] = []
+    attempts = iter([NestedBootFailed("stopped before 'init at'; its console is empty"), "booted"])
+
+    def boot() -> str:
+        outcome = next(attempts)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    with pytest.warns(NestedBootRetried, match="vm-1: nested boot failed the transient way"):
+        assert retry_boot_once(boot, "vm-1", said.append) == "booted"
+    assert len(said) == 1 and "its console is empty" in said[0]
+
+    calls = []
+
+    def always_dies() -> None:
+        calls.append(1)
+        raise NestedBootFailed("stopped again")
+
+    with pytest.warns(NestedBootRetried), pytest.raises(NestedBootFailed, match="second boot failed too: stopped"):
+        retry_boot_once(always_dies, "vm-2", said.append)
+    assert len(calls) == 2
+
+
+def test_retry_boot_once_never_retries_an_assertion_or_another_error() -> None:
+    for error in (AssertionError("the VF is not on vfio-pci"), LabError("virsh start: hook refused")):
+        calls: list[int] = []
+
+        def boot(error: Exception = error, calls: list[int] = calls) -> None:
+            calls.append(1)
+            raise error
+
+        with pytest.raises(type(error)):
+            retry_boot_once(boot, "vm", lambda _: None)
+        assert calls == [1]

@@ -2,20 +2,18 @@
 
 /agent/v1/peers/qp, /peers/mrs and /peers/reverse resolve QPs, MR windows and UD sources; /agent/v1/cm/connect
 queues a connection request on a listener here and answers once its guest accepted. The caller is another
-agent (Bearer agent token); every answer is checked by this host's own reachability rule
+agent (Bearer agent token, vrnic.api.agent.require_agent); every answer is checked by this host's own reachability rule
 (vrnic.backend.peer_service). Handlers are plain functions: FastAPI runs them on worker threads, so a
 connect request waiting for its listener never blocks the event loop.
 """
 
 from __future__ import annotations
 
-import hmac
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import SecretStr
 
+from vrnic.api.agent import require_agent
 from vrnic.api.controlplane import ControlPlane
 from vrnic.api.problems import RESPONSES
 from vrnic.backend.peer_service import PeerService
@@ -31,18 +29,6 @@ from vrnic.core.peer_wire import (
     ReverseAnswer,
     ReverseQuery,
 )
-from vrnic.errors import Unauthenticated
-
-agent_bearer = HTTPBearer(auto_error=False, description="the agent token (shared by the hosts' agents)")
-
-
-async def require_agent(request: Request,
-                        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(agent_bearer)]) -> None:
-    """Only another agent may ask: its Bearer token must be the agent token (default: the operator token)."""
-    expected: SecretStr | None = getattr(request.app.state, "agent_token", None)
-    given = credentials.credentials if credentials else ""
-    if expected is None or not hmac.compare_digest(given.encode(), expected.get_secret_value().encode()):
-        raise Unauthenticated("this route is for other hosts' agents: a valid agent token is required")
 
 
 async def peer_service(request: Request) -> PeerService:

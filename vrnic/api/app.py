@@ -16,7 +16,7 @@ from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import Engine
 
 from vrnic import __version__
-from vrnic.api import problems
+from vrnic.api import agent, problems
 from vrnic.api.agent_peers import router as agent_peers_router
 from vrnic.api.controlplane import ControlPlane
 from vrnic.api.routes import metrics_router, router
@@ -43,20 +43,39 @@ async def _reconcile_qos(backend: BackendService, interval: float) -> None:
             log.warning("QoS reconcile: %d correction(s)", fixed)
 
 
+async def _beat(cp: ControlPlane, interval: float) -> None:
+    """The heartbeat: this host is alive; other hosts silent too long are marked down; and what this host's
+    backend observes (guests attached or gone) is in the database, for API servers on other hosts."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await cp.write(cp.inventory.heartbeat)
+            down = await cp.write(cp.inventory.sweep)
+            if down:
+                log.warning("host(s) marked down (no heartbeat): %s", ", ".join(down))
+            await cp.write(cp.vrnics.record_observed)
+        except Exception:  # the database may be restarting: beat again next time
+            log.exception("heartbeat failed")
+
+
 def create_app(settings: DaemonSettings, backend: BackendService, *, engine: Engine | None = None,
                api_url: str | None = None) -> FastAPI:
     """The API app. Refuses (SchemaOutOfDate) a database whose schema is not at head.
 
-    On startup (lifespan) this host registers itself and records the devices the backend sees; with the
-    SR-IOV mode on, desired VF state (database) is reconciled with the kernel then and every
-    settings.sriov_reconcile_interval seconds.
+    On startup (lifespan) this host registers itself (api_url, else settings.advertise_url, is where other hosts
+    reach its agent routes) and records the devices the backend sees; then it beats every
+    settings.heartbeat_interval_s. With the SR-IOV mode on, desired VF state (database) is reconciled with the
+    kernel then and every settings.sriov_reconcile_interval seconds.
     """
     if settings.operator_token is None:
         raise InvalidArgument("no operator token: set VRNIC_OPERATOR_TOKEN (the daemon generates one)")
     engine = engine or make_engine(settings.database)
     check_schema(engine)
-    cp = ControlPlane(engine, backend, host_name=settings.host_name,
-                      operator_token=settings.operator_token.get_secret_value(), api_url=api_url)
+    operator_token = settings.operator_token.get_secret_value()
+    agent_token = settings.agent_secret or operator_token
+    cp = ControlPlane(engine, backend, host_name=settings.host_name, operator_token=operator_token,
+                      api_url=api_url or settings.advertise_url, agent_token=agent_token,
+                      device_max_vrnics=settings.device_max_vrnics, down_after_s=settings.down_after_s)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -83,8 +102,9 @@ def create_app(settings: DaemonSettings, backend: BackendService, *, engine: Eng
         qos: asyncio.Task[None] | None = None
         if settings.qos_reconcile_interval > 0:
             qos = asyncio.create_task(_reconcile_qos(backend, settings.qos_reconcile_interval))
+        beat = asyncio.create_task(_beat(cp, settings.heartbeat_interval_s))
         yield
-        for task in (reconciler, qos):
+        for task in (reconciler, qos, beat):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -94,9 +114,10 @@ def create_app(settings: DaemonSettings, backend: BackendService, *, engine: Eng
     app = FastAPI(title="vrnic", version=__version__, lifespan=lifespan,
                   description="Virtual RDMA NICs for VMs and containers: tenants, vRNICs, devices, hosts, events.")
     app.state.control_plane = cp
-    app.state.agent_token = getattr(settings, "agent_token", None) or settings.operator_token  # other agents' key
+    app.state.agent_token = agent_token
     problems.install(app)
     app.include_router(router)
     app.include_router(metrics_router)
+    app.include_router(agent.router)
     app.include_router(agent_peers_router)
     return app

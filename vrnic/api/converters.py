@@ -8,6 +8,7 @@ from vrnic.api.schemas import (
     DeviceOut,
     EventOut,
     HostOut,
+    SecurityRuleOut,
     SriovEventOut,
     SriovPfOut,
     SriovVfOut,
@@ -18,14 +19,16 @@ from vrnic.api.schemas import (
     VrnicOut,
 )
 from vrnic.core.lifecycle import VrnicState
+from vrnic.core.peering import RuleAction
 from vrnic.core.specs import AttachInfo, DataEngine, PortInfo, QosPolicy, Quota, VrnicMode
-from vrnic.db.tables import ApiToken, Device, Event, Host, Tenant, Vrnic
+from vrnic.db.tables import ApiToken, Device, Event, Host, SecurityRule, Tenant, Vrnic
 from vrnic.sriov.manager import PfInventory
 from vrnic.sriov.vf_types import Allocation, VfConfig, VfEvent, VfInfo
 
 
 def tenant_out(tenant: Tenant, live_vrnics: int) -> TenantOut:
-    return TenantOut(name=tenant.name, vpc_id=tenant.vpc_id, default_quota=Quota.model_validate(tenant.default_quota),
+    return TenantOut(name=tenant.name, vpc_id=tenant.vpc_id, vpc_cidr=tenant.vpc_cidr,
+                     default_quota=Quota.model_validate(tenant.default_quota),
                      max_vrnics=tenant.max_vrnics, live_vrnics=live_vrnics, created_at=tenant.created_at)
 
 
@@ -33,12 +36,15 @@ def token_out(token: ApiToken) -> TokenOut:
     return TokenOut(id=token.id, prefix=token.prefix, created_at=token.created_at, revoked_at=token.revoked_at)
 
 
-def vrnic_out(row: Vrnic, *, tenant: str, host: str, state: VrnicState | None = None) -> VrnicOut:
-    """state: the observed state when it differs from the stored one (not persisted yet)."""
+def vrnic_out(row: Vrnic, *, tenant: str, host: str, state: VrnicState | None = None,
+              reachable: bool = True) -> VrnicOut:
+    """state: the observed state when it differs from the stored one (not persisted yet); reachable: its host
+    is up."""
     mode = VrnicMode(row.mode)
     return VrnicOut(
         id=row.public_id, tenant=tenant, mode=mode, engine=DataEngine(row.engine),
-        state=state or VrnicState(row.state), host=host, device=row.device_name, virtual_gid=row.virtual_gid,
+        state=state or VrnicState(row.state), host=host, reachable=reachable, device=row.device_name,
+        virtual_gid=row.virtual_gid, virtual_ip=row.virtual_ip,
         quota=Quota.model_validate(row.quota), qos=QosPolicy.model_validate(row.qos),
         attach=AttachInfo(vrnic_id=row.public_id, mode=mode, device=row.device_name, virtual_gid=row.virtual_gid,
                           socket_path=row.socket_path, extra=row.attach_extra),
@@ -48,12 +54,19 @@ def vrnic_out(row: Vrnic, *, tenant: str, host: str, state: VrnicState | None = 
 def device_out(device: Device, *, host: str, live_vrnics: int) -> DeviceOut:
     return DeviceOut(id=device.id, host=host, name=device.name, driver=device.driver, node_guid=device.node_guid,
                      ports=[PortInfo.model_validate(p) for p in device.ports], caps=device.caps,
-                     present=device.present, live_vrnics=live_vrnics, discovered_at=device.discovered_at)
+                     present=device.present, live_vrnics=live_vrnics, max_vrnics=device.max_vrnics,
+                     discovered_at=device.discovered_at)
 
 
 def host_out(host: Host) -> HostOut:
-    return HostOut(name=host.name, api_url=host.api_url, version=host.version, registered_at=host.registered_at,
+    return HostOut(name=host.name, api_url=host.api_url, version=host.version,
+                   state="down" if host.state == "down" else "up", registered_at=host.registered_at,
                    last_seen_at=host.last_seen_at)
+
+
+def security_rule_out(rule: SecurityRule, *, tenant: str) -> SecurityRuleOut:
+    return SecurityRuleOut(id=rule.id, tenant=tenant, action=RuleAction(rule.action), peer_tenant=rule.peer_tenant,
+                           created_at=rule.created_at)
 
 
 def event_out(event: Event, *, tenant: str | None) -> EventOut:

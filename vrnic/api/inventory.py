@@ -1,6 +1,15 @@
-"""Inventory: this host, the devices its drivers see, and the audit log (hosts, devices, events)."""
+"""Inventory: this host, the devices its drivers see, the hosts' liveness, and the audit log (hosts, devices,
+events).
+
+Liveness: every agent beats (its hosts.last_seen_at) and sweeps: an up host silent for longer than the window
+is marked down (event host.down), and a down host that beats again is up (host.up). Several agents sweeping
+at once write each change once: the row is locked and its state checked again.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -18,14 +27,30 @@ from vrnic.db.unit_of_work import DAEMON_ACTOR, Database, UnitOfWork
 from vrnic.errors import NotFound
 
 LIVE_STATES = [s.value for s in VrnicState if s is not VrnicState.RELEASED]
+UP, DOWN = "up", "down"
+
+
+@dataclass(frozen=True)
+class HostRef:
+    id: int
+    name: str
+    api_url: str | None
+    state: str
+
+    @property
+    def up(self) -> bool:
+        return self.state == UP
 
 
 class Inventory:
-    def __init__(self, db: Database, backend: BackendService, *, host_name: str, api_url: str | None) -> None:
+    def __init__(self, db: Database, backend: BackendService, *, host_name: str, api_url: str | None,
+                 device_max_vrnics: int | None = None, down_after_s: float = 6.0) -> None:
         self.db = db
         self.backend = backend
         self.host_name = host_name
         self.api_url = api_url
+        self.device_max_vrnics = device_max_vrnics
+        self.down_after = timedelta(seconds=down_after_s)
         self._host_id: int | None = None
         self._device_ids: dict[tuple[str, str], int] = {}
 
@@ -46,8 +71,50 @@ class Inventory:
                 s.flush()
                 uow.record("host.register", f"host/{self.host_name}", None, {"version": __version__})
             host.api_url, host.version, host.last_seen_at = self.api_url, __version__, utcnow()
+            self._mark_up(uow, host)
             self._host_id = host.id
         self.sync_devices()
+
+    def heartbeat(self, now: datetime | None = None) -> None:
+        """This host is alive: its last_seen_at, and up again if the others had marked it down."""
+        with self.db.write(DAEMON_ACTOR) as uow:
+            host = uow.session.scalar(select(Host).where(Host.id == self.host_id).with_for_update())
+            if host is None:  # someone deleted the row: register again
+                raise NotFound(f"host {self.host_name} is not registered")
+            host.last_seen_at = now or utcnow()
+            self._mark_up(uow, host)
+
+    @staticmethod
+    def _mark_up(uow: UnitOfWork, host: Host) -> None:
+        if host.state == DOWN:
+            uow.record("host.up", f"host/{host.name}", None, {"last_seen_at": host.last_seen_at.isoformat()})
+        host.state = UP
+
+    def sweep(self, now: datetime | None = None) -> list[str]:
+        """Mark down the other hosts that have not beaten within the window (as of now); their names."""
+        now = now or utcnow()
+        cutoff = now - self.down_after
+        stale = (select(Host).where(Host.state == UP, Host.last_seen_at < cutoff, Host.id != self.host_id)
+                 .order_by(Host.id).with_for_update())
+        with self.db.write(DAEMON_ACTOR) as uow:
+            marked = []
+            for host in uow.session.scalars(stale):
+                host.state = DOWN
+                uow.record("host.down", f"host/{host.name}", None,
+                           {"last_seen_at": host.last_seen_at.isoformat(), "silent_s": (now - host.last_seen_at)
+                            .total_seconds(), "by": self.host_name})
+                marked.append(host.name)
+            return marked
+
+    def host_ref(self, s: Session, host_id: int) -> HostRef:
+        row = s.execute(select(Host.id, Host.name, Host.api_url, Host.state).where(Host.id == host_id)).one()
+        return HostRef(row.id, row.name, row.api_url, row.state)
+
+    def find_host(self, s: Session, name: str) -> HostRef:
+        row = s.execute(select(Host.id, Host.name, Host.api_url, Host.state).where(Host.name == name)).first()
+        if row is None:
+            raise NotFound(f"no host {name}")
+        return HostRef(row.id, row.name, row.api_url, row.state)
 
     def sync_devices(self) -> None:
         discovered = self.backend.devices()
@@ -59,11 +126,12 @@ class Inventory:
                 row = rows.pop((info.driver, info.name), None)
                 if row is None:
                     s.add(Device(host_id=self.host_id, name=info.name, driver=info.driver, node_guid=info.node_guid,
-                                 ports=ports, caps=dict(info.caps)))
+                                 ports=ports, caps=dict(info.caps), max_vrnics=self.device_max_vrnics))
                     uow.record("device.discover", f"device/{info.driver}/{info.name}", None,
                                {"node_guid": info.node_guid})
                 else:
                     row.node_guid, row.ports, row.caps, row.present = info.node_guid, ports, dict(info.caps), True
+                    row.max_vrnics = self.device_max_vrnics
                     row.discovered_at = utcnow()
             for row in rows.values():
                 row.present = False
@@ -87,7 +155,8 @@ class Inventory:
             if info is None:
                 return None
             row = Device(host_id=self.host_id, name=name, driver=driver, node_guid=info.node_guid,
-                         ports=[p.model_dump() for p in info.ports], caps=dict(info.caps))
+                         ports=[p.model_dump() for p in info.ports], caps=dict(info.caps),
+                         max_vrnics=self.device_max_vrnics)
             s.add(row)
             s.flush()
         return row.id

@@ -42,8 +42,8 @@ STATUS: dict[type[VrnicError], int] = {
     Conflict: 409,
     NotSupported: 422,  # understood, but this host cannot do it (mode not enabled, no device)
     DeviceError: 502,  # the kernel or device below us refused
-    Unavailable: 503,  # another host's agent (or the database) cannot be reached
     SchemaOutOfDate: 503,  # someone migrated the database under a running daemon
+    Unavailable: 503,  # another host's agent is down or unreachable
 }
 
 # Documented on every route, so clients (and schemathesis) know the possible problem answers.

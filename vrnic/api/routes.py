@@ -22,6 +22,8 @@ from vrnic.api.schemas import (
     NumVfsChanged,
     Page,
     ReconcileOut,
+    SecurityRuleCreate,
+    SecurityRuleOut,
     SriovPfOut,
     SriovVfOut,
     TenantCreate,
@@ -286,6 +288,29 @@ def list_events(cp: CP, who: Caller, cursor: Cursor = None, limit: Limit = 50,
     return cp.inventory.list_events(who, cursor, limit, subject=subject, action=action)
 
 
+# -- security groups: a tenant's own VPC's rules (the operator: any tenant's) ------------------------
+
+@router.post("/security-rules", status_code=status.HTTP_201_CREATED, tags=["security-rules"])
+async def add_security_rule(body: SecurityRuleCreate, cp: CP, who: Caller, response: Response) -> SecurityRuleOut:
+    """Allow or deny peers of another tenant's VPC ("*": any other). Cross-VPC connections need an allow on both
+    sides and no deny on either; checked by the agents at connect time, and audited."""
+    rule = await cp.write(cp.security_rules.create, who, body)
+    response.headers["Location"] = f"/api/v1/security-rules/{rule.id}"
+    return rule
+
+
+@router.get("/security-rules", tags=["security-rules"])
+def list_security_rules(cp: CP, who: Caller, cursor: Cursor = None, limit: Limit = 50,
+                        tenant: Annotated[str | None, Query(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")] = None
+                        ) -> Page[SecurityRuleOut]:
+    return cp.security_rules.list(who, cursor, limit, tenant=tenant)
+
+
+@router.delete("/security-rules/{rule_id}", status_code=status.HTTP_204_NO_CONTENT, tags=["security-rules"])
+async def delete_security_rule(rule_id: BigId, cp: CP, who: Caller) -> None:
+    await cp.write(cp.security_rules.delete, who, rule_id)
+
+
 # -- SR-IOV: PFs and VFs (operator only), a vRNIC's VF (its tenant too) ---------------------------
 
 @router.get("/sriov/pfs", tags=["sriov"])
@@ -349,19 +374,22 @@ def metrics(cp: CP, who: Caller) -> PlainTextResponse:
     who.require_operator()
     counted = cp.backend.qos_counters()
 
-    class Sent(Collector):
+    class Counted(Collector):
         def collect(self):  # type: ignore[no-untyped-def]
-            tx_bytes = CounterMetricFamily("vrnic_tx_bytes", "Bytes a vRNIC sent (QoS mechanism)", labels=["vrnic"])
-            tx_packets = CounterMetricFamily("vrnic_tx_packets", "Packets a vRNIC sent", labels=["vrnic"])
-            rate = GaugeMetricFamily("vrnic_tx_rate_bits_per_second", "Send rate since the previous scrape",
-                                     labels=["vrnic"])
             now = time.monotonic()
-            for vrnic_id, c in sorted(counted.items()):
-                tx_bytes.add_metric([vrnic_id], c["tx_bytes"])
-                tx_packets.add_metric([vrnic_id], c["tx_packets"])
-                rate.add_metric([vrnic_id], cp.vrnics.meter.read(f"metrics:{vrnic_id}", c["tx_bytes"], now))
-            yield from (tx_bytes, tx_packets, rate)
+            for way, verb, noun in (("tx", "sent", "Send"), ("rx", "received", "Receive")):
+                nbytes = CounterMetricFamily(f"vrnic_{way}_bytes", f"Bytes a vRNIC {verb} (QoS mechanism)",
+                                             labels=["vrnic"])
+                packets = CounterMetricFamily(f"vrnic_{way}_packets", f"Packets a vRNIC {verb}", labels=["vrnic"])
+                rate = GaugeMetricFamily(f"vrnic_{way}_rate_bits_per_second", f"{noun} rate since the previous "
+                                         "scrape", labels=["vrnic"])
+                for vrnic_id, c in sorted(counted.items()):
+                    nbytes.add_metric([vrnic_id], c.get(f"{way}_bytes", 0))
+                    packets.add_metric([vrnic_id], c.get(f"{way}_packets", 0))
+                    rate.add_metric([vrnic_id], cp.vrnics.meter.read(f"metrics:{way}:{vrnic_id}",
+                                                                     c.get(f"{way}_bytes", 0), now))
+                yield from (nbytes, packets, rate)
 
     registry = CollectorRegistry()
-    registry.register(Sent())
+    registry.register(Counted())
     return PlainTextResponse(generate_latest(registry).decode(), media_type=CONTENT_TYPE_LATEST)

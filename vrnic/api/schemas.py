@@ -5,10 +5,13 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from vrnic.core.lifecycle import VrnicState
+from vrnic.core.peering import RuleAction
 from vrnic.core.specs import AttachInfo, DataEngine, PortInfo, QosPolicy, Quota, VrnicMode, check_engine
+from vrnic.core.vaddr import DEFAULT_VPC_CIDR, vpc_network
+from vrnic.errors import InvalidArgument
 
 T = TypeVar("T")
 
@@ -44,6 +47,16 @@ class TenantCreate(BaseModel):
     vpc_id: int | None = Field(None, ge=1, lt=1 << 32, description="default: the next free VPC id")
     default_quota: Quota = Quota()
     max_vrnics: int | None = Field(None, ge=0, le=1 << 20, description="live vRNICs at most (null: no limit)")
+    vpc_cidr: str = Field(DEFAULT_VPC_CIDR, max_length=43, pattern=r"^[0-9./]+$", examples=["10.0.0.0/16"],
+                          description="the IPv4 range its vRNICs' virtual IPs come from")
+
+    @field_validator("vpc_cidr")
+    @classmethod
+    def _vpc_cidr(cls, value: str) -> str:
+        try:
+            return str(vpc_network(value))
+        except InvalidArgument as exc:
+            raise ValueError(str(exc)) from exc
 
 
 class TenantUpdate(BaseModel):
@@ -57,6 +70,7 @@ class TenantUpdate(BaseModel):
 class TenantOut(BaseModel):
     name: str
     vpc_id: int
+    vpc_cidr: str
     default_quota: Quota
     max_vrnics: int | None
     live_vrnics: int
@@ -89,6 +103,10 @@ class VrnicCreate(BaseModel):
     engine: DataEngine = Field(DataEngine.RING, description="ring (vrnicd moves posts and completions) or direct "
                                                             "(the guest drives the NIC's queues; mode paravirtual "
                                                             "only, and not for VMs)")
+    host: str | None = Field(None, max_length=255, pattern=r"^[\x21-\x7e]+$",
+                             description="the host to place it on; default: the least loaded device of the up hosts")
+    virtual_ip: str | None = Field(None, max_length=15, pattern=r"^[0-9.]+$", examples=["10.0.0.7"],
+                                   description="its address in the tenant's VPC; default: the next free one")
 
     @model_validator(mode="after")
     def _engine_fits_the_mode(self) -> VrnicCreate:
@@ -103,8 +121,10 @@ class VrnicOut(BaseModel):
     engine: DataEngine = Field(description="the data-path engine (paravirtual; SR-IOV vRNICs show ring)")
     state: VrnicState
     host: str
+    reachable: bool = Field(True, description="false while its host is down (it is kept, never reallocated)")
     device: str
     virtual_gid: str
+    virtual_ip: str | None = Field(None, description="its address in the tenant's VPC (rdma_cm-style resolve)")
     quota: Quota
     qos: QosPolicy
     attach: AttachInfo = Field(description="what a guest frontend needs; token only in the allocation response")
@@ -148,13 +168,17 @@ class VrnicQosChange(BaseModel):
 
 
 class VrnicCounters(BaseModel):
-    """What a vRNIC sent, as the kernel's QoS mechanism counted it; zero while its device has no QoS on."""
+    """What a vRNIC sent and received, as the kernel's QoS mechanism counted it; zero while its device has no
+    QoS on."""
 
     vrnic_id: str
     shaped: bool  # counted by a QoS mechanism (its device has QoS on)
     tx_bytes: int
     tx_packets: int
     tx_rate_bps: float  # bits per second since the previous reading (0 at the first)
+    rx_bytes: int = 0
+    rx_packets: int = 0
+    rx_rate_bps: float = 0.0
 
 
 class VmMigrationPrepared(BaseModel):
@@ -203,6 +227,7 @@ class DeviceOut(BaseModel):
     caps: dict[str, int]
     present: bool
     live_vrnics: int
+    max_vrnics: int | None = None
     discovered_at: datetime
 
 
@@ -210,8 +235,27 @@ class HostOut(BaseModel):
     name: str
     api_url: str | None
     version: str
+    state: Literal["up", "down"] = Field(description="down: its agent stopped beating (its vRNICs are unreachable)")
     registered_at: datetime
     last_seen_at: datetime
+
+
+class SecurityRuleCreate(BaseModel):
+    """A rule of a VPC's security group: allow or deny peers of another tenant's VPC ("*": any other)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: TenantName | None = Field(None, description="operator only: whose VPC the rule belongs to")
+    action: RuleAction
+    peer_tenant: Annotated[str, Field(pattern=r"^(\*|[a-z0-9][a-z0-9_-]{0,62})$", examples=["globex", "*"])]
+
+
+class SecurityRuleOut(BaseModel):
+    id: int
+    tenant: str
+    action: RuleAction
+    peer_tenant: str
+    created_at: datetime
 
 
 class EventOut(BaseModel):

@@ -76,7 +76,7 @@ class Tenants:
                 elif s.scalar(select(Tenant.id).where(Tenant.vpc_id == vpc_id)) is not None:
                     raise Conflict(f"VPC id {vpc_id} belongs to another tenant", current_state="in_use")
                 tenant = Tenant(name=body.name, vpc_id=vpc_id, default_quota=body.default_quota.model_dump(),
-                                max_vrnics=body.max_vrnics)
+                                max_vrnics=body.max_vrnics, vpc_cidr=body.vpc_cidr)
                 s.add(tenant)
                 s.flush()
                 s.add(ApiToken(tenant_id=tenant.id, token_hash=hash_token(token), prefix=token[:12]))

@@ -2,6 +2,11 @@
 
 Attach and detach are never what a client says: on every read the state is what the backend observes
 now (a guest attached or not), and a change is persisted with an audit event (actor daemon).
+
+Multi-host: allocate places on the least loaded device of the up hosts (or the `host` asked for); a device's
+cap holds across API servers because its row is locked, then its live vRNICs counted, in the allocating
+transaction. A vRNIC of another host is created, released and shaped through that host's agent; one of a
+host that is down is shown unreachable and is never reallocated.
 """
 
 from __future__ import annotations
@@ -11,33 +16,55 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import Select, Table, and_, bindparam, insert, or_, select, update
+from sqlalchemy import Select, Table, and_, bindparam, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from vrnic.api.auth import Principal
+from vrnic.api.backends import Backends, VrnicBackend
 from vrnic.api.converters import vrnic_out
-from vrnic.api.inventory import Inventory
+from vrnic.api.inventory import UP, HostRef, Inventory
 from vrnic.api.pagination import PageRequest
 from vrnic.api.schemas import Page, VrnicCounters, VrnicCreate, VrnicOut
 from vrnic.api.tenants import find_tenant, live_vrnics
 from vrnic.api.transactions import Transactions
+from vrnic.backend.driver import drivers_serving
 from vrnic.backend.service import BackendService
 from vrnic.core.lifecycle import VrnicAction, VrnicState, check_vrnic_count, next_state, observed_state
+from vrnic.core.placement import Candidate, choose
 from vrnic.core.qos import RateMeter
 from vrnic.core.specs import DataEngine, QosPolicy, Quota, VrnicMode, VrnicSpec
-from vrnic.core.vaddr import make_virtual_gid
-from vrnic.db.tables import Tenant, Vrnic, utcnow
+from vrnic.core.vaddr import check_virtual_ip, first_free_virtual_ip, make_virtual_gid, next_virtual_ip
+from vrnic.db.tables import Device, Host, Tenant, Vrnic, utcnow
 from vrnic.db.unit_of_work import DAEMON_ACTOR, UnitOfWork
-from vrnic.errors import Conflict, InvalidArgument, NotFound, NotSupported, PermissionDenied, Unauthenticated
+from vrnic.errors import (
+    Conflict,
+    InvalidArgument,
+    NotFound,
+    NotSupported,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Observed = tuple[T, bool]  # (what a read shows, whether the observed attach state differs from the stored one)
 _ATTACHABLE = [VrnicState.ALLOCATED.value, VrnicState.DETACHED.value]
+
+
+_IP_RETRIES = 8  # concurrent allocations of one tenant may pick the same next address: the loser picks again
+
+
+@dataclass(frozen=True)
+class Placement:
+    host: HostRef
+    device: str | None  # None: the host's backend picks (this host, no caps anywhere: today's fast path)
+    device_id: int | None
 
 
 class Replayed(Exception):
@@ -70,13 +97,26 @@ _TENANT_BY_ID = select(_TENANTS).where(_TENANTS.c.id == bindparam("b_id"))
 _FIND_FOR_UPDATE = (select(_VRNICS, _TENANTS.c.name.label("tenant_name"))
                     .join(_TENANTS, _TENANTS.c.id == _VRNICS.c.tenant_id)
                     .where(_VRNICS.c.public_id == bindparam("b_id")).with_for_update(of=_VRNICS))
+_LIVE = _VRNICS.c.state != VrnicState.RELEASED.value
+_CANDIDATES = (select(Device.id, Device.name, Device.max_vrnics, Device.driver, Host.id.label("host_id"),
+                      Host.name.label("host_name"), Host.api_url, Host.state)
+               .join(Host, Host.id == Device.host_id).where(Device.present, Host.state == UP))
+_LIVE_ON_DEVICE = select(func.count()).select_from(_VRNICS).where(_VRNICS.c.device_id == bindparam("b_device"),
+                                                                  _LIVE)
+_NEWEST_IP = (select(_VRNICS.c.virtual_ip).where(_VRNICS.c.tenant_id == bindparam("b_tenant"), _LIVE,
+                                                 _VRNICS.c.virtual_ip.is_not(None))
+              .order_by(_VRNICS.c.serial.desc()).limit(1))
+_IP_HOLDER = select(_VRNICS.c.public_id).where(_VRNICS.c.tenant_id == bindparam("b_tenant"), _LIVE,
+                                               _VRNICS.c.virtual_ip == bindparam("b_ip"))
 
 
 class Vrnics:
-    def __init__(self, tx: Transactions, backend: BackendService, inventory: Inventory) -> None:
+    def __init__(self, tx: Transactions, backend: BackendService, inventory: Inventory,
+                 backends: Backends | None = None) -> None:
         self.tx = tx
         self.backend = backend
         self.inventory = inventory
+        self.backends = backends or Backends(backend, inventory.host_name, None)
         self.meter = RateMeter()
 
     # -- allocate ---------------------------------------------------------------------------------
@@ -90,7 +130,7 @@ class Vrnics:
         request = body.model_dump(mode="json", exclude={"engine"} if body.engine is DataEngine.RING else None)
         request_hash = hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()
         try:
-            return self._allocate(principal, body, idempotency_key, request_hash), False
+            return self._allocate_retrying(principal, body, idempotency_key, request_hash), False
         except Replayed as replay:
             with self.tx.read() as uow:
                 row, tenant = uow.session.execute(_WITH_TENANT.where(Vrnic.serial == replay.serial)).tuples().one()
@@ -104,6 +144,20 @@ class Vrnics:
                 if earlier is None:
                     raise
                 return self._out(uow.session, earlier, earlier.tenant.name), True
+
+    def _allocate_retrying(self, principal: Principal, body: VrnicCreate, idempotency_key: str | None,
+                           request_hash: str) -> VrnicOut:
+        for attempt in range(_IP_RETRIES):
+            try:
+                return self._allocate(principal, body, idempotency_key, request_hash)
+            except IntegrityError as exc:
+                if "virtual_ip" not in str(exc.orig):
+                    raise
+                if body.virtual_ip is not None:
+                    raise Conflict(f"virtual IP {body.virtual_ip} is taken in this VPC", current_state="taken") \
+                        from exc
+                log.info("virtual IP clash with a concurrent allocation (attempt %d): picking again", attempt + 1)
+        raise Conflict("could not pick a free virtual IP under contention; retry", current_state="contended")
 
     def _allocate(self, principal: Principal, body: VrnicCreate, idempotency_key: str | None,
                   request_hash: str) -> VrnicOut:
@@ -119,36 +173,97 @@ class Vrnics:
                 s.execute(select(Tenant.id).where(Tenant.id == tenant.id).with_for_update())
                 check_vrnic_count(tenant.max_vrnics, live_vrnics(s, tenant.id))
             quota = body.quota or Quota.model_validate(tenant.default_quota)
+            place = self._place(s, body)
+            virtual_ip = self._virtual_ip(s, tenant, body.virtual_ip)
             public_id, now = f"vr-{uuid.uuid4().hex}", utcnow()
             values: dict[str, Any] = dict(
                 public_id=public_id, tenant_id=tenant.id, mode=body.mode.value, engine=body.engine.value,
                 state=VrnicState.ALLOCATED.value,
-                host_id=self.inventory.host_id, device_id=None, device_name="", quota=quota.model_dump(),
-                qos=body.qos.model_dump(), virtual_gid=public_id, socket_path=None, attach_extra={},
-                idempotency_key=idempotency_key, request_hash=request_hash, created_at=now, updated_at=now,
-                released_at=None)
+                host_id=place.host.id, device_id=place.device_id, device_name="", quota=quota.model_dump(),
+                qos=body.qos.model_dump(), virtual_gid=public_id, virtual_ip=virtual_ip, socket_path=None,
+                attach_extra={}, idempotency_key=idempotency_key, request_hash=request_hash, created_at=now,
+                updated_at=now, released_at=None)
             # The hot path in SQLAlchemy Core (the ORM's flushes cost more than the rest of the request):
             # one INSERT (the serial, and a clash on the idempotency key, come from the database) ...
             serial = int(s.execute(_INSERT_VRNIC, values).scalar_one())
             virtual_gid = make_virtual_gid(tenant.vpc_id, serial)
-            spec = VrnicSpec(id=public_id, tenant=tenant.name, mode=body.mode, device=body.device, quota=quota,
-                             qos=body.qos, vpc_id=tenant.vpc_id, virtual_gid=virtual_gid, engine=body.engine)
-            info = self.backend.create_vrnic(spec)
+            spec = VrnicSpec(id=public_id, tenant=tenant.name, mode=body.mode, device=place.device or body.device,
+                             quota=quota, qos=body.qos, vpc_id=tenant.vpc_id, virtual_gid=virtual_gid,
+                             engine=body.engine)
+            backend = self.backends.of(place.host)
+            info = backend.create_vrnic(spec)
             # the backend holds it: if the database does not end up holding it too, undo
-            uow.on_failure(lambda: self._release_backend(public_id))
+            uow.on_failure(lambda: self._release_backend(public_id, backend))
             # ... the backend call, one UPDATE, the event, one commit.
-            device_id = self.inventory.device_id(uow, body.mode, info.device)
+            device_id = place.device_id if place.device_id is not None else \
+                self.inventory.device_id(uow, body.mode, info.device)
             placed = dict(virtual_gid=virtual_gid, device_name=info.device, socket_path=info.socket_path,
                           attach_extra=dict(info.extra), device_id=device_id, updated_at=now)
             s.execute(_PLACE_VRNIC, {**placed, "b_serial": serial})
             uow.record("vrnic.allocate", f"vrnic/{public_id}", tenant.id,
                        {"mode": body.mode.value, "engine": body.engine.value, "device": info.device,
-                        "virtual_gid": virtual_gid,
+                        "virtual_gid": virtual_gid, "virtual_ip": virtual_ip,
+                        **({"host": place.host.name} if place.host.id != self.inventory.host_id else {}),
                         **({"idempotency_key": idempotency_key} if idempotency_key else {})})
             # a transient row (never added to the session) so the one converter serves this path too
-            out = vrnic_out(Vrnic(serial=serial, **{**values, **placed}), tenant=tenant.name,
-                            host=self.inventory.host_name)
+            out = vrnic_out(Vrnic(serial=serial, **{**values, **placed}), tenant=tenant.name, host=place.host.name)
         return out.model_copy(update={"attach": out.attach.model_copy(update={"token": info.token})})
+
+    def _place(self, s: Session, body: VrnicCreate) -> Placement:
+        """The host and device of a new vRNIC. Capped devices are locked (PostgreSQL: FOR UPDATE) and counted
+        here, so the row inserted next is seen by every other allocation that waits for that lock."""
+        local = HostRef(self.inventory.host_id, self.inventory.host_name, self.inventory.api_url, UP)
+        query = _CANDIDATES.where(Device.driver.in_(drivers_serving(body.mode)))
+        if body.mode is VrnicMode.SRIOV:  # VFs are this host's own (its desired state joins this transaction)
+            query = query.where(Host.id == local.id)
+        if body.host is not None and body.host != local.name:
+            wanted = self.inventory.find_host(s, body.host)
+            if not wanted.up:
+                raise Unavailable(f"host {body.host} is down: vRNICs are not placed there")
+            query = query.where(Host.id == wanted.id)
+        elif body.host is not None:
+            query = query.where(Host.id == local.id)
+        if body.device is not None:
+            query = query.where(Device.name == body.device)
+        rows = s.execute(query).all()
+        if all(r.host_id == local.id and r.max_vrnics is None for r in rows):
+            # This host only and nothing capped: its backend picks (by its own load), as on a single host.
+            if body.host is not None and body.host != local.name:
+                raise NotSupported(f"host {body.host} has no device for mode {body.mode}"
+                                   + (f" named {body.device}" if body.device else ""))
+            return Placement(local, None, None)
+        live = dict(s.execute(select(_VRNICS.c.device_id, func.count()).where(
+            _VRNICS.c.device_id.in_([r.id for r in rows]), _LIVE).group_by(_VRNICS.c.device_id)).tuples().all())
+        by_key = {(r.host_name, r.name): r for r in rows}
+        best = choose((Candidate(r.host_name, r.name, live.get(r.id, 0), r.max_vrnics) for r in rows),
+                      mode=body.mode.value)
+        chosen = by_key[best.host, best.device]
+        host = HostRef(chosen.host_id, chosen.host_name, chosen.api_url, chosen.state)
+        if chosen.max_vrnics is not None:
+            s.execute(select(Device.id).where(Device.id == chosen.id).with_for_update())
+            count = s.execute(_LIVE_ON_DEVICE, {"b_device": chosen.id}).scalar_one()
+            if count >= chosen.max_vrnics:
+                raise Conflict(f"device full: {chosen.host_name}/{chosen.name} holds {count} live vRNIC(s), "
+                               f"its cap is {chosen.max_vrnics}", current_state="full")
+        return Placement(host, chosen.name, chosen.id)
+
+    @staticmethod
+    def _virtual_ip(s: Session, tenant: Tenant, wanted: str | None) -> str:
+        """The new vRNIC's address in the tenant's VPC: the one asked for (free, a host address of the VPC), else
+        the one after the newest live vRNIC's, else the lowest free one."""
+        if wanted is not None:
+            ip = check_virtual_ip(tenant.vpc_cidr, wanted)
+            holder = s.execute(_IP_HOLDER, {"b_tenant": tenant.id, "b_ip": ip}).scalar()
+            if holder is not None:
+                raise Conflict(f"virtual IP {ip} is taken in this VPC (by {holder})", current_state="taken")
+            return ip
+        newest = s.execute(_NEWEST_IP, {"b_tenant": tenant.id}).scalar()
+        candidate = next_virtual_ip(tenant.vpc_cidr, newest)
+        if candidate is not None and s.execute(_IP_HOLDER, {"b_tenant": tenant.id, "b_ip": candidate}).first() is None:
+            return candidate
+        taken = {ip for ip in s.scalars(select(Vrnic.virtual_ip).where(
+            Vrnic.tenant_id == tenant.id, Vrnic.state != VrnicState.RELEASED.value)) if ip is not None}
+        return first_free_virtual_ip(tenant.vpc_cidr, taken)
 
     @staticmethod
     def _allocating_tenant(s: Session, principal: Principal, body: VrnicCreate) -> Tenant:
@@ -185,10 +300,11 @@ class Vrnics:
         request = PageRequest.parse(cursor, limit)
         attached = self.backend.attached_vrnics()
         stale = False
+        hosts: dict[int, HostRef] = {}
 
         def convert(found: tuple[Vrnic, str]) -> VrnicOut:
             nonlocal stale
-            out = self._out(uow.session, *found, attached=attached)
+            out = self._out(uow.session, *found, attached=attached, hosts=hosts)
             stale = stale or out.state.value != found[0].state
             return out
 
@@ -225,10 +341,12 @@ class Vrnics:
             rows = list(uow.session.scalars(differing))
             return sum(self._take_in_observation(uow, row, attached) for row in rows)
 
-    def _take_in_observation(self, uow: UnitOfWork, row: Vrnic, attached: set[str]) -> bool:
+    def _take_in_observation(self, uow: UnitOfWork, row: Vrnic, attached: set[str],
+                             observer: int | None = None) -> bool:
+        """attached: what the backend of host `observer` (default: this one) observes now."""
         stored = VrnicState(row.state)
-        if row.host_id != self.inventory.host_id:  # another host observes it
-            return False
+        if row.host_id != (observer if observer is not None else self.inventory.host_id):
+            return False  # another host observes it
         new = observed_state(stored, row.public_id in attached)
         if new is stored:
             return False
@@ -238,11 +356,22 @@ class Vrnics:
                    actor=DAEMON_ACTOR)
         return True
 
-    def _out(self, s: Session, row: Vrnic, tenant: str, *, attached: set[str] | None = None) -> VrnicOut:
+    def _out(self, s: Session, row: Vrnic, tenant: str, *, attached: set[str] | None = None,
+             hosts: dict[int, HostRef] | None = None) -> VrnicOut:
         state = VrnicState(row.state)
-        if attached is not None and row.host_id == self.inventory.host_id:
-            state = observed_state(state, row.public_id in attached)
-        return vrnic_out(row, tenant=tenant, host=self.inventory.host_name_of(s, row.host_id), state=state)
+        if row.host_id == self.inventory.host_id:  # this host answers: it is up
+            if attached is not None:
+                state = observed_state(state, row.public_id in attached)
+            return vrnic_out(row, tenant=tenant, host=self.inventory.host_name, state=state)
+        host = (hosts or {}).get(row.host_id) or self.inventory.host_ref(s, row.host_id)
+        if hosts is not None:
+            hosts[row.host_id] = host
+        return vrnic_out(row, tenant=tenant, host=host.name, state=state, reachable=host.up)
+
+    def _backend_of(self, s: Session, host_id: int) -> VrnicBackend:
+        if host_id == self.inventory.host_id:
+            return self.backend
+        return self.backends.of(self.inventory.host_ref(s, host_id))
 
     def orphaned(self) -> list[str]:
         """Live vRNICs of this host in the database that the backend does not hold (e.g. after a restart)."""
@@ -260,25 +389,26 @@ class Vrnics:
             row, tenant = find_vrnic(uow.session, principal, vrnic_id, for_update=True)
             if row.state == VrnicState.RELEASED.value:
                 raise Conflict(f"vRNIC {vrnic_id} was released", current_state="released")
-            if row.host_id != self.inventory.host_id:
-                raise Conflict(f"vRNIC {vrnic_id} lives on another host", current_state="elsewhere")
             if row.mode != VrnicMode.PARAVIRTUAL.value:
                 raise NotSupported(f"vRNIC {vrnic_id} is an SR-IOV VF: its rates are set when it is allocated "
                                    "(release it and allocate another to change them)")
             before = row.qos
-            self.backend.set_qos(vrnic_id, VrnicMode(row.mode), policy)
+            self._backend_of(uow.session, row.host_id).set_qos(vrnic_id, VrnicMode(row.mode), policy)
             row.qos = policy.model_dump()
             uow.record("vrnic.qos", f"vrnic/{vrnic_id}", row.tenant_id, {"from": before, "to": row.qos})
             return self._out(uow.session, row, tenant)
 
     def counters(self, principal: Principal, vrnic_id: str) -> VrnicCounters:
         with self.tx.read() as uow:
-            find_vrnic(uow.session, principal, vrnic_id)
-        counted = self.backend.qos_counters().get(vrnic_id)
-        reading = self.meter.read(vrnic_id, counted["tx_bytes"] if counted else 0, time.monotonic())
-        return VrnicCounters(vrnic_id=vrnic_id, shaped=counted is not None,
-                             tx_bytes=counted["tx_bytes"] if counted else 0,
-                             tx_packets=counted["tx_packets"] if counted else 0, tx_rate_bps=reading)
+            row, _ = find_vrnic(uow.session, principal, vrnic_id)
+            backend = self._backend_of(uow.session, row.host_id)
+        counted = backend.qos_counters().get(vrnic_id) or {}
+        now = time.monotonic()
+        tx, rx = counted.get("tx_bytes", 0), counted.get("rx_bytes", 0)
+        return VrnicCounters(vrnic_id=vrnic_id, shaped=bool(counted), tx_bytes=tx,
+                             tx_packets=counted.get("tx_packets", 0), tx_rate_bps=self.meter.read(vrnic_id, tx, now),
+                             rx_bytes=rx, rx_packets=counted.get("rx_packets", 0),
+                             rx_rate_bps=self.meter.read(f"rx:{vrnic_id}", rx, now))
 
     # -- release ----------------------------------------------------------------------------------
 
@@ -297,8 +427,11 @@ class Vrnics:
                 raise NotFound(f"no vRNIC {vrnic_id}")
             row = Vrnic(**{c.key: found[c.key] for c in _VRNICS.columns})  # transient: never flushed
             stored = row.state
+            # A released one needs no backend (even on a host that is down: that is a 409, not a 503).
+            backend = self._backend_of(uow.session, row.host_id) if stored != VrnicState.RELEASED.value \
+                else self.backend
             # what vrnicd observed is a fact: it is recorded even when the release is refused
-            self._take_in_observation(uow, row, self.backend.attached_vrnics())
+            self._take_in_observation(uow, row, backend.attached_vrnics(), row.host_id)
             previous, now = VrnicState(row.state), utcnow()
             try:
                 new = next_state(previous, VrnicAction.RELEASE, force=force)
@@ -307,7 +440,7 @@ class Vrnics:
                 if row.state != stored:
                     uow.session.execute(_PLACE_VRNIC, {"state": row.state, "updated_at": now, "b_serial": row.serial})
             else:
-                self._release_backend(vrnic_id)
+                self._release_backend(vrnic_id, backend)
                 changes = {"state": new.value, "released_at": now, "updated_at": now}
                 uow.session.execute(_PLACE_VRNIC, {**changes, "b_serial": row.serial})
                 for column, value in changes.items():
@@ -328,9 +461,9 @@ class Vrnics:
                                       .where(Vrnic.public_id == vrnic_id))
         return mode == VrnicMode.SRIOV.value
 
-    def _release_backend(self, vrnic_id: str) -> None:
+    def _release_backend(self, vrnic_id: str, backend: VrnicBackend) -> None:
         try:
-            self.backend.release_vrnic(vrnic_id)
+            backend.release_vrnic(vrnic_id)
         except NotFound:
             # Already gone (the daemon restarted, or an earlier release got this far): nothing to tear down.
             log.warning("vRNIC %s had no backend state left to release", vrnic_id)

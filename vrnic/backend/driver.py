@@ -6,6 +6,7 @@ and `fake` (in-tree, no hardware: control-plane tests and benchmarks).
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from importlib.metadata import entry_points
 from typing import Any, ClassVar
@@ -67,7 +68,7 @@ class RnicDriver(ABC):
         raise NotSupported(f"the {self.name} driver cannot change a vRNIC's QoS while it lives")
 
     def qos_counters(self) -> dict[str, dict[str, int]]:
-        """tx_bytes and tx_packets per vRNIC whose QoS this driver enforces."""
+        """tx_bytes, tx_packets, rx_bytes and rx_packets per vRNIC whose QoS this driver enforces."""
         return {}
 
     def reconcile_qos(self) -> int:
@@ -92,10 +93,27 @@ def available_drivers() -> list[str]:
     return sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
 
 
-def load_driver(name: str, **options: Any) -> RnicDriver:
+def driver_class(name: str) -> type[RnicDriver]:
     matches = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
     if not matches:
         raise NotFound(f"no RNIC driver {name!r} (installed: {', '.join(available_drivers()) or 'none'})")
-    driver_class = matches[0].load()
-    driver: RnicDriver = driver_class(**options)
-    return driver
+    found: type[RnicDriver] = matches[0].load()
+    return found
+
+
+def load_driver(name: str, **options: Any) -> RnicDriver:
+    return driver_class(name)(**options)
+
+
+@functools.cache
+def drivers_serving(mode: VrnicMode) -> frozenset[str]:
+    """The installed drivers (entry point names) that serve mode: what another host's devices of that mode
+    are recorded under. A driver whose class cannot be imported here is left out."""
+    names = set()
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            if mode in ep.load().modes:
+                names.add(ep.name)
+        except Exception:  # e.g. a driver's optional dependency missing on this host
+            continue
+    return frozenset(names)

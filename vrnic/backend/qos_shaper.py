@@ -11,6 +11,7 @@ netdev never reach the qdisc (../shared/FACTS.md), so QoS covers traffic that le
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import struct
 import threading
@@ -35,6 +36,8 @@ from vrnic.core.qos import (
     key_of,
     next_minor,
     plan_classes,
+    rx_qpn_of,
+    rx_u32_keys,
     u32_keys,
 )
 from vrnic.core.roce_guard import rxe_create_sport, rxe_udp_sport
@@ -44,6 +47,8 @@ from vrnic.errors import Conflict, DeviceError, NotSupported
 log = logging.getLogger(__name__)
 SYS_NET = Path("/sys/class/net")
 ETH_P_IP = 0x0800  # pyroute2 puts it in network order itself
+INGRESS_HANDLE = 0xFFFF0000  # the ingress qdisc's one handle (ffff:)
+TC_H_INGRESS = 0xFFFFFFF1
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,16 @@ class QosMechanism(ABC):
 
     @abstractmethod
     def unclassify(self, vrnic_id: str, key: FlowKey) -> None: ...
+
+    def count_received(self, vrnic_id: str, qpn: int) -> None:  # noqa: B027 (optional for a mechanism)
+        """Count what arrives for local QP qpn as the vRNIC's (a mechanism that cannot, counts nothing)."""
+
+    def uncount_received(self, vrnic_id: str, qpn: int) -> None:  # noqa: B027
+        """The QP no longer counts for the vRNIC (destroyed, reset, or the vRNIC moved off this device)."""
+
+    def received(self) -> dict[str, ClassCounters]:
+        """Bytes and packets received per vRNIC whose arrivals this mechanism counts."""
+        return {}
 
     @abstractmethod
     def counters(self) -> dict[str, ClassCounters]:
@@ -130,6 +145,7 @@ class HtbShaper(QosMechanism):
     link_mbps: int | None = None
     _shaped: dict[str, Shaped] = field(default_factory=dict)
     _filters: dict[str, Counter[FlowKey]] = field(default_factory=dict)  # vRNIC -> its QPs' keys, counted
+    _rx: dict[str, Counter[int]] = field(default_factory=dict)  # vRNIC -> local QPNs whose arrivals it counts
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -214,6 +230,89 @@ class HtbShaper(QosMechanism):
                         filters[Filter(key, target & 0xFFFF)] = f["handle"]
         return classes, filters, counters
 
+    # Arrivals are counted, never shaped: an ingress qdisc, one u32 filter per local QP (its BTH destination
+    # QPN) with a pass action whose statistics are the QP's received bytes and packets.
+    def _ensure_ingress(self) -> None:
+        with self._netlink("ingress qdisc") as (ipr, index):
+            if not any(q["parent"] == TC_H_INGRESS for q in ipr.get_qdiscs(index)):
+                ipr.tc("add", "ingress", index, INGRESS_HANDLE)
+
+    def _add_rx_filter(self, qpn: int) -> None:
+        with self._netlink("ingress filter") as (ipr, index):
+            ipr.tc("add-filter", "u32", index, parent=INGRESS_HANDLE, prio=FILTER_PRIO, protocol=ETH_P_IP,
+                   target=INGRESS_HANDLE | 1, keys=rx_u32_keys(qpn), action={"kind": "gact", "action": "ok"})
+
+    def _del_rx_filter(self, handle: int) -> None:
+        with self._netlink("ingress filter") as (ipr, index):
+            ipr.tc("del-filter", "u32", index, handle, parent=INGRESS_HANDLE, prio=FILTER_PRIO,
+                   protocol=ETH_P_IP, target=0, keys=[])
+
+    def _observed_rx(self) -> dict[int, tuple[int, ClassCounters]]:
+        """Our receive-counting filters: local QPN -> (kernel handle, what its action counted)."""
+        found: dict[int, tuple[int, ClassCounters]] = {}
+        with self._netlink("ingress dump") as (ipr, index):
+            if not any(q["parent"] == TC_H_INGRESS for q in ipr.get_qdiscs(index)):
+                return found
+            for f in ipr.get_filters(index, parent=INGRESS_HANDLE):
+                options = f.get_attr("TCA_OPTIONS")
+                sel = options.get_attr("TCA_U32_SEL") if options else None
+                if sel is None:
+                    continue
+                qpn = rx_qpn_of(decode_u32_keys(sel["keys"]))
+                if qpn is None:
+                    continue
+                acts = options.get_attr("TCA_U32_ACT")
+                first = acts.get_attr("TCA_ACT_PRIO_1") if acts is not None else None
+                stats = first.get_attr("TCA_ACT_STATS") if first is not None else None
+                basic = stats.get_attr("TCA_STATS_BASIC") if stats is not None else None
+                counted = ClassCounters(int(basic["bytes"]), int(basic["packets"])) if basic else ClassCounters(0, 0)
+                found[qpn] = (f["handle"], counted)
+        return found
+
+    def _drop_rx(self, qpns: Iterable[int], observed: Mapping[int, tuple[int, ClassCounters]]) -> None:
+        for qpn in qpns:
+            if qpn in observed:
+                self._del_rx_filter(observed[qpn][0])
+
+    def count_received(self, vrnic_id: str, qpn: int) -> None:
+        with self._lock:
+            if vrnic_id not in self._shaped:
+                return  # no QoS for this vRNIC: nothing counted, as for what it sends
+            mine = self._rx.setdefault(vrnic_id, Counter())
+            if not mine[qpn]:
+                self._ensure_ingress()
+                self._add_rx_filter(qpn)
+            mine[qpn] += 1
+
+    def uncount_received(self, vrnic_id: str, qpn: int) -> None:
+        with self._lock:
+            mine = self._rx.get(vrnic_id)
+            if not mine or not mine[qpn]:
+                return
+            mine[qpn] -= 1
+            if not mine[qpn]:
+                del mine[qpn]
+                self._drop_rx([qpn], self._observed_rx())
+
+    def _remove_rx_all(self) -> int:
+        """Every receive-counting filter of ours, and the ingress qdisc when nothing else uses it."""
+        observed = self._observed_rx()
+        self._drop_rx(observed, observed)
+        with self._netlink("ingress qdisc") as (ipr, index):
+            if any(q["parent"] == TC_H_INGRESS for q in ipr.get_qdiscs(index)) \
+                    and not any(f.get_attr("TCA_OPTIONS") for f in ipr.get_filters(index, parent=INGRESS_HANDLE)):
+                ipr.tc("del", "ingress", index, INGRESS_HANDLE)
+        return len(observed)
+
+    def received(self) -> dict[str, ClassCounters]:
+        with self._lock:
+            observed = self._observed_rx()
+            out = {}
+            for vrnic_id, qpns in self._rx.items():
+                hits = [observed[q][1] for q in qpns if q in observed]
+                out[vrnic_id] = ClassCounters(sum(c.bytes for c in hits), sum(c.packets for c in hits))
+            return out
+
     # ----- the policy -------------------------------------------------------------------------
     def flow_key(self, qpn: int, dest_qpn: int | None) -> FlowKey:
         """rxe's UDP source port (from both QPNs after an RC QP's RTR, from its own QPN for UD), and the
@@ -250,8 +349,11 @@ class HtbShaper(QosMechanism):
         with self._lock:
             shaped = self._shaped.pop(vrnic_id, None)
             keys = self._filters.pop(vrnic_id, Counter())
+            received = self._rx.pop(vrnic_id, Counter())
             if shaped is None:
                 return
+            if received:
+                self._drop_rx(received, self._observed_rx())
             _, observed, _ = self._observed()
             for f, handle in observed.items():
                 if f.minor == shaped.minor or f.key in keys:
@@ -309,6 +411,15 @@ class HtbShaper(QosMechanism):
             observed_classes, observed_filters, _ = self._observed()
             want_classes, want_filters = self.desired()
             found = drift(want_classes, observed_classes, want_filters, observed_filters)
+            observed_rx = self._observed_rx()
+            want_rx = {q for qpns in self._rx.values() for q in qpns}
+            found = dataclasses.replace(found, add_rx=tuple(sorted(want_rx - set(observed_rx))),
+                                        remove_rx=tuple(sorted(set(observed_rx) - want_rx)))
+            self._drop_rx(found.remove_rx, observed_rx)
+            if found.add_rx:
+                self._ensure_ingress()
+            for qpn in found.add_rx:
+                self._add_rx_filter(qpn)
             for f in found.remove_filters:
                 self._del_filter(observed_filters[f])
             for minor in found.remove_classes:
@@ -321,7 +432,8 @@ class HtbShaper(QosMechanism):
                 log.warning("QoS on %s drifted and was restored: %s", self.netdev, found)
             return found
 
-    def adopt(self, shaped: Mapping[str, QosPolicy], keys: Mapping[str, Iterable[FlowKey]]) -> Drift:
+    def adopt(self, shaped: Mapping[str, QosPolicy], keys: Mapping[str, Iterable[FlowKey]],
+              received: Mapping[str, Iterable[int]] | None = None) -> Drift:
         """After a restart: what vrnicd wants now (from its records), then reconcile the kernel to it."""
         with self._lock:
             self._shaped = {}
@@ -329,17 +441,21 @@ class HtbShaper(QosMechanism):
                 minor = next_minor(s.minor for s in self._shaped.values())
                 self._shaped[vrnic_id] = Shaped(vrnic_id, policy, minor)
             self._filters = {i: Counter(keys.get(i, ())) for i in shaped}
+            self._rx = {i: Counter((received or {}).get(i, ())) for i in shaped}
         return self.reconcile()
 
     def sweep(self) -> bool:
         """Remove a qdisc of ours that no vrnicd wants (one killed before it could remove it). True if found."""
         with self._lock, self._netlink("qdisc") as (ipr, index):
             ours = [q for q in ipr.get_qdiscs(index) if q["parent"] == 0xFFFFFFFF and q["handle"] == ROOT_HANDLE]
-            if ours and not self._shaped:
+            if self._shaped:
+                return False
+            counting = self._remove_rx_all()
+            if ours:
                 ipr.tc("del", "htb", index, ROOT_HANDLE)
+            if ours or counting:
                 log.warning("QoS left on %s by an earlier vrnicd removed", self.netdev)
-                return True
-            return False
+            return bool(ours or counting)
 
     def close(self) -> None:
         with self._lock:
@@ -347,7 +463,10 @@ class HtbShaper(QosMechanism):
                 return
             with contextlib.suppress(Exception), self._netlink("qdisc") as (ipr, index):
                 ipr.tc("del", "htb", index, ROOT_HANDLE)
+            with contextlib.suppress(Exception):
+                self._remove_rx_all()
             self._ipr.close()
             self._ipr = None
             self._shaped.clear()
             self._filters.clear()
+            self._rx.clear()

@@ -328,11 +328,17 @@ class GuestSession:
         """Put the QP's packets (to dest_qpn; None for UD) in its vRNIC's QoS class."""
         if self.qos is None:
             return
-        key = self.qos.flow_key(qp.phys_qpn if obj_qpn is None else obj_qpn, dest_qpn)
+        qpn = qp.phys_qpn if obj_qpn is None else obj_qpn
+        key = self.qos.flow_key(qpn, dest_qpn)
         if qp.qos_key is not None and qp.qos_key != key:
             self.qos.unclassify(self.vrnic_id, qp.qos_key)
         self.qos.classify(self.vrnic_id, key)
         qp.qos_key = key
+        if qp.qos_rx != qpn:  # and what arrives for it is counted as the vRNIC's
+            if qp.qos_rx is not None:
+                self.qos.uncount_received(self.vrnic_id, qp.qos_rx)
+            self.qos.count_received(self.vrnic_id, qpn)
+            qp.qos_rx = qpn
 
     def use_qos(self, qos: QosMechanism | None) -> None:
         """QoS was switched on (or off) for this vRNIC's device: classify (or unclassify) what is connected."""
@@ -352,6 +358,9 @@ class GuestSession:
         if self.qos is not None and qp.qos_key is not None:
             self.qos.unclassify(self.vrnic_id, qp.qos_key)
             qp.qos_key = None
+        if self.qos is not None and qp.qos_rx is not None:
+            self.qos.uncount_received(self.vrnic_id, qp.qos_rx)
+            qp.qos_rx = None
 
     def _resolve(self, remote_gid: str | None, remote_qpn: int | None) -> tuple[Peer, int]:
         """Virtual (GID, QPN) of a peer -> the peer vRNIC and its physical QPN (MasQ-style, at connect)."""

@@ -14,7 +14,7 @@ def list_(as_json: JsonFlag = False, limit: LimitOpt = 50, all_pages: AllOpt = F
           cursor: CursorOpt = None) -> None:
     with api() as client:
         items = list(client.pages("/hosts", {"cursor": cursor}, limit, all_pages))
-    show(items, as_json, ["name", "api_url", "version", "registered_at", "last_seen_at"])
+    show(items, as_json, ["name", "state", "api_url", "version", "registered_at", "last_seen_at"])
 
 
 @app.command("show")

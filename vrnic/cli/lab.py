@@ -23,8 +23,9 @@ def run(
                                                  "with netdevs); runs QEMU 10.")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds before the guest is killed (exit 124).")] = 600.0,
     env: Annotated[list[str] | None, typer.Option("--env", "-e", help="NAME=VALUE for the command.")] = None,
-    rerun_on_panic: Annotated[bool, typer.Option(help="If the lab guest's own kernel panics, say so and run the "
-                                                      "command once more (nested KVM under TCG, rarely).")] = False,
+    rerun_on_panic: Annotated[bool, typer.Option(help="If the lab guest's own kernel panics or locks up (a CPU "
+                                                      "stuck for 2 min), say so and run the command once more "
+                                                      "(nested KVM under TCG, rarely).")] = False,
 ) -> None:
     """Boot the lab, run COMMAND in it and exit with its exit code.
 
@@ -43,9 +44,10 @@ def run(
         rc = runner.run(request)
         if rc == EXIT_GUEST_LOST and rerun_on_panic and runner.panicked:
             # The lab guest (Debian's kernel under QEMU TCG) running nested KVM has been seen to panic with
-            # "TASK stack guard page was hit" in the KVM run loop: the emulator's, not the command's, failure.
-            typer.secho(f"vrnic lab: the lab guest's kernel panicked ({runner.panicked}); running the command "
-                        "once more", err=True, fg="yellow")
+            # "TASK stack guard page was hit" in the KVM run loop, and to lock up with the nested QEMU stuck
+            # on one CPU: the emulator's, not the command's, failure.
+            typer.secho(f"vrnic lab: the lab guest's kernel panicked or locked up ({runner.panicked}); running "
+                        "the command once more", err=True, fg="yellow")
             rc = runner.run(request)
     except VrnicError as exc:
         typer.secho(f"vrnic lab: {exc}", err=True, fg="red")

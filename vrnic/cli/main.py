@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from vrnic.cli import db, devices, events, hosts, lab, sriov, tenants, vm, vrnics
+from vrnic.cli import db, devices, events, hosts, lab, security_rules, sriov, tenants, vm, vrnics
 from vrnic.cli.daemon import daemon
 
 app = typer.Typer(help="vrnic: virtual RDMA NICs for VMs and containers.", no_args_is_help=True)
@@ -14,6 +14,7 @@ app.add_typer(vrnics.app, name="vrnics")
 app.add_typer(devices.app, name="devices")
 app.add_typer(hosts.app, name="hosts")
 app.add_typer(events.app, name="events")
+app.add_typer(security_rules.app, name="security-rules")
 app.add_typer(sriov.app, name="sriov")
 app.add_typer(db.app, name="db")
 app.add_typer(vm.app, name="vm")

@@ -10,17 +10,19 @@ from vrnic.cli.client import AllOpt, CursorOpt, JsonFlag, LimitOpt, api, parse_p
 
 app = typer.Typer(help="Tenants and their API tokens (operator token needed).", no_args_is_help=True)
 
-COLUMNS = ["name", "vpc_id", "max_vrnics", "live_vrnics", "created_at"]
+COLUMNS = ["name", "vpc_id", "vpc_cidr", "max_vrnics", "live_vrnics", "created_at"]
 
 
 @app.command()
 def create(name: str,
            vpc_id: Annotated[int | None, typer.Option(help="Default: the next free VPC id.")] = None,
            max_vrnics: Annotated[int | None, typer.Option(help="Live vRNICs at most (default: no limit).")] = None,
+           vpc_cidr: Annotated[str | None, typer.Option(help="The IPv4 range of its virtual IPs (default: "
+                                                             "10.0.0.0/16).")] = None,
            quota: Annotated[list[str] | None, typer.Option(help="Default per-vRNIC quota, KEY=N (repeat).")] = None,
            as_json: JsonFlag = False) -> None:
     """Create a tenant and print its first token (shown only now)."""
-    body = {"name": name, "vpc_id": vpc_id, "max_vrnics": max_vrnics,
+    body = {"name": name, "vpc_id": vpc_id, "max_vrnics": max_vrnics, "vpc_cidr": vpc_cidr,
             **({"default_quota": parse_pairs(quota, "--quota")} if quota else {})}
     with api() as client:
         created = client.request("POST", "/tenants", json_body={k: v for k, v in body.items() if v is not None})

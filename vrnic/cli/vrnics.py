@@ -13,7 +13,8 @@ from vrnic.core.specs import DataEngine, VrnicMode
 app = typer.Typer(help="vRNICs: allocate, list, show, release (attach state is what vrnicd observes).",
                   no_args_is_help=True)
 
-COLUMNS = ["id", "tenant", "mode", "engine", "state", "host", "device", "virtual_gid", "created_at"]
+COLUMNS = ["id", "tenant", "mode", "engine", "state", "host", "reachable", "device", "virtual_gid", "virtual_ip",
+           "created_at"]
 
 
 def _flat(vrnic: dict[str, Any]) -> dict[str, Any]:
@@ -30,6 +31,10 @@ def allocate(
                                                     "(the guest drives the NIC's queues; not for VMs).")
                       ] = DataEngine.RING,
     device: Annotated[str | None, typer.Option(help="A physical device (default: the least loaded).")] = None,
+    host: Annotated[str | None, typer.Option(help="The host to place it on (default: the least loaded device of "
+                                                  "the hosts that are up).")] = None,
+    virtual_ip: Annotated[str | None, typer.Option(help="Its address in the tenant's VPC (default: the next free)."
+                                                   )] = None,
     quota: Annotated[list[str] | None, typer.Option(help="Quota KEY=N (repeat), e.g. max_qps=8.")] = None,
     rate_cap: Annotated[int | None, typer.Option(help="QoS rate cap, Mbit/s.")] = None,
     guarantee: Annotated[int | None, typer.Option(help="QoS guaranteed rate, Mbit/s.")] = None,
@@ -47,6 +52,10 @@ def allocate(
         body["tenant"] = tenant
     if device:
         body["device"] = device
+    if host:
+        body["host"] = host
+    if virtual_ip:
+        body["virtual_ip"] = virtual_ip
     if quota:
         body["quota"] = parse_pairs(quota, "--quota")
     headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
@@ -67,7 +76,8 @@ def list_(state: Annotated[VrnicState | None, typer.Option(help="Only this state
 
 @app.command("show")
 def show_(vrnic_id: str, as_json: JsonFlag = False) -> None:
-    """A vRNIC, with what it sent (bytes, packets, the rate since the previous reading) when QoS counts it."""
+    """A vRNIC, with what it sent and received (bytes, packets, the rates since the previous reading) when QoS
+    counts it."""
     with api() as client:
         vrnic = client.request("GET", f"/vrnics/{vrnic_id}")
         vrnic["counters"] = client.request("GET", f"/vrnics/{vrnic_id}/counters")

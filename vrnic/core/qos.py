@@ -112,8 +112,8 @@ def u32_keys(key: FlowKey) -> list[str]:
     return keys
 
 
-def key_of(matches: Iterable[tuple[int, int, int]]) -> FlowKey | None:
-    """The flow key a filter of ours matches, from its (mask, value, offset) matches; None if not ours.
+def _match_bytes(matches: Iterable[tuple[int, int, int]]) -> tuple[dict[int, int], dict[int, int]]:
+    """(mask, value) per packet byte offset of u32 (mask, value, offset) matches.
 
     Read byte by byte: pyroute2 re-cuts the words it is given (it moves a key so that its mask starts
     with a non-zero byte), so the words read back need not be the words written."""
@@ -124,6 +124,12 @@ def key_of(matches: Iterable[tuple[int, int, int]]) -> FlowKey | None:
             shift = 24 - 8 * i
             if (mask >> shift) & 0xFF:
                 masks[off + i], values[off + i] = (mask >> shift) & 0xFF, (value >> shift) & 0xFF
+    return masks, values
+
+
+def key_of(matches: Iterable[tuple[int, int, int]]) -> FlowKey | None:
+    """The flow key a filter of ours matches, from its (mask, value, offset) matches; None if not ours."""
+    masks, values = _match_bytes(matches)
 
     def whole(start: int, size: int) -> int | None:
         if any(masks.get(start + i) != 0xFF for i in range(size)):
@@ -134,6 +140,23 @@ def key_of(matches: Iterable[tuple[int, int, int]]) -> FlowKey | None:
         return None
     sport = whole(20, 2)
     return None if sport is None else (sport, whole(33, 3))
+
+
+def rx_u32_keys(qpn: int) -> list[str]:
+    """pyroute2 u32 keys for IPv4 RoCEv2 packets arriving for local QP qpn (the BTH's destination QPN)."""
+    return ["0x00110000/0x00ff0000+8",  # protocol UDP (byte 9)
+            f"{ROCE_V2_PORT:#010x}/0x0000ffff+20",  # UDP destination port: RoCEv2
+            f"{qpn:#010x}/0x00ffffff+32"]  # BTH: reserved byte . destination QPN
+
+
+def rx_qpn_of(matches: Iterable[tuple[int, int, int]]) -> int | None:
+    """The local QPN a receive-counting filter of ours matches (no source port in it); None if not ours."""
+    masks, values = _match_bytes(matches)
+    if any(masks.get(b) != 0xFF for b in (9, 22, 23, 33, 34, 35)) or 20 in masks or 21 in masks:
+        return None
+    if values[9] != 17 or (values[22] << 8 | values[23]) != ROCE_V2_PORT:
+        return None
+    return int.from_bytes(bytes(values[b] for b in (33, 34, 35)), "big")
 
 
 @dataclass(frozen=True)
@@ -153,11 +176,17 @@ class Drift:
     remove_classes: tuple[int, ...]  # minors
     add_filters: tuple[Filter, ...]
     remove_filters: tuple[Filter, ...]
+    add_rx: tuple[int, ...] = ()  # local QPNs whose arrivals are not counted but should be
+    remove_rx: tuple[int, ...] = ()
 
     @property
     def empty(self) -> bool:
-        return not (self.add_classes or self.change_classes or self.remove_classes or self.add_filters
-                    or self.remove_filters)
+        return not self.fixes
+
+    @property
+    def fixes(self) -> int:
+        return (len(self.add_classes) + len(self.change_classes) + len(self.remove_classes) + len(self.add_filters)
+                + len(self.remove_filters) + len(self.add_rx) + len(self.remove_rx))
 
 
 def drift(desired_classes: Mapping[int, HtbClass], observed_classes: Mapping[int, HtbClass],

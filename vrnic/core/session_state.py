@@ -85,6 +85,7 @@ class QpEntry:
     link: dict[str, int] = field(default_factory=dict, repr=False)  # RTR/RTS parameters, to reconnect alike
     dest_qpn: int | None = None  # the physical QPN an RC QP is connected to (what QoS classifies it by)
     qos_key: tuple[int, int | None] | None = None  # what QoS tells its packets by (rxe: UDP port, peer QPN)
+    qos_rx: int | None = None  # the physical QPN whose arrivals QoS counts as its vRNIC's
 
 
 # ----- snapshots: plain, JSON-able records -------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from vrnic.errors import InvalidArgument
+from vrnic.errors import Conflict, InvalidArgument
 
 # fd00::/8 is a unique-local range; guests never see a routable physical GID.
 _PREFIX = 0xFD76_726E  # "fd" + "vrn"
@@ -31,3 +31,49 @@ def parse_virtual_gid(gid: str) -> tuple[int, int]:
     if value >> 96 != _PREFIX or not value & 0xFFFF_FFFF_FFFF_FFFF:
         raise InvalidArgument(f"not a virtual GID: {gid}")
     return (value >> 64) & 0xFFFF_FFFF, value & 0xFFFF_FFFF_FFFF_FFFF
+
+
+# -- virtual IPs: each vRNIC has one in its tenant's VPC CIDR (what rdma_cm-style resolve() looks up) ---------
+
+DEFAULT_VPC_CIDR = "10.0.0.0/16"
+
+def vpc_network(cidr: str) -> ipaddress.IPv4Network:
+    """A tenant's VPC range: IPv4, strict (no host bits), with room for at least two vRNICs."""
+    try:
+        network = ipaddress.IPv4Network(cidr, strict=True)
+    except ValueError as exc:
+        raise InvalidArgument(f"not an IPv4 network: {cidr!r} ({exc})") from exc
+    if network.prefixlen > 30:
+        raise InvalidArgument(f"VPC {cidr} is too small: /30 at most")
+    return network
+
+
+def check_virtual_ip(cidr: str, ip: str) -> str:
+    """ip in its canonical form if a vRNIC may have it in VPC cidr: inside it, not its network or broadcast."""
+    network = vpc_network(cidr)
+    try:
+        address = ipaddress.IPv4Address(ip)
+    except ValueError as exc:
+        raise InvalidArgument(f"not an IPv4 address: {ip!r}") from exc
+    if address not in network:
+        raise InvalidArgument(f"virtual IP {ip} is outside the VPC's {cidr}")
+    if address in (network.network_address, network.broadcast_address):
+        raise InvalidArgument(f"virtual IP {ip} is the network or broadcast address of {cidr}")
+    return str(address)
+
+
+def next_virtual_ip(cidr: str, after: str | None) -> str | None:
+    """The host address after `after` in cidr (the first one when None); None past the last."""
+    network = vpc_network(cidr)
+    first, last = int(network.network_address) + 1, int(network.broadcast_address) - 1
+    candidate = first if after is None else int(ipaddress.IPv4Address(after)) + 1
+    return str(ipaddress.IPv4Address(candidate)) if first <= candidate <= last else None
+
+
+def first_free_virtual_ip(cidr: str, taken: set[str]) -> str:
+    """The lowest host address of cidr that is not taken; Conflict when the VPC has none left."""
+    network = vpc_network(cidr)
+    for address in network.hosts():
+        if str(address) not in taken:
+            return str(address)
+    raise Conflict(f"no free virtual IP left in the VPC {cidr}", current_state="full")

@@ -27,6 +27,8 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
+from vrnic.core.vaddr import DEFAULT_VPC_CIDR
+
 # Named constraints, so migrations can drop and alter them on every backend (SQLite batch mode too).
 NAMING = {
     "ix": "ix_%(column_0_label)s",
@@ -75,6 +77,8 @@ class Host(Base):
     version: Mapped[str] = mapped_column(String(64))
     registered_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_seen_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # 'up' | 'down': an agent that stops beating is marked down by the others' sweep (never reallocated)
+    state: Mapped[str] = mapped_column(String(8), default="up", server_default="up")
 
     devices: Mapped[list[Device]] = relationship(back_populates="host")
 
@@ -93,6 +97,7 @@ class Device(Base):
     ports: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
     caps: Mapped[dict[str, Any]] = mapped_column(default=dict)
     present: Mapped[bool] = mapped_column(Boolean, default=True)  # false: gone at the last discovery
+    max_vrnics: Mapped[int | None] = mapped_column(Integer)  # live vRNICs placed here at most (None: no limit)
     discovered_at: Mapped[datetime] = mapped_column(default=utcnow)
 
     host: Mapped[Host] = relationship(back_populates="devices")
@@ -106,6 +111,7 @@ class Tenant(Base):
     vpc_id: Mapped[int] = mapped_column(BigInteger, unique=True)  # the VPC part of its virtual GIDs
     default_quota: Mapped[dict[str, Any]] = mapped_column(default=dict)  # a vrnic.core.specs.Quota
     max_vrnics: Mapped[int | None] = mapped_column(Integer)  # None: no limit
+    vpc_cidr: Mapped[str] = mapped_column(String(43), default=DEFAULT_VPC_CIDR, server_default=DEFAULT_VPC_CIDR)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -129,6 +135,10 @@ class Vrnic(Base):
     __table_args__ = (
         UniqueConstraint("tenant_id", "idempotency_key"),
         Index("ix_vrnics_tenant_id_serial", "tenant_id", "serial"),
+        Index("ix_vrnics_device_id_state", "device_id", "state"),  # placement counts a device's live vRNICs
+        # A virtual IP names one live vRNIC in its tenant's VPC; a released one gives it back.
+        Index("uq_vrnics_live_virtual_ip", "tenant_id", "virtual_ip", unique=True,
+              sqlite_where=text("state != 'released'"), postgresql_where=text("state != 'released'")),
         {"sqlite_autoincrement": True},  # serials (and so virtual GIDs) are never reused
     )
 
@@ -144,6 +154,7 @@ class Vrnic(Base):
     quota: Mapped[dict[str, Any]] = mapped_column()
     qos: Mapped[dict[str, Any]] = mapped_column()  # stored now, enforced in a later issue
     virtual_gid: Mapped[str] = mapped_column(String(45), unique=True)
+    virtual_ip: Mapped[str | None] = mapped_column(String(45))  # in its tenant's vpc_cidr
     socket_path: Mapped[str | None] = mapped_column(String(255))
     attach_extra: Mapped[dict[str, Any]] = mapped_column(default=dict)  # AttachInfo.extra; the token is never kept
     vm_domain: Mapped[str | None] = mapped_column(String(64))  # the libvirt domain it is attached to (`vm attach`)
@@ -187,6 +198,21 @@ class SriovVf(Base):
     netns: Mapped[str | None] = mapped_column(String(255))  # the container netns its netdev was moved into
     vanished: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())  # gone in a VF count change
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class SecurityRule(Base):
+    """A rule of a tenant's VPC security group about peers of another tenant's VPC (vrnic.core.peering)."""
+
+    __tablename__ = "security_rules"
+    __table_args__ = (UniqueConstraint("tenant_id", "action", "peer_tenant"),)
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)  # the owner
+    action: Mapped[str] = mapped_column(String(8))  # allow | deny
+    peer_tenant: Mapped[str] = mapped_column(String(64))  # a tenant name, or "*"
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    tenant: Mapped[Tenant] = relationship()
 
 
 class Event(Base):

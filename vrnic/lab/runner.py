@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -42,6 +43,17 @@ from vrnic.lab.qemu import DgramLink, GuestSpec, qemu_argv
 NETDEVSIM_BUILD = PROJECT_DIR / "kernel" / "netdevsim" / "build.sh"
 HIDDEN_IN_GUEST = (Path("/tmp"), Path("/run"), Path("/var/tmp"))  # tmpfs inside the guest
 KEEP_RUNS = 20
+# The kernel's soft-lockup watchdog, every ~26 s while a CPU does not schedule. Nested KVM under TCG has been
+# seen to wedge the lab kernel this way for good (the nested QEMU stuck in the KVM run loop on one CPU, a
+# kworker on the other): nothing in the guest runs any more, so no timeout inside it can fire.
+SOFT_LOCKUP = re.compile(r"watchdog: BUG: soft lockup - CPU#\d+ stuck for (\d+)s!")
+LOCKED_UP_S = 120  # a CPU stuck this long is a dead kernel, not a slow host starving the guest for a moment
+
+
+def locked_up(line: str, limit: int = LOCKED_UP_S) -> bool:
+    """A console line saying a CPU of the guest has not scheduled for `limit` seconds or more."""
+    match = SOFT_LOCKUP.search(line)
+    return match is not None and int(match.group(1)) >= limit
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,7 @@ class _Guest:
     log: IO[str]
     ready: bool = False  # the guest reached the command
     finished: bool = False  # the command ended; later lines are shutdown noise
+    locked_up: str | None = None  # the soft-lockup line that made us give the guest up
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
 
 
@@ -138,7 +151,7 @@ class LabRunner:
     # --- running -------------------------------------------------------------------------------
     def run(self, request: LabRequest) -> int:
         started = time.monotonic()
-        self.panicked: str | None = None  # the guest kernel's panic line, when that is how it died
+        self.panicked: str | None = None  # the guest kernel's panic (or lockup) line, when that is how it died
         qemu = self.settings.qemu_for(request.sriov_nic)
         if shutil.which(qemu) is None:
             raise LabError(f"{qemu} not found; run `make setup`"
@@ -199,6 +212,11 @@ class LabRunner:
                 guest = by_role[role]
                 guest.tail.append(line)
                 tag = f"[{role}] " if prefix else ""
+                if locked_up(line):
+                    guest.locked_up = line.strip()
+                    self.console.print(f"[lab] {tag}the guest's kernel has locked up; stopping it: {line.strip()}",
+                                       style="red")
+                    return False
                 if line.startswith(MARKER):
                     kind, _, detail = line.removeprefix(MARKER).partition(" ")
                     elapsed = time.monotonic() - started
@@ -230,7 +248,7 @@ class LabRunner:
                 continue
             code = EXIT_GUEST_LOST if guest.ready else EXIT_BOOT_FAILURE
             what = "died while running the command" if guest.ready else "failed to boot"
-            panic = next((line for line in guest.tail if "Kernel panic" in line), None)
+            panic = next((line for line in guest.tail if "Kernel panic" in line), None) or guest.locked_up
             if panic is not None and guest.ready:
                 self.panicked = panic.strip()
             self.console.print(f"[lab] {tag}guest {what}; last console lines:", style="red")

@@ -52,6 +52,7 @@ INIT = """#!/bin/busybox sh
 /bin/busybox --install -s /bin
 fail() {{ echo "{mark} boot failed: $*"; echo o > /proc/sysrq-trigger; sleep 5; }}
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
+echo "{mark} init at $(cut -d' ' -f1 /proc/uptime) s"
 for m in {modules}; do insmod /modules/$m || fail "insmod $m"; done
 echo {hugepages} > /proc/sys/vm/nr_hugepages
 mkdir -p /newroot
@@ -297,29 +298,36 @@ class ControlPort:
     Commands carry a sequence number that the reply echoes; replies to other numbers are skipped: after a
     migration (a new host end), a reply the program wrote while nobody was connected may arrive first."""
 
-    def __init__(self, path: Path, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + 30
+    def __init__(self, path: Path, timeout: float = 120.0, connect_timeout: float = 30.0) -> None:
+        self.path = path
+        deadline = time.monotonic() + connect_timeout
         while True:
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(5)  # a unix connect can block when the listener's backlog is full
             try:
                 self.sock.connect(str(path))
                 break
-            except OSError:
+            except OSError as exc:
                 self.sock.close()
                 if time.monotonic() > deadline:
-                    raise
+                    raise ConnectionError(f"cannot connect to the VM's control port {path} within "
+                                          f"{connect_timeout:.0f} s: {exc}") from exc
                 time.sleep(0.1)
         self.timeout = timeout
         self._buf = bytearray()
         self._seq = itertools.count(int.from_bytes(os.urandom(4), "little"))
 
     def read(self, timeout: float | None = None) -> dict[str, Any]:
-        deadline = time.monotonic() + (timeout or self.timeout)
+        seconds = timeout or self.timeout
+        deadline = time.monotonic() + seconds
         while b"\n" not in self._buf:
             self.sock.settimeout(max(0.01, deadline - time.monotonic()))
-            chunk = self.sock.recv(65536)
+            try:
+                chunk = self.sock.recv(65536)
+            except TimeoutError:
+                raise TimeoutError(f"no reply from the VM program on {self.path} within {seconds:.0f} s") from None
             if not chunk:
-                raise ConnectionError("the VM's control port closed")
+                raise ConnectionError(f"the VM's control port {self.path} closed (its QEMU is gone?)")
             self._buf += chunk
         line, _, rest = bytes(self._buf).partition(b"\n")
         self._buf[:] = rest
@@ -334,6 +342,7 @@ class ControlPort:
 
     def call(self, op: str, **args: Any) -> dict[str, Any]:
         seq = next(self._seq)
+        self.sock.settimeout(self.timeout)  # bounded, and not the few ms a read may have left behind
         self.sock.sendall((json.dumps({"op": op, "seq": seq, **args}) + "\n").encode())
         deadline = time.monotonic() + self.timeout
         while True:

@@ -11,6 +11,15 @@ The lab guest's root is the host's root over read-only 9p, so libvirtd gets:
 Pure parts (config text, argv, parsing) are module functions; `VmHost` is the edge (mounts,
 processes). It refuses to run outside the lab: it bind-mounts over /etc/libvirt.
 
+Every wait on libvirt, QEMU or a nested guest is bounded: libvirt's own calls have no timeout (a QEMU
+monitor that never answers blocks the caller for good), so `bounded()` runs them in a thread, and a wait
+that runs out raises LabError naming what it waited for, with `domain_report()` (libvirt's state of the
+domain, the tails of its QEMU log and serial console, the QEMU processes, the lab kernel's last lines).
+
+A nested guest under nested KVM in the TCG lab sometimes stops before its first word: the domain shuts
+off with an empty console, or its QEMU dies. `early_stop()` recognises that; tests raise NestedBootFailed
+and `retry_boot_once()` boots once more, saying so. Only the boot is retried, never a check of a feature.
+
 `python -m vrnic.lab.vm_host` (inside the lab) starts the host, prints timings and capabilities, stops it.
 """
 
@@ -24,12 +33,15 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+import warnings
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 from vrnic.errors import LabError
 from vrnic.vm.guest_ram import libvirt_ram_file
@@ -38,6 +50,18 @@ URI = "qemu:///system"
 ETC_LIBVIRT = Path("/etc/libvirt")
 STATE_TMPFS = (Path("/var/lib/libvirt"), Path("/var/log/libvirt"), Path("/var/cache/libvirt"), Path("/run/libvirt"))
 KVM_MODULES = ("kvm_amd", "kvm_intel")
+QEMU_LOG_DIR = Path("/var/log/libvirt/qemu")  # <name>.log: QEMU's stderr and libvirt's start/stop lines
+TIMED_OUT = 124  # the return code _run(check=False) gives a command that ran out of time
+
+T = TypeVar("T")
+
+
+class NestedBootFailed(LabError):
+    """A nested guest stopped before its first word (see early_stop): nested KVM under TCG, not the feature."""
+
+
+class NestedBootRetried(UserWarning):
+    """A nested guest's boot failed the transient way and was retried once (shown in pytest's summary)."""
 
 
 @dataclass(frozen=True)
@@ -92,10 +116,35 @@ def capabilities_domain_types(capabilities_xml: str) -> frozenset[str]:
                      for d in arch.iter("domain"))
 
 
+def early_stop(running: bool, console: str, marker: str) -> str | None:
+    """Why a nested guest's boot counts as the transient failure (None: it does not).
+
+    That is: the domain no longer runs, and its serial console never showed `marker`, the first thing the
+    guest's own /init prints. A guest that got as far as its /init and then failed is not transient: what
+    follows is the feature's business.
+    """
+    if running or marker in console:
+        return None
+    text = console.strip()
+    seen = f"its console holds {len(text)} bytes, last: {text.splitlines()[-1][-200:]!r}" if text else \
+        "its console is empty"
+    return f"the domain stopped before the guest printed {marker!r}; {seen}"
+
+
+def tail(text: str, lines: int) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
 # --- edges --------------------------------------------------------------------------------------
 
 def _run(argv: list[str], check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=timeout)
+    """Run a command for at most `timeout` s. Out of time: LabError (check) or return code TIMED_OUT."""
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        if check:
+            raise LabError(f"`{shlex.join(argv)}` did not finish within {timeout:.0f} s") from None
+        return subprocess.CompletedProcess(argv, TIMED_OUT, "", f"did not finish within {timeout:.0f} s")
     if check and result.returncode != 0:
         raise LabError(f"`{shlex.join(argv)}` failed ({result.returncode}): {result.stderr.strip()}")
     return result
@@ -117,6 +166,146 @@ def _pid_alive(pid: int) -> bool:
         return False
     # a zombie child of ours would still answer; daemons are reparented to init, so this is fine
     return True
+
+
+def bounded(call: Callable[[], T], timeout: float, what: str, report: Callable[[], str] | None = None) -> T:
+    """call() -- a libvirt call, which has no timeout of its own -- if it returns within `timeout` s; else
+    LabError naming `what`, with report(). The call goes on in a daemon thread: whoever catches the error
+    should destroy the domain (`virsh destroy`, bounded) or stop libvirtd, which ends it."""
+    outcome: list[tuple[bool, object]] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as exc:  # handed to the caller
+            outcome.append((False, exc))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"bounded: {what}", daemon=True).start()
+    if not done.wait(timeout):
+        raise LabError(f"{what} did not return within {timeout:.0f} s{_report(report)}")
+    ok, value = outcome[0]
+    if not ok:
+        assert isinstance(value, BaseException)
+        raise value
+    return value  # type: ignore[return-value]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str, report: Callable[[], str] | None = None,
+               step: float = 0.25) -> float:
+    """Poll predicate() until it holds; the seconds it took, or LabError naming `what` after `timeout` s."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout:
+            raise LabError(f"{what}: not within {timeout:.0f} s{_report(report)}")
+        time.sleep(step)
+    return time.monotonic() - started
+
+
+def _report(report: Callable[[], str] | None) -> str:
+    if report is None:
+        return ""
+    try:
+        return "\n" + report()
+    except Exception as exc:  # a report must never hide the error it explains
+        return f"\n(no report: {exc!r})"
+
+
+def virsh(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """`virsh -c URI ARGS`, whatever its exit code; TIMED_OUT when it ran out of time. Never raises: for cleanups."""
+    return _run(["virsh", "-c", URI, *args], check=False, timeout=timeout)
+
+
+def domain_state(name: str, timeout: float = 15) -> str:
+    """`virsh domstate --reason NAME` ('running (booted)', 'shut off (crashed)', ...), bounded."""
+    result = _run(["virsh", "-c", URI, "domstate", "--reason", name], check=False, timeout=timeout)
+    return (result.stdout.strip() if result.returncode == 0 else f"unknown: {result.stderr.strip()}") or "unknown"
+
+
+def domain_running(name: str) -> bool:
+    return domain_state(name).startswith(("running", "paused", "in shutdown"))
+
+
+def qemu_processes() -> list[str]:
+    """`pid state wchan cmdline-head` of every QEMU in this guest (a D state or a zombie says a lot)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if not (proc / "comm").read_text().startswith("qemu-system"):
+                continue
+            state = (proc / "stat").read_text().rpartition(")")[2].split()[0]
+            wchan = (proc / "wchan").read_text().strip() or "-"
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            found.append(f"{proc.name} {state} {wchan} {cmdline[:160]}")
+    return found
+
+
+def read_from(path: Path, offset: int = 0) -> str:
+    """A file's text from byte `offset` on ('' when there is no file): a console log is appended to, so what
+    one boot printed starts at the size the file had before it."""
+    try:
+        with path.open("rb") as file:
+            file.seek(offset)
+            return file.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def domain_report(name: str, console: Path | None = None, lines: int = 40) -> str:
+    """What to know when a nested guest misbehaves: libvirt's state of it, the tails of its QEMU log and
+    its serial console, the QEMU processes, and the lab kernel's last lines (KVM complains there)."""
+    parts = [f"--- domain {name}: {domain_state(name)}"]
+    qemu_log = QEMU_LOG_DIR / f"{name}.log"
+    try:
+        parts.append(f"--- {qemu_log} (tail):\n{tail(qemu_log.read_text(errors='replace'), lines)}")
+    except OSError as exc:
+        parts.append(f"--- {qemu_log}: {exc.strerror}")
+    if console is not None:
+        try:
+            text = console.read_text(errors="replace")
+            parts.append(f"--- console {console} (tail):\n{tail(text, lines)}" if text.strip()
+                         else f"--- console {console}: empty")
+        except OSError as exc:
+            parts.append(f"--- console {console}: {exc.strerror}")
+    parts.append("--- QEMU processes (pid state wchan cmdline): " + ("\n" + "\n".join(qemu_processes())
+                                                                     if qemu_processes() else "none"))
+    dmesg = _run(["dmesg"], check=False, timeout=10)
+    parts.append(f"--- lab kernel (dmesg tail):\n{tail(dmesg.stdout, 15)}")
+    return "\n".join(parts)
+
+
+def define_domain(xml: str, timeout: float = 60) -> None:
+    """virDomainDefineXML on a connection of its own, bounded."""
+    import libvirt
+
+    def define() -> None:
+        conn = libvirt.open(URI)
+        try:
+            conn.defineXML(xml)
+        finally:
+            conn.close()
+
+    bounded(define, timeout, "defining a domain (libvirt.open + defineXML)")
+
+
+def retry_boot_once(boot: Callable[[], T], what: str, say: Callable[[str], None] = print) -> T:
+    """boot(), and once more if it raised NestedBootFailed (the transient kind, see early_stop), saying so
+    on `say` and as a NestedBootRetried warning. Anything else boot() raises -- an assertion about the
+    feature above all -- goes straight to the caller."""
+    try:
+        return boot()
+    except NestedBootFailed as first:
+        message = f"{what}: nested boot failed the transient way, booting once more: {first}"
+        say(message)
+        warnings.warn(message.splitlines()[0], NestedBootRetried, stacklevel=2)
+    try:
+        return boot()
+    except NestedBootFailed as second:
+        raise NestedBootFailed(f"{what}: the second boot failed too: {second}") from None
 
 
 class VmHost:
@@ -192,7 +381,8 @@ class VmHost:
         deadline = time.monotonic() + self.config.start_timeout
         last = ""
         while time.monotonic() < deadline:
-            result = _run(["virsh", "-c", URI, "capabilities"], check=False)
+            result = _run(["virsh", "-c", URI, "capabilities"], check=False,
+                          timeout=max(5.0, deadline - time.monotonic()))
             if result.returncode == 0:
                 self.domain_types = capabilities_domain_types(result.stdout)
                 if "kvm" in self.domain_types or not self.config.require_kvm:
@@ -234,7 +424,9 @@ class VmHost:
         if "libvirtd" in self._pids and _pid_alive(self._pids["libvirtd"]):
             for name in self.running_domains():
                 problems.append(f"domain {name} was still running; destroyed")
-                _run(["virsh", "-c", URI, "destroy", name], check=False)
+                destroyed = _run(["virsh", "-c", URI, "destroy", name], check=False)
+                if destroyed.returncode == TIMED_OUT:
+                    problems.append(f"`virsh destroy {name}` {destroyed.stderr}\n{domain_report(name)}")
         for name in ("libvirtd", "virtlogd"):
             pid = self._pids.pop(name, None)
             if pid is None:
@@ -248,6 +440,10 @@ class VmHost:
                 problems.append(f"{name} ({pid}) ignored SIGTERM; killed")
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+        for line in [q for q in qemu_processes() if " -name guest=" in q]:  # libvirt's; nobody else ends them
+            problems.append(f"QEMU outlived libvirtd; killed: {line}")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(line.split()[0]), signal.SIGKILL)
         while self._mounts:
             path = self._mounts.pop()
             result = _run(["umount", str(path)], check=False)

@@ -22,9 +22,21 @@ from typing import Any
 
 import httpx
 
-from vrnic.errors import LabError
-from vrnic.lab.vm_guest import ControlPort, peer_domain
-from vrnic.lab.vm_host import URI, VmHost, VmHostConfig
+from vrnic.errors import LabError, VrnicError
+from vrnic.lab.vm_guest import MARK, ControlPort, peer_domain
+from vrnic.lab.vm_host import (
+    URI,
+    NestedBootFailed,
+    VmHost,
+    VmHostConfig,
+    define_domain,
+    domain_report,
+    domain_running,
+    early_stop,
+    read_from,
+    retry_boot_once,
+    wait_until,
+)
 from vrnic.vm.domain_xml import DomainType
 
 PROJECT = Path(__file__).resolve().parents[2]
@@ -99,8 +111,50 @@ class VmLab:
                            f"{(result.stderr or result.stdout).strip()}")
         return result.stdout if check else result.stdout + result.stderr
 
-    def virsh(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["virsh", "-c", URI, *args], capture_output=True, text=True, check=False, timeout=120)
+    def virsh(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        """`virsh ARGS` (its result, whatever its exit code); LabError, with the domain's report, if it has not
+        finished within `timeout` s."""
+        try:
+            return subprocess.run(["virsh", "-c", URI, *args], capture_output=True, text=True, check=False,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            domain = args[1] if len(args) > 1 else None
+            raise LabError(f"`virsh {' '.join(args)}` did not finish within {timeout:.0f} s"
+                           + (f"\n{self.report(domain)}" if domain else "")) from None
+
+    def report(self, domain: str) -> str:
+        """libvirt's state of a domain define_vm() made, its QEMU log, console and the lab kernel's last lines."""
+        return domain_report(domain, self.workdir / domain / "console.log")
+
+    def start_vm(self, name: str, files: Path, ready_timeout: float = 240) -> tuple[ControlPort, dict[str, Any]]:
+        """`virsh start NAME`, then the VM program's `ready` on its control port: (the port, the message).
+
+        A nested guest that stops before its /init printed anything (early_stop) is booted once more, and
+        `say` tells. LabError, with the domain's report, when `virsh start` fails (a hook's refusal: that is
+        the feature's answer, never retried) or the program does not say ready."""
+        console = files / "console.log"
+
+        def boot() -> tuple[ControlPort, dict[str, Any]]:
+            offset = console.stat().st_size if console.exists() else 0  # the log is appended to, boot after boot
+            started = self.virsh("start", name)
+            if started.returncode != 0:
+                raise LabError(f"virsh start {name} failed: {(started.stderr or started.stdout).strip()}")
+            control = None
+            try:
+                control = self.control(files)
+                return control, control.ready(ready_timeout)
+            except (OSError, VrnicError) as exc:  # ConnectionError and TimeoutError are OSErrors
+                if control is not None:
+                    control.close()
+                if isinstance(exc, ConnectionError):  # QEMU hung up: give libvirt a moment to notice
+                    with contextlib.suppress(LabError):
+                        wait_until(lambda: not domain_running(name), 15, f"{name} stopping")
+                reason = early_stop(domain_running(name), read_from(console, offset), MARK)
+                if reason is not None:
+                    raise NestedBootFailed(f"{name}: {reason}\n{self.report(name)}") from exc
+                raise LabError(f"{name}: the VM program did not say ready: {exc}\n{self.report(name)}") from exc
+
+        return retry_boot_once(boot, f"VM {name}", self.say)
 
     def api(self, token: str | None = None) -> httpx.Client:
         return httpx.Client(base_url=f"{self.url}/api/v1", timeout=60,
@@ -123,19 +177,13 @@ class VmLab:
 
     def define_vm(self, name: str, memory_mib: int = 384) -> Path:
         """A domain with no vRNIC yet (`vrnic vm attach` adds one); its files live in workdir/<name>."""
-        import libvirt
-
         files = self.workdir / name
         files.mkdir(parents=True, exist_ok=True)
         domain_type = DomainType.KVM if "kvm" in self.host.domain_types else DomainType.QEMU
         if domain_type is DomainType.QEMU:
             self.say("no /dev/kvm here: the VM runs under TCG (much slower)")
         spec = peer_domain(name, files, PROJECT, None, domain_type, memory_mib)
-        conn = libvirt.open(URI)
-        try:
-            conn.defineXML(spec.to_xml())
-        finally:
-            conn.close()
+        define_domain(spec.to_xml())
         return files
 
     def control(self, files: Path) -> ControlPort:

@@ -505,19 +505,23 @@ class VerbsDriver(RnicDriver):
         log.info("vRNIC %s: QoS now %s", vrnic_id, policy.model_dump())
 
     def qos_counters(self) -> dict[str, dict[str, int]]:
-        """Bytes and packets each shaped vRNIC sent, as the kernel counted them."""
+        """Bytes and packets each shaped vRNIC sent and received, as the kernel counted them."""
         with self._qos_lock:
-            return {i: {"tx_bytes": c.bytes, "tx_packets": c.packets}
-                    for shaper in self._shapers.values() for i, c in shaper.counters().items()}
+            counted: dict[str, dict[str, int]] = {}
+            for shaper in self._shapers.values():
+                received = shaper.received()
+                for i, c in shaper.counters().items():
+                    rx = received.get(i)
+                    counted[i] = {"tx_bytes": c.bytes, "tx_packets": c.packets,
+                                  "rx_bytes": rx.bytes if rx else 0, "rx_packets": rx.packets if rx else 0}
+            return counted
 
     def reconcile_qos(self) -> int:
         """Put back what drifted (a class or filter removed or changed behind vrnicd); how many fixes."""
         fixed = 0
         with self._qos_lock:
             for shaper in self._shapers.values():
-                d = shaper.reconcile()
-                fixed += len(d.add_classes) + len(d.change_classes) + len(d.remove_classes) \
-                    + len(d.add_filters) + len(d.remove_filters)
+                fixed += shaper.reconcile().fixes
         return fixed
 
     def vrnic_ids(self) -> set[str]:
