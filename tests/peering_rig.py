@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 from pydantic import SecretStr
 
 from tests.peering_fakes import MemoryLocator
@@ -78,3 +80,55 @@ def two_agents(edge: RnicEdge, devices: tuple[str, str], tmp: Path, **driver_opt
             url = stack.enter_context(serve_in_thread(create_app(settings, backend, engine=engine)))
             rig.agents[host] = Agent(host, device, driver, url)
         yield rig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Cluster:
+    """Two agents on one control-plane database: the real DbLocator, vRNICs placed through the REST API."""
+
+    agents: dict[str, Agent]
+    operator: dict[str, str]
+
+    def allocate(self, via: str, body: dict[str, object]) -> AttachInfo:
+        reply = httpx.post(f"{self.agents[via].url}/api/v1/vrnics", json=body, headers=self.operator, timeout=60)
+        reply.raise_for_status()
+        return AttachInfo.model_validate(reply.json()["attach"])
+
+
+@contextlib.contextmanager
+def two_agents_on_one_database(edge: RnicEdge, devices: tuple[str, str], tmp: Path,
+                               **driver_options: object) -> Iterator[Cluster]:
+    """Hosts "host-a" (devices[0]) and "host-b" (devices[1]) registered in one database (SQLite here, as the
+    daemon's default), each with its own backend, DbLocator and API on its own port."""
+    from vrnic.db.locator import DbLocator
+
+    database = f"sqlite:///{tmp / 'cluster.db'}"
+    operator = "vro_peering-rig-operator"
+    agents: dict[str, Agent] = {}
+    with contextlib.ExitStack() as stack:
+        shared = make_engine(database)
+        stack.callback(shared.dispose)
+        upgrade(shared)
+        for host, device in zip(("host-a", "host-b"), devices, strict=True):
+            engine = make_engine(database)
+            stack.callback(engine.dispose)
+            driver = VerbsDriver(socket_path=tmp / f"{host}.sock", edge=edge, devices=[device],
+                                 locator=DbLocator(engine), agent_token=AGENT_TOKEN,
+                                 **driver_options)  # type: ignore[arg-type]
+            backend = BackendService({VrnicMode.PARAVIRTUAL: driver})
+            stack.callback(backend.close)
+            port = free_port()
+            settings = DaemonSettings(state_dir=tmp, operator_token=SecretStr(operator), host_name=host,
+                                      agent_token=SecretStr(AGENT_TOKEN), listen_port=port,
+                                      advertise_url=f"http://127.0.0.1:{port}", paravirtual_driver=None,
+                                      sriov_driver=None, qos_reconcile_interval=0)
+            url = stack.enter_context(serve_in_thread(create_app(settings, backend, engine=engine), port=port))
+            agents[host] = Agent(host, device, driver, url)
+        yield Cluster(agents, {"Authorization": f"Bearer {operator}"})
+

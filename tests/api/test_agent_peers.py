@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.peering_fakes import MemoryLocator
-from tests.peering_rig import AGENT_TOKEN, TwoAgents, two_agents
+from tests.peering_rig import AGENT_TOKEN, TwoAgents, two_agents, two_agents_on_one_database
 from vrnic.backend.fake_edge import FakeEdge
 from vrnic.backend.peer_directory import AgentDirectory, AgentRef
 from vrnic.core.peering import Identity
@@ -181,3 +181,37 @@ def test_a_wrong_agent_token_is_a_setup_fault_not_a_missing_peer(rig: TwoAgents)
             directory.peer_qp(Identity("v1", "t1", 1, make_virtual_gid(1, 4)), info.virtual_gid, 1)
     finally:
         directory.close()
+
+
+def test_with_the_database_locator_guests_placed_on_two_hosts_connect_by_virtual_ip(tmp_path: Path) -> None:
+    """The whole path: vRNICs placed on two hosts through the REST API, found through the real DbLocator."""
+    edge = FakeEdge()
+    with two_agents_on_one_database(edge, ("fake0", "fake1"), tmp_path) as cluster:
+        httpx.post(f"{cluster.agents['host-a'].url}/api/v1/tenants", json={"name": "acme"},
+                   headers=cluster.operator).raise_for_status()
+        info_a = cluster.allocate("host-a", {"tenant": "acme", "host": "host-a", "virtual_ip": "10.0.0.11"})
+        info_b = cluster.allocate("host-a", {"tenant": "acme", "host": "host-b", "virtual_ip": "10.0.0.12"})
+        assert Path(info_b.socket_path or "").name == "host-b.sock"  # placed on b, through b's agent
+        with Context.attach(info_a, ARENA) as ca, Context.attach(info_b, ARENA) as cb:
+            a, b = Guest(ca), Guest(cb)
+            assert cm.resolve(ca, "10.0.0.12") == cb.gid
+            listening = threading.Event()
+
+            def serve() -> None:
+                with cm.Listener(cb, 5000) as listener:
+                    listening.set()
+                    request = listener.get_request(timeout=15)
+                    assert request is not None
+                    b.qp.modify("init")
+                    b.qp.post_recv(RecvRequest(1, (b.mr.sge(0, 64),)))
+                    listener.accept(request, b.qp, b"ok:" + request.private_data)
+
+            thread = threading.Thread(target=serve)
+            thread.start()
+            assert listening.wait(5)
+            done = cm.connect(ca, a.qp, "10.0.0.12", 5000, b"db", timeout=15)
+            thread.join(15)
+            assert done.private_data == b"ok:db"
+            send_and_write(a, b, b"placed by the API, found in the database")
+    assert not edge.live
+

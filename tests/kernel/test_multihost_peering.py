@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.peering_rig import TwoAgents, two_agents
+from tests.peering_rig import TwoAgents, two_agents, two_agents_on_one_database
 from vrnic.backend.peer_directory import AgentDirectory, RemotePeer
 from vrnic.backend.rdma_tool import resource_counts
 from vrnic.frontend import CQ, MR, PD, QP, Access, Context, RecvRequest, SendRequest, WcStatus, WrOpcode, cm
@@ -148,3 +148,63 @@ def test_ud_between_two_agents_resolves_the_destination_and_names_the_source_vir
     finally:
         a.close()
         b.close()
+
+
+def test_guests_placed_on_two_hosts_through_the_api_connect_by_virtual_ip_found_in_the_database(
+        device_pair: tuple[str, str], tmp_path: Path) -> None:
+    """The whole path on rxe: one control-plane database, the real DbLocator in both agents, vRNICs placed on
+    two hosts through the REST API (b's through b's agent), then connected by virtual IP."""
+    import httpx
+
+    from vrnic.backend.pyverbs_edge import PyverbsEdge
+
+    baseline = resource_counts()
+    with two_agents_on_one_database(PyverbsEdge(), device_pair, tmp_path, peer_timeout_s=30.0) as cluster:
+        url_a = cluster.agents["host-a"].url
+        httpx.post(f"{url_a}/api/v1/tenants", json={"name": "acme"}, headers=cluster.operator,
+                   timeout=60).raise_for_status()
+        info_a = cluster.allocate("host-a", {"tenant": "acme", "host": "host-a", "virtual_ip": "10.0.0.11"})
+        info_b = cluster.allocate("host-a", {"tenant": "acme", "host": "host-b", "virtual_ip": "10.0.0.12"})
+        a = Guest(Context.attach(info_a, arena_bytes=1 << 20))
+        b = Guest(Context.attach(info_b, arena_bytes=1 << 20))
+        try:
+            assert cm.resolve(a.ctx, "10.0.0.12") == b.ctx.gid
+            failures: list[BaseException] = []
+
+            def serve() -> None:
+                try:
+                    with cm.Listener(b.ctx, 5000) as listener:
+                        listening.set()
+                        request = listener.get_request(timeout=60)
+                        assert request is not None
+                        b.qp.modify("init")
+                        b.qp.post_recv(RecvRequest(1, (b.mr.sge(0, 256),)))
+                        listener.accept(request, b.qp, b"ok:" + request.private_data)
+                except BaseException as exc:  # reported by the main thread
+                    failures.append(exc)
+                    listening.set()
+
+            listening = threading.Event()
+            thread = threading.Thread(target=serve)
+            thread.start()
+            assert listening.wait(30)
+            try:
+                done = cm.connect(a.ctx, a.qp, "10.0.0.12", 5000, b"db", timeout=60)
+            finally:
+                thread.join(60)
+                assert failures == []
+            assert done.private_data == b"ok:db"
+            a.mr.write(b"found in the database")
+            a.qp.post_send(SendRequest(2, WrOpcode.SEND, (a.mr.sge(0, 21),)))
+            assert [c.status for c in a.cq.wait(1, timeout=30)] == [WcStatus.SUCCESS]
+            assert [(c.status, c.byte_len) for c in b.cq.wait(1, timeout=30)] == [(WcStatus.SUCCESS, 21)]
+            assert b.mr.read(21) == b"found in the database"
+            a.mr.write(b"written across", 4096)
+            a.qp.post_send(SendRequest(3, WrOpcode.RDMA_WRITE, (a.mr.sge(4096, 14),), remote_addr=b.mr.addr + 8192,
+                                       rkey=b.mr.rkey))
+            assert [c.status for c in a.cq.wait(1, timeout=30)] == [WcStatus.SUCCESS]
+            assert b.mr.read(14, 8192) == b"written across"
+        finally:
+            a.close()
+            b.close()
+    assert wait_for_baseline(baseline) == baseline, "kernel objects leaked"

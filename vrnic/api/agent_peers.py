@@ -38,7 +38,8 @@ async def peer_service(request: Request) -> PeerService:
 
 Peers = Annotated[PeerService, Depends(peer_service)]
 
-router = APIRouter(prefix="/agent/v1", tags=["agent"], responses=RESPONSES, dependencies=[Depends(require_agent)])
+router = APIRouter(prefix="/agent/v1", tags=["agent"], responses=RESPONSES, dependencies=[Depends(require_agent)],
+                   include_in_schema=False)  # host-to-host, not part of the public API (as vrnic.api.agent)
 
 
 @router.post("/peers/qp", response_model=QpAnswer, summary="The physical QP behind a virtual GID and QPN")
