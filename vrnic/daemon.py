@@ -1,7 +1,7 @@
 """`vrnic daemon`: one process per host running the backend (vrnicd) and the REST API.
 
-The API reaches the backend only through BackendService, built here from drivers loaded by name
-(entry points), so the API could later drive remote host agents instead.
+The API reaches this host's backend only through BackendService, built here from drivers loaded by name
+(entry points), and other hosts' backends through their agents' /agent/v1 routes (vrnic.backend.remote).
 """
 
 from __future__ import annotations

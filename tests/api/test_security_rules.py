@@ -146,3 +146,13 @@ def test_the_locator_finds_agents_addresses_and_rules_in_the_database(
 def test_a_tenants_vpc_cidr_is_shown(client: TestClient, cidr: str) -> None:
     created = client.post("/api/v1/tenants", json={"name": "acme", "vpc_cidr": cidr})
     assert created.status_code == 201 and created.json()["vpc_cidr"] == cidr
+
+
+def test_a_deleted_tenants_rules_go_with_it(client: TestClient, make_tenant: Callable[..., dict[str, str]]) -> None:
+    make_tenant("acme")
+    make_tenant("globex")
+    for owner in ("acme", "globex"):
+        added = client.post("/api/v1/security-rules", json={"tenant": owner, "action": "allow", "peer_tenant": "*"})
+        assert added.status_code == 201
+    assert client.delete("/api/v1/tenants/acme").status_code == 204
+    assert _rules(client) == [("globex", "allow", "*")]

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from vrnic.backend.registry import Registry, VirtualRnic, reachable
+from vrnic.backend.registry import Registry, VirtualRnic
 from vrnic.core.rings import Access
 from vrnic.core.specs import VrnicSpec
 from vrnic.core.translate import MrWindow
@@ -30,11 +30,12 @@ def attached(registry: Registry, *vrnics: VirtualRnic) -> None:
         registry.attach(v, Session())
 
 
-def test_reachable_means_same_tenant_and_same_vpc() -> None:
-    a = vrnic(1).spec
-    assert reachable(a, vrnic(2).spec)
-    assert not reachable(a, vrnic(3, tenant="other").spec)
-    assert not reachable(a, vrnic(4, vpc=2).spec)
+def test_without_rules_only_the_same_tenant_and_vpc_is_reachable() -> None:
+    registry = Registry()
+    a = vrnic(1).identity
+    assert registry.check(a, vrnic(2).identity, "connect").allowed
+    assert not registry.check(a, vrnic(3, tenant="other").identity, "connect").allowed
+    assert not registry.check(a, vrnic(4, vpc=2).identity, "connect").allowed
 
 
 def test_a_peer_is_found_only_when_attached_and_reachable() -> None:

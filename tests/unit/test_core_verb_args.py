@@ -38,6 +38,12 @@ VALID: dict[str, dict[str, Any]] = {
     "busy_poll": {"enabled": True},
     "resolve_rkey": {"qp": 1, "rkey": 0x1234},
     "translations": {},
+    "resolve_ip": {"ip": "10.0.0.2"},
+    "cm_listen": {"port": 7471}, "cm_unlisten": {"port": 7471},
+    "cm_get_request": {"port": 7471, "timeout_ms": 100},
+    "cm_accept": {"request": 3, "qp": 8, "private_data": "00ff"},
+    "cm_reject": {"request": 3},
+    "cm_connect": {"qp": 8, "ip": "10.0.0.2", "port": 7471, "private_data": "68656c6c6f"},
 }
 
 
@@ -184,3 +190,15 @@ def test_every_qp_state_and_type_is_accepted() -> None:
         assert ModifyQp.model_validate({"qp": 1, "state": state}).state == state
     for qp_type in ("rc", "ud"):
         assert CreateQp.model_validate({**VALID["create_qp"], "qp_type": qp_type}).qp_type == qp_type
+
+
+def test_private_data_is_hex_and_capped_as_rdma_cm_caps_it_on_rc() -> None:
+    connect, accept = OPS["cm_connect"], OPS["cm_accept"]
+    assert connect.model_validate({**VALID["cm_connect"], "private_data": "ab" * 56})
+    assert refused(connect, {**VALID["cm_connect"], "private_data": "ab" * 57}) == "string_too_long"
+    assert accept.model_validate({**VALID["cm_accept"], "private_data": "ab" * 196})
+    assert refused(accept, {**VALID["cm_accept"], "private_data": "ab" * 197}) == "string_too_long"
+    for bad in ("zz", "abc", "AB"):  # lower-case hex, whole bytes
+        assert refused(connect, {**VALID["cm_connect"], "private_data": bad}) == "string_pattern_mismatch"
+    assert refused(OPS["cm_get_request"], {"port": 1, "timeout_ms": 5001}) == "less_than_equal"
+    assert refused(OPS["cm_listen"], {"port": 0}) == "greater_than_equal"

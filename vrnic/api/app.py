@@ -17,6 +17,7 @@ from sqlalchemy import Engine
 
 from vrnic import __version__
 from vrnic.api import agent, problems
+from vrnic.api.agent_peers import router as agent_peers_router
 from vrnic.api.controlplane import ControlPlane
 from vrnic.api.routes import metrics_router, router
 from vrnic.backend.service import BackendService
@@ -53,8 +54,8 @@ async def _beat(cp: ControlPlane, interval: float) -> None:
             if down:
                 log.warning("host(s) marked down (no heartbeat): %s", ", ".join(down))
             await cp.write(cp.vrnics.record_observed)
-        except Exception:  # the database may be restarting: beat again next time
-            log.exception("heartbeat failed")
+        except Exception as exc:  # the database may be restarting: beat again next time
+            log.warning("heartbeat failed (next try in %.1f s): %s", interval, exc)
 
 
 def create_app(settings: DaemonSettings, backend: BackendService, *, engine: Engine | None = None,
@@ -118,4 +119,5 @@ def create_app(settings: DaemonSettings, backend: BackendService, *, engine: Eng
     app.include_router(router)
     app.include_router(metrics_router)
     app.include_router(agent.router)
+    app.include_router(agent_peers_router)
     return app

@@ -1,8 +1,8 @@
 """The control plane: database state plus the backend, behind the REST routes; a thin façade over its parts.
 
-It reaches the backend only through BackendService (the service boundary), so the same code could drive a
-remote host agent. Every operation runs in one unit of work and raises only VrnicErrors; an allocation
-whose database commit fails releases its backend state again.
+It reaches this host's backend only through BackendService (the service boundary), and another host's through
+that host's agent (Backends: a RemoteBackend per host). Every operation runs in one unit of work and raises
+only VrnicErrors; an allocation whose database commit fails releases its backend state again.
 """
 
 from __future__ import annotations

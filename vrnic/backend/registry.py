@@ -2,23 +2,43 @@
 
 A session never reads another session's tables. It publishes its QPs and MRs
 here, and resolves peers here, always under the registry's lock and always
-through the isolation rule: a peer is reachable only from the same tenant and
-the same VPC, and anything else looks exactly like an identity that does not
-exist.
+through the reachability rule (vrnic.core.peering.decide: the same VPC, or
+security-group rules of both VPCs that allow it). Anything refused looks exactly
+like an identity that does not exist, and is audited through the Locator.
+
+Peers this vrnicd does not hold are asked of a PeerDirectory (the owner agent
+checks reachability on its side too). Their QPs for UD and their MR windows are
+cached for a short while, so the data path does not ask another host per work
+request.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import logging
 import threading
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
+from vrnic.backend.peer_directory import Locator, PeerDirectory, RemotePeer
 from vrnic.core.migration import DirtyLog
+from vrnic.core.peering import Decision, Identity, SecurityRule, decide
 from vrnic.core.specs import VrnicSpec
 from vrnic.core.translate import MrWindow
-from vrnic.errors import Conflict, NotFound
+from vrnic.core.vaddr import parse_virtual_gid
+from vrnic.errors import Conflict, InvalidArgument, NotFound, Unavailable, VrnicError
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+RULES_TTL_S = 1.0  # security-group changes reach connect-time checks within this
+REMOTE_CACHE_S = 1.0  # a remote UD destination or UD source, once resolved, is trusted this long
+MR_REFETCH_S = 0.25  # a missing remote key asks the owner again at most this often
+MR_TTL_S = 5.0  # remote MR windows are trusted this long: a peer's deregistered MR stops translating by then
+AUDIT_QUIET_S = 10.0  # the same refusal (asker, target, action) is written once per this
 
 
 class Closeable(Protocol):
@@ -35,9 +55,24 @@ class VirtualRnic:
     session: Closeable | None = field(default=None, repr=False)  # the attached guest's session
     vm_domain: str | None = None  # the running VM this vRNIC is bound to; only its channel may attach
 
+    @property
+    def vrnic_id(self) -> str:
+        return self.spec.id
 
-def reachable(asker: VrnicSpec, target: VrnicSpec) -> bool:
-    """The isolation rule between two vRNICs: the same tenant and the same VPC."""
+    @property
+    def identity(self) -> Identity:
+        return identity_of(self.spec)
+
+
+# What a session connects a QP to: a vRNIC of this vrnicd, or one of another host's.
+Peer = VirtualRnic | RemotePeer
+
+
+def identity_of(spec: VrnicSpec) -> Identity:
+    return Identity(vrnic_id=spec.id, tenant=spec.tenant, vpc_id=spec.vpc_id, virtual_gid=spec.virtual_gid)
+
+
+def same_vpc(asker: Identity, target: Identity) -> bool:
     return asker.tenant == target.tenant and asker.vpc_id == target.vpc_id
 
 
@@ -71,8 +106,39 @@ class PeerMrs(Mapping[int, MrWindow]):
             return len(published.mrs) if published else 0
 
 
+class RemoteMrs(Mapping[int, MrWindow]):
+    """A remote peer's MR windows by virtual key, from the registry's cache (a missing key asks its owner)."""
+
+    def __init__(self, registry: Registry, asker: Identity, peer: RemotePeer) -> None:
+        self._registry, self._asker, self._peer = registry, asker, peer
+
+    def __getitem__(self, vkey: int) -> MrWindow:
+        return self._registry._remote_window(self._asker, self._peer, vkey)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self._registry._remote_windows(self._asker, self._peer)))
+
+    def __len__(self) -> int:
+        return len(self._registry._remote_windows(self._asker, self._peer))
+
+
+@dataclass
+class _MrCache:
+    fetched_at: float
+    windows: dict[int, MrWindow]
+
+
 class Registry:
-    def __init__(self) -> None:
+    def __init__(self, locator: Locator | None = None, directory: PeerDirectory | None = None) -> None:
+        """locator: the cluster's rules, virtual IPs and audit log (None: no rules, same VPC only, no audit);
+        directory: peers of other hosts (None: only this vrnicd's vRNICs are peers)."""
+        self.locator = locator
+        self.directory = directory
+        self._rules_cache: tuple[float, list[SecurityRule]] | None = None
+        self._audited: dict[tuple[str, str, str], float] = {}
+        self._remote: dict[str, RemotePeer] = {}  # remote peers sessions connected to, by vRNIC id
+        self._remote_cache: dict[tuple[object, ...], tuple[float, object]] = {}  # UD lookups: (expiry, answer)
+        self._mr_cache: dict[tuple[str, str], _MrCache] = {}  # (asker id, peer id) -> windows
         self._by_id: dict[str, VirtualRnic] = {}
         self._published: dict[str, _Published] = {}  # only attached vRNICs
         self._by_phys: dict[tuple[str, int], tuple[str, int]] = {}  # (phys GID, phys QPN) -> (vRNIC id, vQPN)
@@ -147,6 +213,11 @@ class Registry:
             if published is not None:
                 for phys_qpn in published.qpn_by_vqpn.values():
                     self._by_phys.pop((vrnic.phys_gid, phys_qpn), None)
+            # what it cached of remote peers goes with it
+            for pair in [k for k in self._mr_cache if k[0] == vrnic.spec.id]:
+                del self._mr_cache[pair]
+            for key in [k for k in self._remote_cache if k[1] == vrnic.spec.id]:
+                del self._remote_cache[key]
 
     def hand_over(self, vrnic: VirtualRnic, old: Closeable, new: Closeable, qpns: dict[int, int],
                   mrs: dict[int, MrWindow]) -> None:
@@ -240,49 +311,224 @@ class Registry:
             published = self._published.get(vrnic.spec.id)
             if published is not None:
                 published.mrs.pop(vkey, None)
-            # Direct guests that may have cached this key as a peer's rkey must look again.
-            for other in self._by_id.values():
-                changed = getattr(other.session, "translations_changed", None)
-                if other is not vrnic and changed is not None and reachable(other.spec, vrnic.spec):
-                    changed()
+            others = [o for o in self._by_id.values() if o is not vrnic]
+        # Direct guests that may have cached this key as a peer's rkey must look again.
+        rules = self._rules_if_needed(vrnic.identity, [o.identity for o in others])
+        for other in others:
+            changed = getattr(other.session, "translations_changed", None)
+            if changed is not None and decide(other.identity, vrnic.identity, rules).allowed:
+                changed()
+
+    # ----- reachability ------------------------------------------------------------------------
+    def _rules(self) -> list[SecurityRule]:
+        if self.locator is None:
+            return []
+        now = time.monotonic()
+        cached = self._rules_cache
+        if cached is not None and now - cached[0] < RULES_TTL_S:
+            return cached[1]
+        try:
+            rules = list(self.locator.rules())
+        except VrnicError as exc:  # the store is down: keep what we knew, same-VPC traffic does not need it
+            log.warning("cannot read the security-group rules (%s); using the last known ones", exc)
+            return cached[1] if cached is not None else []
+        self._rules_cache = (now, rules)
+        return rules
+
+    def _rules_if_needed(self, asker: Identity, targets: list[Identity]) -> list[SecurityRule]:
+        """The rules, read only when some pair crosses VPCs (same-VPC checks never touch the store)."""
+        return self._rules() if any(not same_vpc(asker, t) for t in targets) else []
+
+    def check(self, asker: Identity, target: Identity, via: str) -> Decision:
+        """decide(), with refusals and cross-VPC allows written to the audit log (never under the lock)."""
+        decision = decide(asker, target, self._rules_if_needed(asker, [target]))
+        if decision.cross_vpc and self.locator is not None:
+            action = "peer.allowed" if decision.allowed else "peer.refused"
+            key = (action, asker.vrnic_id, target.vrnic_id)
+            now = time.monotonic()
+            if now - self._audited.get(key, -AUDIT_QUIET_S) >= AUDIT_QUIET_S:
+                self._audited[key] = now
+                if len(self._audited) > 10_000:
+                    self._audited.clear()
+                try:
+                    self.locator.audit(action, asker, target, {"reason": decision.reason, "via": via})
+                except VrnicError as exc:
+                    log.warning("could not audit %s of %s -> %s: %s", action, asker.vrnic_id, target.vrnic_id, exc)
+        if not decision.allowed:
+            log.info("peer refused: %s -> %s (%s, %s)", asker.vrnic_id, target.vrnic_id, via, decision.reason)
+        return decision
 
     # ----- resolving peers -----------------------------------------------------------------------
-    def peer(self, asker: VirtualRnic, virtual_gid: str) -> VirtualRnic:
-        """The attached vRNIC with that virtual GID, if asker may reach it.
+    def local_peer(self, asker: Identity, virtual_gid: str, via: str = "connect") -> VirtualRnic:
+        """The attached vRNIC of this vrnicd with that virtual GID, if asker may reach it.
 
         Anything else looks exactly like a GID that does not exist.
         """
         with self._lock:
             found = next((v for v in self._by_id.values() if v.spec.virtual_gid == virtual_gid), None)
-            if found is None or found.session is None or not reachable(asker.spec, found.spec):
-                raise NotFound(f"no reachable vRNIC with virtual GID {virtual_gid}")
-            return found
+            attached = found is not None and found.session is not None
+        if found is None or not attached or not self.check(asker, found.identity, via).allowed:
+            raise NotFound(f"no reachable vRNIC with virtual GID {virtual_gid}")
+        return found
 
-    def peer_qp(self, asker: VirtualRnic, virtual_gid: str, vqpn: int) -> tuple[VirtualRnic, int]:
-        """A reachable peer's QP named virtually -> (the peer, the QP's physical QPN)."""
-        peer = self.peer(asker, virtual_gid)
+    def holds(self, virtual_gid: str) -> bool:
+        """Does this vrnicd hold a vRNIC with that virtual GID (attached or not)?"""
         with self._lock:
-            published = self._published.get(peer.spec.id)
+            return any(v.spec.virtual_gid == virtual_gid for v in self._by_id.values())
+
+    def peer(self, asker: VirtualRnic, virtual_gid: str) -> VirtualRnic:
+        """A reachable attached vRNIC of this vrnicd (see local_peer)."""
+        return self.local_peer(asker.identity, virtual_gid)
+
+    def published_qpn(self, vrnic: VirtualRnic, vqpn: int) -> int:
+        """The physical QPN of one of vrnic's published QPs; NotFound if it has none by that number."""
+        with self._lock:
+            published = self._published.get(vrnic.spec.id)
             phys_qpn = None if published is None else published.qpn_by_vqpn.get(vqpn)
         if phys_qpn is None:
-            raise NotFound(f"no QP {vqpn} on {virtual_gid}")
-        return peer, phys_qpn
+            raise NotFound(f"no QP {vqpn} on {vrnic.spec.virtual_gid}")
+        return phys_qpn
 
-    def peer_mrs(self, peer_id: str) -> PeerMrs:
-        return PeerMrs(self, peer_id)
+    def published_mrs(self, vrnic: VirtualRnic) -> list[MrWindow]:
+        with self._lock:
+            published = self._published.get(vrnic.spec.id)
+            return list(published.mrs.values()) if published else []
+
+    def peer_qp(self, asker: VirtualRnic, virtual_gid: str, vqpn: int, via: str = "connect") -> tuple[Peer, int]:
+        """A reachable peer's QP named virtually -> (the peer, the QP's physical QPN), here or on another host."""
+        if self.directory is None or self.holds(virtual_gid):
+            peer = self.local_peer(asker.identity, virtual_gid, via)
+            return peer, self.published_qpn(peer, vqpn)
+        remote, phys_qpn = self.remote(asker.identity, virtual_gid,
+                                       lambda d: d.peer_qp(asker.identity, virtual_gid, vqpn))
+        if not self.check(asker.identity, remote.identity, via).allowed:  # this end checks too
+            raise NotFound(f"no reachable vRNIC with virtual GID {virtual_gid}")
+        with self._lock:
+            self._remote[remote.vrnic_id] = remote
+        return remote, phys_qpn
+
+    def ud_peer(self, asker: VirtualRnic, virtual_gid: str, vqpn: int) -> tuple[Peer, int]:
+        """peer_qp for a UD work request: a remote answer (or refusal) is kept for REMOTE_CACHE_S."""
+        if self.directory is None or self.holds(virtual_gid):
+            return self.peer_qp(asker, virtual_gid, vqpn, via="ud")
+        return self._cached(("ud", asker.spec.id, virtual_gid, vqpn),
+                            lambda: self.peer_qp(asker, virtual_gid, vqpn, via="ud"))
+
+    def remote(self, asker: Identity, virtual_gid: str, ask: Callable[[PeerDirectory], _T]) -> _T:
+        """Ask the directory about a GID this vrnicd does not hold. An unreachable agent is NotFound to an asker
+        of another VPC (the GID's existence is none of its business), Unavailable to one of the same VPC."""
+        if self.directory is None:
+            raise NotFound(f"no reachable vRNIC with virtual GID {virtual_gid}")
+        try:
+            return ask(self.directory)
+        except Unavailable as exc:
+            try:
+                vpc_id, _ = parse_virtual_gid(virtual_gid)
+            except InvalidArgument:
+                vpc_id = -1
+            if vpc_id != asker.vpc_id:
+                log.warning("peer lookup of %s for %s failed: %s", virtual_gid, asker.vrnic_id, exc)
+                raise NotFound(f"no reachable vRNIC with virtual GID {virtual_gid}") from None
+            raise
+
+    def _cached(self, key: tuple[object, ...], compute: Callable[[], _T]) -> _T:
+        now = time.monotonic()
+        with self._lock:
+            hit = self._remote_cache.get(key)
+        if hit is not None and hit[0] > now:
+            answer = hit[1]
+        else:
+            try:
+                answer = compute()
+            except VrnicError as exc:
+                answer = exc
+            with self._lock:
+                if len(self._remote_cache) > 10_000:
+                    self._remote_cache.clear()
+                self._remote_cache[key] = (now + REMOTE_CACHE_S, answer)
+        if isinstance(answer, VrnicError):
+            raise answer
+        return answer  # type: ignore[return-value]
+
+    def peer_mrs(self, peer_id: str, asker: VirtualRnic | None = None) -> Mapping[int, MrWindow]:
+        """A connected peer's MRs by virtual key (asker: who reads them, needed for a remote peer)."""
+        with self._lock:
+            remote = None if peer_id in self._by_id or asker is None else self._remote.get(peer_id)
+        if remote is None or asker is None:
+            return PeerMrs(self, peer_id)
+        return RemoteMrs(self, asker.identity, remote)
+
+    def _remote_windows(self, asker: Identity, peer: RemotePeer, refetch: bool = False) -> dict[int, MrWindow]:
+        key = (asker.vrnic_id, peer.vrnic_id)
+        now = time.monotonic()
+        with self._lock:
+            cached = self._mr_cache.get(key)
+        age = now - cached.fetched_at if cached is not None else 0.0
+        if cached is not None and age < MR_TTL_S and (not refetch or age < MR_REFETCH_S):
+            return cached.windows
+        try:
+            windows = {w.vkey: w for w in self.remote(asker, peer.identity.virtual_gid,
+                                                      lambda d: d.peer_mrs(asker, peer))}
+        except VrnicError as exc:  # the WR fails with a remote access error; the next miss asks again
+            log.warning("MRs of remote peer %s for %s: %s", peer.vrnic_id, asker.vrnic_id, exc)
+            windows = cached.windows if cached is not None else {}
+        with self._lock:
+            self._mr_cache[key] = _MrCache(now, windows)
+        return windows
+
+    def _remote_window(self, asker: Identity, peer: RemotePeer, vkey: int) -> MrWindow:
+        window = self._remote_windows(asker, peer).get(vkey)
+        if window is None:  # registered after we looked, or never: ask again (not more often than MR_REFETCH_S)
+            window = self._remote_windows(asker, peer, refetch=True).get(vkey)
+        if window is None:
+            raise KeyError(vkey)
+        return window
 
     def virtual_qpn(self, asker: VirtualRnic, phys_qpn: int, phys_gid: str | None) -> int:
         """The virtual QPN of a peer QP seen as a UD source; 0 if unknown, ambiguous or unreachable.
 
         Physical QPNs are per device, so the source GID narrows the search to one device. Without a GID
-        (no GRH) the QPN alone must be unambiguous.
+        (no GRH) the QPN alone must be unambiguous. A GID of another host's device is asked of its agent.
         """
+        return self.reverse(asker.identity, phys_qpn, phys_gid, remote_too=True)
+
+    def reverse(self, asker: Identity, phys_qpn: int, phys_gid: str | None, remote_too: bool = False) -> int:
         with self._lock:
             if phys_gid is not None:
                 hit = self._by_phys.get((phys_gid, phys_qpn))
                 hits = [] if hit is None else [hit]
             else:
                 hits = [v for (_, qpn), v in self._by_phys.items() if qpn == phys_qpn]
-            reachable_hits = [vqpn for vrnic_id, vqpn in hits
-                              if vrnic_id in self._by_id and reachable(asker.spec, self._by_id[vrnic_id].spec)]
-        return reachable_hits[0] if len(reachable_hits) == 1 else 0
+            targets = [(self._by_id[vrnic_id].identity, vqpn) for vrnic_id, vqpn in hits if vrnic_id in self._by_id]
+            local_gid = phys_gid is None or any(v.phys_gid == phys_gid for v in self._by_id.values())
+        rules = self._rules_if_needed(asker, [t for t, _ in targets])
+        reachable_hits = [vqpn for target, vqpn in targets if decide(asker, target, rules).allowed]
+        if reachable_hits or local_gid or not remote_too or self.directory is None or phys_gid is None:
+            return reachable_hits[0] if len(reachable_hits) == 1 else 0
+        gid, directory = phys_gid, self.directory
+        try:
+            return self._cached(("reverse", asker.vrnic_id, gid, phys_qpn),
+                                lambda: directory.virtual_qpn(asker, gid, phys_qpn))
+        except VrnicError as exc:
+            log.debug("UD source %s/%d for %s: %s", gid, phys_qpn, asker.vrnic_id, exc)
+            return 0
+
+    # ----- virtual IPs ---------------------------------------------------------------------------
+    def resolve_ip(self, asker: VirtualRnic, ip: str) -> str:
+        """The virtual GID of the vRNIC with virtual IP `ip` in asker's VPC; NotFound if none."""
+        try:
+            address = str(ipaddress.ip_address(ip))
+        except ValueError:
+            raise InvalidArgument(f"not an IP address: {ip!r}") from None
+        me = asker.identity
+        with self._lock:
+            found = next((v.spec.virtual_gid for v in self._by_id.values()
+                          if v.spec.virtual_ip == address and same_vpc(me, v.identity)), None)
+        if found is None and self.locator is not None:
+            try:
+                found = self.locator.virtual_gid_of_ip(me, address)
+            except VrnicError as exc:
+                raise Unavailable(f"cannot resolve {address}: {exc}") from exc
+        if found is None:
+            raise NotFound(f"no vRNIC with virtual IP {address} in this VPC")
+        return found

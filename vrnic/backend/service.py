@@ -1,7 +1,7 @@
 """The backend service boundary: what the control plane (API, CLI through the API) asks of vrnicd.
 
-The API only talks to this class, so it could later talk to a remote host agent
-with the same methods.
+The API only talks to this class; another host's BackendService is reached through that host's agent
+(vrnic.api.agent serves it, vrnic.backend.remote.RemoteBackend calls it with the same method names).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from vrnic.core.specs import AttachInfo, DeviceInfo, QosPolicy, VmBinding, Vrnic
 from vrnic.errors import Conflict, InvalidArgument, NotFound, NotSupported
 
 if TYPE_CHECKING:
+    from vrnic.backend.peer_service import PeerService
     from vrnic.sriov.libvirt_xml import HostdevInterface
     from vrnic.sriov.manager import CountChangeResult, PfInventory, SriovManager
     from vrnic.sriov.vf_types import Allocation, VfEvent
@@ -100,6 +101,15 @@ class BackendService:
 
     def complete_vm_migration(self, domain: str) -> dict[str, object]:
         return self.driver(VrnicMode.PARAVIRTUAL).complete_vm_migration(domain)
+
+    def peers(self) -> PeerService:
+        """What other hosts' agents may ask about this host's paravirtual vRNICs (vrnic.api.agent_peers)."""
+        from vrnic.backend.peer_service import PeerService
+
+        service = getattr(self.driver(VrnicMode.PARAVIRTUAL), "peers", None)
+        if not isinstance(service, PeerService):
+            raise NotSupported("the paravirtual driver of this host does not serve peers to other hosts")
+        return service
 
     def set_qos(self, vrnic_id: str, mode: VrnicMode, policy: QosPolicy) -> None:
         self.driver(mode).set_qos(vrnic_id, policy)

@@ -19,11 +19,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from vrnic.backend.attachment import PeerCred
+from vrnic.backend.cm import ConnectionManager
 from vrnic.backend.engine import DataPathEngine, EngineHost
 from vrnic.backend.flow_guard import FlowGuard
 from vrnic.backend.guest_memory import GuestMemory
 from vrnic.backend.qos_shaper import QosMechanism
-from vrnic.backend.registry import Registry, VirtualRnic
+from vrnic.backend.registry import Peer, Registry, VirtualRnic
 from vrnic.backend.rnic_edge import PORT, DeviceContext, QpCaps, RtrParams, RtsParams
 from vrnic.core import verb_args
 from vrnic.core.migration import DirtyLog
@@ -39,7 +40,7 @@ from vrnic.core.session_state import (
     SessionState,
 )
 from vrnic.core.translate import MrWindow
-from vrnic.errors import Conflict, InvalidArgument, VrnicError
+from vrnic.errors import Conflict, InvalidArgument, NotFound, VrnicError
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class GuestSession:
                  cred: PeerCred, doorbell_fd: int, notify_fd: int | None,
                  engine_factory: Callable[[EngineHost], DataPathEngine],
                  disconnect: Callable[[], None] = lambda: None, guard: FlowGuard | None = None,
-                 qos: QosMechanism | None = None) -> None:
+                 qos: QosMechanism | None = None, cm: ConnectionManager | None = None) -> None:
         self.vrnic = vrnic
         self.vrnic_id = vrnic.spec.id
         self.registry = registry
@@ -70,6 +71,7 @@ class GuestSession:
         self.disconnect = disconnect
         self.guard = guard
         self.qos = qos  # its vRNIC's QoS on its device, when enforced: every connected QP is classified
+        self.cm = cm if cm is not None else ConnectionManager()  # the driver's: listeners of all its vRNICs
         self.lock = threading.RLock()
         self.state = SessionState(vrnic.spec.quota, memory.layout)
         self._closed = False
@@ -95,10 +97,18 @@ class GuestSession:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first.get("loc", ()))
             raise InvalidArgument(f"{op}: {where}: {first['msg']}") from None
+        if op in verb_args.UNLOCKED_OPS:  # they wait on peers: the engine must not wait with them
+            if self._closed:
+                raise Conflict("the session is closed", current_state="detached")
+            unlocked: dict[str, Any] = getattr(self, f"op_{op}")(args)
+            return unlocked
+        # A peer on another host is looked up before the lock is taken: the engine does not wait for that agent.
+        resolved = self._remote_peer(args) if op in ("connect", "modify_qp") else None
         with self.lock:
             if self._closed:
                 raise Conflict("the session is closed", current_state="detached")
-            result: dict[str, Any] = getattr(self, f"op_{op}")(args)
+            result: dict[str, Any] = (getattr(self, f"op_{op}")(args) if resolved is None
+                                      else getattr(self, f"op_{op}")(args, resolved=resolved))
         if op in ENGINE_OPS:
             self.engine.wake()
         return result
@@ -110,7 +120,8 @@ class GuestSession:
 
     def attach_result(self) -> dict[str, Any]:
         spec = self.vrnic.spec
-        return {"vrnic_id": spec.id, "virtual_gid": spec.virtual_gid, "arena_bytes": self.memory.size,
+        return {"vrnic_id": spec.id, "virtual_gid": spec.virtual_gid, "virtual_ip": spec.virtual_ip,
+                "arena_bytes": self.memory.size,
                 "quota": spec.quota.model_dump(), "engine": "ring"}
 
     def attach_fds(self) -> list[int]:
@@ -256,7 +267,8 @@ class GuestSession:
         return {"qpn": qp.vqpn, "state": self.device.query_qp_state(qp.obj), "qp_type": qp.qp_type,
                 "connected_to": qp.peer_gid}
 
-    def op_modify_qp(self, args: verb_args.ModifyQp) -> dict[str, Any]:
+    def op_modify_qp(self, args: verb_args.ModifyQp, resolved: tuple[Peer, int] | None = None) -> dict[str, Any]:
+        """resolved: the peer and physical QPN of an RTR, looked up beforehand without the session lock."""
         qp = self.state.qps.get(args.qp)
         # Program order: WRs the guest posted before this call reach the NIC before the transition
         # (a receive posted, then ERR, must be flushed, not lost in the ring).
@@ -267,7 +279,7 @@ class GuestSession:
         elif args.state == "rtr" and qp.qp_type == "ud":
             self.device.qp_to_rtr(qp.obj, qp.qp_type, None)  # UD destinations come per WR
         elif args.state == "rtr":
-            peer, phys_qpn = self._resolve(args.remote_gid, args.remote_qpn)
+            peer, phys_qpn = resolved or self._resolve(args.remote_gid, args.remote_qpn)
             flow = None
             if self.guard is not None:  # the guard lets this QP's packets out to that peer QP, and nowhere else
                 flow = self.guard.flow(self.vrnic_id, self.vrnic.phys_gid, qp.phys_qpn, peer.phys_gid, phys_qpn)
@@ -287,7 +299,7 @@ class GuestSession:
             qp.guard_flow = flow
             qp.dest_qpn = phys_qpn
             self._classify(qp, phys_qpn)
-            qp.peer_id, qp.peer_gid, qp.peer_vqpn = peer.spec.id, args.remote_gid, args.remote_qpn
+            qp.peer_id, qp.peer_gid, qp.peer_vqpn = peer.vrnic_id, args.remote_gid, args.remote_qpn
             qp.link.update(path_mtu=args.path_mtu, max_dest_rd_atomic=args.max_dest_rd_atomic,
                            min_rnr_timer=args.min_rnr_timer)
         elif args.state == "rts":
@@ -350,19 +362,33 @@ class GuestSession:
             self.qos.uncount_received(self.vrnic_id, qp.qos_rx)
             qp.qos_rx = None
 
-    def _resolve(self, remote_gid: str | None, remote_qpn: int | None) -> tuple[VirtualRnic, int]:
+    def _resolve(self, remote_gid: str | None, remote_qpn: int | None) -> tuple[Peer, int]:
         """Virtual (GID, QPN) of a peer -> the peer vRNIC and its physical QPN (MasQ-style, at connect)."""
         if remote_gid is None or remote_qpn is None:
             raise InvalidArgument("RTR needs remote_gid and remote_qpn (the peer's virtual identity)")
         return self.registry.peer_qp(self.vrnic, remote_gid, remote_qpn)
 
-    def op_connect(self, args: verb_args.Connect) -> dict[str, Any]:
+    def _remote_peer(self, args: Any) -> tuple[Peer, int] | None:
+        """For connect and an RC QP's RTR: the peer and its physical QPN if another host holds it (else None:
+        a local peer is looked up under the lock, as the connect-time check always was)."""
+        if isinstance(args, verb_args.ModifyQp) and args.state != "rtr":
+            return None
+        gid, vqpn = args.remote_gid, args.remote_qpn
+        if gid is None or vqpn is None or self.registry.directory is None or self.registry.holds(gid):
+            return None
+        qp = self.state.qps.get(args.qp)
+        if qp.qp_type != "rc":
+            return None
+        return self.registry.peer_qp(self.vrnic, gid, vqpn)
+
+    def op_connect(self, args: verb_args.Connect, resolved: tuple[Peer, int] | None = None) -> dict[str, Any]:
         qp = self.state.qps.get(args.qp)
         if qp.qp_type != "rc":
             raise InvalidArgument("connect is for RC QPs; UD QPs name their peer per work request")
         for state in ("init", "rtr", "rts"):
             self.op_modify_qp(verb_args.ModifyQp(qp=args.qp, state=state, access=args.access,
-                                                 remote_gid=args.remote_gid, remote_qpn=args.remote_qpn))
+                                                 remote_gid=args.remote_gid, remote_qpn=args.remote_qpn),
+                              resolved=resolved if state == "rtr" else None)
         return {"state": "rts"}
 
     def op_resolve_rkey(self, _: verb_args.ResolveRkey) -> dict[str, Any]:
@@ -370,6 +396,86 @@ class GuestSession:
 
     def op_translations(self, _: verb_args.NoArgs) -> dict[str, Any]:
         raise InvalidArgument("translations are for the direct engine; on this one vrnicd translates itself")
+
+    # ----- virtual IPs and connection requests (rdma_cm style; see vrnic.backend.cm) ----------------
+    # These run without the session lock around them (UNLOCKED_OPS): they wait on other guests and hosts.
+    def op_resolve_ip(self, args: verb_args.ResolveIp) -> dict[str, Any]:
+        return {"gid": self.registry.resolve_ip(self.vrnic, args.ip)}
+
+    def op_cm_listen(self, args: verb_args.CmPort) -> dict[str, Any]:
+        self.cm.listen(self.vrnic_id, args.port, self)
+        return {"port": args.port}
+
+    def op_cm_unlisten(self, args: verb_args.CmPort) -> dict[str, Any]:
+        self.cm.unlisten(self.vrnic_id, args.port, self)
+        return {}
+
+    def op_cm_get_request(self, args: verb_args.CmGetRequest) -> dict[str, Any]:
+        request = self.cm.get_request(self.vrnic_id, args.port, self, args.timeout_ms / 1000)
+        if request is None:
+            return {"request": None}
+        return {"request": {"id": request.id, "port": request.port, "remote_gid": request.asker.virtual_gid,
+                            "private_data": request.private_data.hex()}}
+
+    def op_cm_accept(self, args: verb_args.CmAccept) -> dict[str, Any]:
+        request = self.cm.claim(self.vrnic_id, args.request, self)
+        gid = request.asker.virtual_gid
+        try:
+            qp = self._cm_qp(args.qp)
+            resolved = self.registry.peer_qp(self.vrnic, gid, request.vqpn, via="cm accept")
+            with self.lock:
+                self._bring_up(qp, gid, request.vqpn, args.access, resolved)
+        except BaseException as exc:
+            log.warning("vRNIC %s: accepting connection request %d from %s failed: %s", self.vrnic_id, request.id,
+                        gid, exc)
+            self.cm.answer(request, None, "the listener could not connect its QP")
+            raise
+        if not self.cm.answer(request, (qp.vqpn, bytes.fromhex(args.private_data))):
+            raise Conflict("the connecting side stopped waiting", current_state="timeout")
+        return {"remote_gid": gid, "remote_qpn": request.vqpn, "state": "rts"}
+
+    def op_cm_reject(self, args: verb_args.CmReject) -> dict[str, Any]:
+        self.cm.answer(self.cm.claim(self.vrnic_id, args.request, self), None, "rejected by the listener")
+        return {}
+
+    def op_cm_connect(self, args: verb_args.CmConnect) -> dict[str, Any]:
+        qp = self._cm_qp(args.qp)
+        gid = self.registry.resolve_ip(self.vrnic, args.ip)
+        me, private, timeout = self.vrnic.identity, bytes.fromhex(args.private_data), args.timeout_ms / 1000
+        registry = self.registry
+        if registry.directory is None or registry.holds(gid):
+            target = registry.local_peer(me, gid, "cm connect")
+            remote_qpn, answer = self.cm.connect(me, target.spec.id, args.port, qp.vqpn, private, timeout)
+        else:
+            remote_qpn, answer = registry.remote(
+                me, gid, lambda d: d.cm_connect(me, gid, args.port, qp.vqpn, private, timeout))
+        resolved = registry.peer_qp(self.vrnic, gid, remote_qpn, via="cm connect")
+        with self.lock:
+            self._bring_up(qp, gid, remote_qpn, args.access, resolved)
+        return {"remote_gid": gid, "remote_qpn": remote_qpn, "private_data": answer.hex(), "state": "rts"}
+
+    def _cm_qp(self, handle: int) -> QpEntry:
+        """An RC QP of this session that is not connected yet (what a connection request may connect)."""
+        with self.lock:
+            if self._closed:
+                raise Conflict("the session is closed", current_state="detached")
+            qp = self.state.qps.get(handle)
+            if qp.qp_type != "rc":
+                raise InvalidArgument("connection requests are for RC QPs")
+            if qp.state not in ("reset", "init"):
+                raise Conflict(f"QP {qp.vqpn} is already {qp.state}", current_state=qp.state)
+            return qp
+
+    def _bring_up(self, qp: QpEntry, gid: str, vqpn: int, access: int, resolved: tuple[Peer, int]) -> None:
+        """INIT (unless the guest moved it there already, with its own access flags), RTR, RTS towards a peer QP
+        resolved beforehand (the caller holds the lock now)."""
+        if self._closed:
+            raise Conflict("the session is closed", current_state="detached")
+        if self.state.qps.get(qp.handle) is not qp:
+            raise NotFound(f"QP {qp.vqpn} was destroyed")
+        for state in ("init", "rtr", "rts") if qp.state == "reset" else ("rtr", "rts"):
+            self.op_modify_qp(verb_args.ModifyQp(qp=qp.handle, state=state, access=access, remote_gid=gid,
+                                                 remote_qpn=vqpn), resolved=resolved if state == "rtr" else None)
 
     def op_busy_poll(self, args: verb_args.BusyPoll) -> dict[str, Any]:
         self.engine.busy_poll = args.enabled
@@ -384,7 +490,7 @@ class GuestSession:
 
     # ----- the engine's view (EngineHost) -------------------------------------------------------
     def ud_destination(self, qp: QpEntry, virtual_gid: str, vqpn: int) -> tuple[Any, int]:
-        peer, phys_qpn = self._resolve(virtual_gid, vqpn)
+        peer, phys_qpn = self.registry.ud_peer(self.vrnic, virtual_gid, vqpn)
         key = (peer.phys_gid, phys_qpn)
         ah = qp.ahs.get(key)
         if ah is None:
@@ -392,7 +498,7 @@ class GuestSession:
         return ah, phys_qpn
 
     def peer_mrs(self, qp: QpEntry) -> Mapping[int, MrWindow] | None:
-        return None if qp.peer_id is None else self.registry.peer_mrs(qp.peer_id)
+        return None if qp.peer_id is None else self.registry.peer_mrs(qp.peer_id, self.vrnic)
 
     def source_vqpn(self, phys_qpn: int, phys_gid: str | None) -> int:
         return self.registry.virtual_qpn(self.vrnic, phys_qpn, phys_gid)
@@ -698,6 +804,7 @@ class GuestSession:
             if self._closed:
                 return
             self._closed = True
+        self.cm.drop(self.vrnic_id, self)  # whoever waits on its listeners hears a rejection now
         self.engine.stop()
         with self.lock:
             owns = self.vrnic.session is self or self.vrnic.session is None

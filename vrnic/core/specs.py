@@ -98,6 +98,7 @@ class VrnicSpec(BaseModel):
     vpc_id: int = 0
     virtual_gid: str  # the identity peers name; physical GIDs never reach guests
     engine: DataEngine = DataEngine.RING
+    virtual_ip: str | None = None  # its address in the VPC (rdma_cm-style resolve and connect), if it has one
 
     @model_validator(mode="after")
     def _direct_is_paravirtual(self) -> VrnicSpec:

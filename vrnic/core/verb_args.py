@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from vrnic.core.peer_wire import ACCEPT_PRIVATE_DATA, CONNECT_PRIVATE_DATA, HEX, MAX_CM_TIMEOUT_MS
 from vrnic.core.rings import MAX_SGE
 
 U32 = 1 << 32
@@ -119,6 +120,48 @@ class BusyPoll(Args):
     enabled: bool
 
 
+class ResolveIp(Args):
+    """rdma_resolve_addr's job: the virtual GID of the vRNIC with this virtual IP in the caller's VPC."""
+
+    ip: str = Field(max_length=64)
+
+
+class CmPort(Args):
+    port: int = Field(ge=1, le=65535)
+
+
+MAX_CM_WAIT_MS = 5000  # one get_request call waits at most this long (the frontend calls again)
+
+
+class CmGetRequest(Args):
+    port: int = Field(ge=1, le=65535)
+    timeout_ms: int = Field(1000, ge=0, le=MAX_CM_WAIT_MS)
+
+
+class CmAccept(Args):
+    """Connect qp (RC, not connected yet) to the requesting QP, and answer with private data."""
+
+    request: int = Field(ge=0, lt=1 << 63)
+    qp: Handle
+    private_data: str = Field("", max_length=2 * ACCEPT_PRIVATE_DATA, pattern=HEX)  # hex
+    access: int = Field(15, ge=0, le=15)  # for a QP in RESET; one in INIT keeps its own
+
+
+class CmReject(Args):
+    request: int = Field(ge=0, lt=1 << 63)
+
+
+class CmConnect(Args):
+    """Connect qp (RC, not connected yet) to whatever listens on (virtual IP, port); waits for the answer."""
+
+    qp: Handle
+    ip: str = Field(max_length=64)
+    port: int = Field(ge=1, le=65535)
+    private_data: str = Field("", max_length=2 * CONNECT_PRIVATE_DATA, pattern=HEX)  # hex
+    timeout_ms: int = Field(5000, ge=1, le=MAX_CM_TIMEOUT_MS)
+    access: int = Field(15, ge=0, le=15)  # for a QP in RESET; one in INIT keeps its own
+
+
 OPS: dict[str, type[Args]] = {
     "query_device": NoArgs, "query_port": QueryPort, "query_gid": QueryGid,
     "alloc_pd": NoArgs, "dealloc_pd": PdRef,
@@ -127,4 +170,9 @@ OPS: dict[str, type[Args]] = {
     "create_qp": CreateQp, "destroy_qp": QpRef, "modify_qp": ModifyQp, "query_qp": QpRef,
     "connect": Connect, "resolve_rkey": ResolveRkey, "translations": NoArgs,
     "busy_poll": BusyPoll, "sync": NoArgs, "detach": NoArgs,
+    "resolve_ip": ResolveIp, "cm_listen": CmPort, "cm_unlisten": CmPort, "cm_get_request": CmGetRequest,
+    "cm_accept": CmAccept, "cm_reject": CmReject, "cm_connect": CmConnect,
 }
+# Ops that may wait (on another guest, or another host): they take the session lock only for what they touch.
+UNLOCKED_OPS = frozenset({"resolve_ip", "cm_listen", "cm_unlisten", "cm_get_request", "cm_accept", "cm_reject",
+                          "cm_connect"})

@@ -128,6 +128,7 @@ class Context(_Resource):
             raise
         self.vrnic_id: str = info["vrnic_id"]
         self.gid: str = info["virtual_gid"]
+        self.ip: str | None = info.get("virtual_ip")  # its address in the VPC, if it has one (frontend.cm)
 
     @classmethod
     def attach(cls, info: AttachInfo, arena_bytes: int = DEFAULT_ARENA, busy_poll: bool = False) -> Context:

@@ -22,14 +22,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+from pydantic import SecretStr
+
 from vrnic.backend import vm_migration
 from vrnic.backend.attachment import Disconnect, PeerCred
 from vrnic.backend.channel import ChannelLimits, ChannelServer
+from vrnic.backend.cm import ConnectionManager
 from vrnic.backend.direct import DirectEngine, DirectSession
 from vrnic.backend.driver import RnicDriver
 from vrnic.backend.engine import DataPathEngine, EngineHost, SharedRingEngine
 from vrnic.backend.flow_guard import FlowGuard
 from vrnic.backend.guest_memory import GuestMemory
+from vrnic.backend.peer_directory import LOOKUP_TIMEOUT_S, AgentDirectory, Locator, PeerDirectory
+from vrnic.backend.peer_service import PeerService
 from vrnic.backend.qos_shaper import HtbShaper, QosMechanism, link_speed_mbps, uplink_netdev
 from vrnic.backend.rdma_cgroup import Confinement
 from vrnic.backend.registry import Registry, VirtualRnic
@@ -63,12 +68,18 @@ class VerbsDriver(RnicDriver):
     def __init__(self, socket_path: Path | str = DEFAULT_SOCKET, devices: list[str] | None = None,
                  edge: RnicEdge | None = None, channel: ChannelLimits | None = None,
                  direct_containment: str = "required", packet_guard: bool | FlowGuard = False,
-                 strict_isolation: bool = False, qos_link_mbps: int | None = None) -> None:
+                 strict_isolation: bool = False, qos_link_mbps: int | None = None, locator: Locator | None = None,
+                 agent_token: str | SecretStr | None = None, directory: PeerDirectory | None = None,
+                 peer_timeout_s: float = LOOKUP_TIMEOUT_S) -> None:
         """direct_containment: "required" refuses a direct-engine guest whose cgroup vrnicd cannot limit
         (rdma.max); "best-effort" lets it attach uncontained, with a warning and `contained: false`.
         packet_guard: filter RoCE egress of the devices served to the flows vrnicd connected (nftables).
         strict_isolation: refuse the direct engine wherever the guard cannot hold (no guard, or a device that
-        loops its own traffic back past it, as rxe does)."""
+        loops its own traffic back past it, as rxe does).
+        locator: the cluster's store (security-group rules, virtual IPs, which host holds a GID, the audit log);
+        with agent_token, peers on other hosts are reached through their agents (AgentDirectory; `directory`
+        replaces it; peer_timeout_s bounds each of its lookups). Without a locator only this vrnicd's vRNICs are
+        peers, and only within their VPC."""
         if direct_containment not in ("required", "best-effort"):
             raise InvalidArgument(f"direct_containment is 'required' or 'best-effort', not {direct_containment!r}")
         self.direct_containment = direct_containment
@@ -85,7 +96,14 @@ class VerbsDriver(RnicDriver):
         self.edge = edge
         self.socket_path = Path(socket_path)
         self._only = devices
-        self.registry = Registry()
+        token = agent_token.get_secret_value() if isinstance(agent_token, SecretStr) else agent_token
+        if locator is not None and directory is None and not token:
+            log.warning("a locator but no agent token: peers on other hosts stay unreachable")
+        self._own_directory = (AgentDirectory(locator, token, peer_timeout_s)
+                               if directory is None and locator is not None and token else None)
+        self.registry = Registry(locator=locator, directory=directory or self._own_directory)
+        self.cm = ConnectionManager()  # listeners of every vRNIC here, for local and remote connectors
+        self.peers = PeerService(self.registry, self.cm)  # what other hosts' agents may ask about ours
         self._vms: dict[str, _BoundVm] = {}
         self._vm_lock = threading.Lock()
         self.server = ChannelServer(self.socket_path, self.open_session, channel)
@@ -172,7 +190,7 @@ class VerbsDriver(RnicDriver):
                 engine = functools.partial(SharedRingEngine, busy_poll=busy_poll)
             session = session_type(vrnic, self.registry, device, memory, cred, doorbell_fd=doorbell_fd,
                                    notify_fd=notify_fd, engine_factory=engine, disconnect=disconnect,
-                                   guard=self.guard, qos=self._shapers.get(vrnic.device))
+                                   guard=self.guard, qos=self._shapers.get(vrnic.device), cm=self.cm)
             self.registry.attach(vrnic, session, vm_domain)
         except BaseException:
             if session is not None:
@@ -352,7 +370,7 @@ class VerbsDriver(RnicDriver):
             return GuestSession(vrnic, self.registry, device, memory, cred, doorbell_fd=doorbell, notify_fd=None,
                                 engine_factory=functools.partial(SharedRingEngine, busy_poll=busy),
                                 disconnect=link.session_failed, guard=self.guard,
-                                qos=self._shapers.get(vrnic.device))
+                                qos=self._shapers.get(vrnic.device), cm=self.cm)
         except BaseException:
             if device is not None:
                 device.close()
@@ -527,6 +545,8 @@ class VerbsDriver(RnicDriver):
             self._shapers.clear()
         if self.guard is not None:
             self.guard.close()
+        if self._own_directory is not None:
+            self._own_directory.close()
 
 
 @dataclass
