@@ -3,7 +3,7 @@ VENV ?= /opt/vrnic/venv
 BIN := $(VENV)/bin
 KERNEL_TIMEOUT ?= 2400
 
-.PHONY: setup test test-host test-kernel test-two-hosts test-sriov-nic lint demo demo-vm demo-migrate demo-qos bench
+.PHONY: setup test test-host test-kernel test-two-hosts test-sriov-nic lint demo demo-vm demo-migrate demo-qos demo-two-hosts bench
 
 setup:
 	@./scripts/setup.sh
@@ -46,6 +46,10 @@ demo-migrate: setup
 # Two tenants share a link under their QoS caps: vrnicd's HTB on rxe0's uplink, a cap, a guarantee, a live change.
 demo-qos: setup
 	$(BIN)/vrnic lab run --topology pair --timeout 600 -- python -m vrnic.lab.qos_demo
+
+# Two lab hosts, one control plane (PostgreSQL on a, an agent per host), guests connecting by virtual IP.
+demo-two-hosts: setup
+	$(BIN)/vrnic lab run --topology two-hosts --timeout 600 -- python -m vrnic.lab.two_hosts -- python -m vrnic.lab.two_hosts.demo
 
 bench: setup
 	$(BIN)/python -m bench.run
