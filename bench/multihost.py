@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.harness import Record, write
 from vrnic.errors import VrnicError
@@ -53,19 +54,18 @@ def run(out: Path, log: bool = True) -> int:
                         Record("multihost.native.send_lat_64b_busy_poll", "us", busy_latency)]
             print(f"native across hosts: connect {connect:.2f} ms, SEND 64 B {latency:.0f} us "
                   f"({busy_latency:.0f} us busy-polling)", flush=True)
+            side = VrnicSide(vrnics["a"]["attach"])
             try:
-                side = VrnicSide(vrnics["a"]["attach"])  # type: ignore[arg-type]
-                try:
-                    v_connect = statistics.median(leader.connect_ms(side, "vrnic", CONNECT_ROUNDS))
-                    v_latency = statistics.median(leader.ping_pong_us(side, "vrnic", PING_PONGS, PING_ROUNDS))
-                finally:
-                    side.close()
+                v_connect = statistics.median(leader.connect_ms(side, "vrnic", CONNECT_ROUNDS))
+                v_latency = statistics.median(leader.ping_pong_us(side, "vrnic", PING_PONGS, PING_ROUNDS))
                 records += [Record("multihost.connect_qp_pair", "ms", v_connect, connect),
                             Record("multihost.send_lat_64b", "us", v_latency, latency)]
                 print(f"vrnic across hosts: connect {v_connect:.2f} ms ({v_connect / connect:.2f}x native), "
                       f"SEND 64 B {v_latency:.0f} us ({v_latency / latency:.2f}x native)", flush=True)
             except (VrnicError, OSError) as exc:
-                failed = f"the vrnic side failed: {exc}"
+                failed = f"the vrnic side failed: {exc}; {_diagnose(rig, side, vrnics)}"
+            finally:
+                side.close()
             with contextlib.suppress(OSError):
                 leader.done()
         finally:
@@ -81,6 +81,17 @@ def run(out: Path, log: bool = True) -> int:
         print(f"bench.multihost: {failed}", file=sys.stderr)
         return 1
     return 0
+
+
+def _diagnose(rig: Rig, side: VrnicSide, vrnics: dict[str, dict[str, Any]]) -> str:
+    """What the failure left behind: a's QP as vrnicd sees it and both vRNICs' counters."""
+    found: dict[str, Any] = {}
+    with contextlib.suppress(VrnicError, OSError):
+        found["a_qp"] = side.qp.query() if side.qp is not None and not side.qp.closed else None
+    with rig.client("a") as api:
+        for host, vrnic in vrnics.items():
+            found[f"counters_{host}"] = api.get(f"/vrnics/{vrnic['id']}/counters").json()
+    return json.dumps(found)
 
 
 def main() -> int:
