@@ -189,7 +189,7 @@ class Vrnics:
             virtual_gid = make_virtual_gid(tenant.vpc_id, serial)
             spec = VrnicSpec(id=public_id, tenant=tenant.name, mode=body.mode, device=place.device or body.device,
                              quota=quota, qos=body.qos, vpc_id=tenant.vpc_id, virtual_gid=virtual_gid,
-                             engine=body.engine)
+                             virtual_ip=virtual_ip, engine=body.engine)
             backend = self.backends.of(place.host)
             info = backend.create_vrnic(spec)
             # the backend holds it: if the database does not end up holding it too, undo
