@@ -1,0 +1,168 @@
+"""QoS across the lab's two hosts (topology two-hosts): bench/qos.py's four records, with the streams crossing
+the link between two `vrnic daemon` agents (PostgreSQL on a, the REST API for everything).
+
+Runs on host a inside `vrnic lab run --topology two-hosts -- python -m vrnic.lab.two_hosts -- python -m
+bench.qos_two_hosts --out FILE` (bench/run.py runs it with bench.multihost through bench.two_hosts).
+
+Three vRNICs on a (x, y, z) each stream 64 KiB RDMA WRITEs (16 in flight) to a peer vRNIC of their own on b,
+connected by virtual GID and QPN (each agent resolves the other's physical GID and QPN). Their packets leave a
+through eth0, where a's agent keeps its HTB (a class per vRNIC, a filter per QP). a's agent is told its link
+is LINK_MBPS (eth0 is virtio-net without a speed): 24 Mbit/s, as on the pair topology, below what rxe does
+across the link in the lab, so the qdisc, not the CPU, decides the shares. QoS changes between scenarios are
+live PATCHes of /vrnics/{id}; the QPs stay connected all along. Wire rates are the class byte counters
+read through GET /vrnics/{id}/counters on a's API.
+
+- qos.two_hosts.cap_accuracy: x capped at CAP_MBPS streams alone: wire rate / cap (target within 10 %).
+- qos.two_hosts.guarantee_under_contention: x guaranteed GUARANTEE_MBPS, y and z unguaranteed, all three
+  streaming: x's wire rate / guarantee (target >= 0.95).
+- qos.two_hosts.jain_index: x, y, z with equal weights (2), no caps, all streaming: Jain's index of their
+  goodputs (target >= 0.95).
+- qos.two_hosts.enforcement_cost: a vRNIC on b streaming to a peer on a (b's agent is told its link is
+  100 Gbit/s: the qdisc installed but never the bottleneck), with QoS installed (weight 2) against none,
+  alternately: goodput ratio (target >= 0.95). It runs on b because a's link setting is the 24 Mbit/s
+  bottleneck of the other records; the mechanism is the same on both hosts.
+Each value is the median of ROUNDS rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.harness import RESULTS, Record, write
+from vrnic.core.qos import jain_index
+from vrnic.errors import LabError, VrnicError
+from vrnic.lab.qos_two_hosts import Pair, Program, set_qos, stream_together, tc_show
+from vrnic.lab.two_hosts.rig import Rig
+
+LINK_MBPS = 24
+COST_LINK_MBPS = 100_000
+CAP_MBPS = 16
+GUARANTEE_MBPS = 16
+SECONDS = 4.0
+ROUNDS = 3
+HOST_ENV = {"a": {"VRNIC_QOS_LINK_MBPS": str(LINK_MBPS)}, "b": {"VRNIC_QOS_LINK_MBPS": str(COST_LINK_MBPS)}}
+
+
+def _policies(api: Any, pairs: dict[str, Pair], **policies: dict[str, Any]) -> None:
+    for name, policy in policies.items():
+        set_qos(api, pairs[name].vrnic["id"], **policy)
+
+
+def _tc_check(text: str) -> str:
+    """What is missing from a's tc read-back while x is capped at CAP_MBPS (empty: all there)."""
+    missing = [what for what, found in (("an HTB class", "class htb" in text),
+                                        (f"a class with ceil {CAP_MBPS}Mbit", f"ceil {CAP_MBPS}Mbit" in text),
+                                        ("a u32 filter", "u32" in text)) if not found]
+    return ", ".join(missing)
+
+
+def run(out: Path, log: bool = True) -> int:
+    cap: list[float] = []
+    guarantee: list[float] = []
+    jain: list[float] = []
+    cost: list[float] = []
+    failed = ""
+    with Rig.start(log=log, host_env=HOST_ENV) as rig:
+        token = rig.make_tenant("qos-bench")
+        started = time.monotonic()
+        vrnics = {name: rig.allocate(host, token) for name, host in
+                  (("x", "a"), ("y", "a"), ("z", "a"), ("px", "b"), ("py", "b"), ("pz", "b"), ("c", "b"),
+                   ("pc", "a"))}
+        programs: list[Program] = []
+        try:
+            programs += [Program() for _ in range(4)]  # on a: x, y, z and the cost stream's peer
+            programs += [Program(rig.control) for _ in range(4)]  # on b: x, y, z's peers and the cost stream
+            local = dict(zip(("x", "y", "z", "pc"), programs[:4], strict=True))
+            remote = dict(zip(("px", "py", "pz", "c"), programs[4:], strict=True))
+            pairs = {name: Pair.connect(vrnics[name], vrnics[f"p{name}"], local[name], remote[f"p{name}"])
+                     for name in ("x", "y", "z")}
+            cost_pair = Pair.connect(vrnics["c"], vrnics["pc"], remote["c"], local["pc"])
+            print(f"qos two-hosts: 8 vRNICs, 4 cross-host QPs in {time.monotonic() - started:.1f} s", flush=True)
+            with rig.client("a") as api:
+                for round_ in range(ROUNDS):
+                    _policies(api, pairs, x={"rate_cap_mbps": CAP_MBPS}, y={}, z={})
+                    goodput, wire = stream_together({"x": pairs["x"]}, SECONDS, api)
+                    cap.append(wire["x"] / CAP_MBPS)
+                    print(f"  cap: goodput MB/s {goodput['x']:.2f}, wire {wire['x']:.1f} Mbit/s", flush=True)
+                    if round_ == 0:
+                        shown = tc_show()
+                        print(shown, flush=True)
+                        if missing := _tc_check(shown):
+                            failed = f"tc on a does not show {missing} while x is capped"
+
+                    _policies(api, pairs, x={"guarantee_mbps": GUARANTEE_MBPS}, y={}, z={})
+                    goodput, wire = stream_together(pairs, SECONDS, api, measure=("x",))
+                    guarantee.append(wire["x"] / GUARANTEE_MBPS)
+                    print(f"  guarantee: goodput MB/s {_fmt(goodput)}, x wire {wire['x']:.1f} Mbit/s", flush=True)
+
+                    _policies(api, pairs, x={"weight": 2}, y={"weight": 2}, z={"weight": 2})
+                    goodput, wire = stream_together(pairs, SECONDS, api)
+                    jain.append(jain_index(goodput.values()))
+                    print(f"  fair share: goodput MB/s {_fmt(goodput)}, wire Mbit/s {_fmt(wire)}, "
+                          f"jain {jain[-1]:.3f} (wire {jain_index(wire.values()):.3f})", flush=True)
+
+                    _policies(api, pairs, x={}, y={}, z={})  # no qdisc on a: b's stream alone decides
+                    bare, shaped = [], []
+                    for _ in range(2):
+                        set_qos(api, vrnics["c"]["id"])  # asks nothing: no qdisc on b's eth0
+                        bare.append(stream_together({"c": cost_pair}, SECONDS - 1)[0]["c"])
+                        set_qos(api, vrnics["c"]["id"], weight=2)  # b's eth0 gets its qdisc, the QP a filter
+                        shaped.append(stream_together({"c": cost_pair}, SECONDS - 1)[0]["c"])
+                    cost.append(statistics.median(shaped) / statistics.median(bare))
+                    print(f"  cost: bare MB/s {_fmt(bare)}, shaped {_fmt(shaped)}, ratio {cost[-1]:.3f}", flush=True)
+        except (VrnicError, LabError, OSError) as exc:
+            failed = f"{failed}; {exc}" if failed else str(exc)
+        finally:
+            for program in programs:
+                try:
+                    program.close()
+                except (LabError, OSError) as exc:
+                    print(f"closing a stream program: {exc}", file=sys.stderr)
+    print(f"qos two-hosts: cap ratio {_fmt(cap)}, guarantee ratio {_fmt(guarantee)}, jain {_fmt(jain)}, "
+          f"cost {_fmt(cost)}", flush=True)
+    records = []
+    if cap:
+        records.append(Record("qos.two_hosts.cap_accuracy", "ratio", statistics.median(cap), 1.0, target=1.10))
+    if guarantee:
+        records.append(Record("qos.two_hosts.guarantee_under_contention", "ratio", statistics.median(guarantee),
+                              1.0, target=0.95, better="higher"))
+    if jain:
+        records.append(Record("qos.two_hosts.jain_index", "index", statistics.median(jain), 1.0, target=0.95,
+                              better="higher"))
+    if cost:
+        records.append(Record("qos.two_hosts.enforcement_cost", "ratio", statistics.median(cost), 1.0,
+                              target=0.95, better="higher"))
+    write(records, out)
+    if failed:
+        print(f"bench.qos_two_hosts: {failed}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _fmt(values: Any) -> str:
+    if isinstance(values, dict):
+        return "{" + ", ".join(f"{k}: {v:.2f}" for k, v in values.items()) + "}"
+    return "[" + ", ".join(f"{v:.3f}" for v in values) + "]"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=RESULTS / "qos_two_hosts.json")
+    args = parser.parse_args()
+    started = time.monotonic()
+    try:
+        rc = run(args.out)
+    except (VrnicError, LabError, OSError) as exc:
+        print(f"bench.qos_two_hosts failed: {exc}", file=sys.stderr)
+        return 1
+    print(f"bench.qos_two_hosts: wrote {args.out} after {time.monotonic() - started:.0f} s", flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Issue 12 across two real hosts: a vRNIC's cap holds on traffic that crosses the link to the other host, and a
+live PATCH of the cap applies while it streams (its QP stays connected), with a's HTB read back by iproute2.
+
+a's agent is restarted for these tests with VRNIC_QOS_LINK_MBPS (eth0 is virtio-net without a speed), and
+restarted as it was afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from vrnic.lab.qos_two_hosts import Pair, Program, set_qos, tc_show, tx_bytes
+from vrnic.lab.two_hosts.agent import AgentProcess
+from vrnic.lab.two_hosts.rig import Rig
+
+from .support import eventually, release
+
+LINK_MBPS = 24
+CAP_MBPS, NEW_CAP_MBPS = 16, 8
+
+
+def _hosts_up(rig: Rig) -> bool:
+    with rig.client("a") as api:
+        listed = api.get("/hosts")
+    return listed.status_code == 200 and {h["name"] for h in listed.json()["items"] if h["state"] == "up"} >= {"a", "b"}
+
+
+@pytest.fixture
+def qos_rig(rig: Rig) -> Iterator[Rig]:
+    """The rig with a's agent told its link speed (QoS on), restarted as it was afterwards."""
+    original = rig.agents["a"]
+    assert isinstance(original, AgentProcess)
+    original.stop()
+    shaped = AgentProcess(dataclasses.replace(original.config, env={**original.config.env,
+                                                                    "VRNIC_QOS_LINK_MBPS": str(LINK_MBPS)}))
+    shaped.start()
+    rig.agents["a"] = shaped
+    try:
+        assert eventually(lambda: _hosts_up(rig), timeout=15), "a's restarted agent does not beat"
+        yield rig
+    finally:
+        shaped.stop()
+        rig.agents["a"] = original
+        original.start()
+
+
+def test_cap_holds_across_hosts_and_a_live_patch_applies_while_streaming(qos_rig: Rig) -> None:
+    rig = qos_rig
+    token = rig.make_tenant("shaped")
+    mine = rig.allocate("a", token, qos={"rate_cap_mbps": CAP_MBPS})
+    theirs = rig.allocate("a", token, host="b")
+    programs = [Program(), Program(rig.control)]
+    try:
+        pair = Pair.connect(mine, theirs, *programs)
+        with rig.client("a") as api:
+            pair.streamer.send("stream", seconds=9.0)
+            time.sleep(0.5)
+            first = tx_bytes(api, mine["id"])
+            time.sleep(3.0)
+            second = tx_bytes(api, mine["id"])
+            shown = tc_show()
+            set_qos(api, mine["id"], rate_cap_mbps=NEW_CAP_MBPS)  # live, while the QP streams
+            patched = tc_show()
+            time.sleep(1.0)  # what the qdisc held at the old rate drains
+            third = tx_bytes(api, mine["id"])
+            time.sleep(2.5)
+            fourth = tx_bytes(api, mine["id"])
+            done = pair.streamer.reply(timeout=120)  # every WRITE completed: the QP stayed connected
+        before = (second[0] - first[0]) * 8 / (second[1] - first[1]) / 1e6
+        after = (fourth[0] - third[0]) * 8 / (fourth[1] - third[1]) / 1e6
+        print(f"cap {CAP_MBPS}: {before:.1f} Mbit/s; live PATCH to {NEW_CAP_MBPS}: {after:.1f} Mbit/s; "
+              f"goodput {done['mbps']:.2f} MB/s over {done['writes']} WRITEs\n{shown}\n{patched}")
+        assert abs(before / CAP_MBPS - 1) <= 0.10, (before, shown)
+        assert abs(after / NEW_CAP_MBPS - 1) <= 0.10, (after, patched)
+        assert "class htb" in shown and f"ceil {CAP_MBPS}Mbit" in shown and "u32" in shown, shown
+        assert f"ceil {NEW_CAP_MBPS}Mbit" in patched and f"ceil {CAP_MBPS}Mbit" not in patched, patched
+    finally:
+        for program in programs:
+            program.close()
+        release(rig, mine, theirs)
