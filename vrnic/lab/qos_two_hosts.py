@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from vrnic.core.specs import AttachInfo
 from vrnic.errors import LabError, VrnicError
 
 WRITE = 64 * 1024
-IN_FLIGHT = 16  # enough that a stream's queue at the qdisc never runs dry (else others borrow its share)
+IN_FLIGHT = 4  # 256 KiB: more than the 64 packets rxe keeps in flight per QP, so its qdisc queue never runs dry
 
 
 class StreamProgram:
@@ -47,8 +48,13 @@ class StreamProgram:
         return {"gid": self.ctx.gid}
 
     def do_qp(self) -> dict[str, Any]:
-        from vrnic.frontend import QP
+        """A new RC QP (the previous one, say in the error state after a failed stream, is closed)."""
+        from vrnic.frontend import CQ, QP
 
+        if self.qp is not None:
+            self.qp.close()
+            self.peer = None
+            self.cq = CQ(self.ctx, 64)  # none of the old QP's flushed completions
         self.qp = QP(self.pd, self.cq, self.cq)
         return {"qpn": self.qp.qpn, "addr": self.mr.addr, "rkey": self.mr.rkey}
 
@@ -155,6 +161,7 @@ class Pair:
     and QPN (the agents resolve the physical GID and QPN across hosts)."""
 
     vrnic: dict[str, Any]  # the streamer's VrnicOut
+    peer_vrnic: dict[str, Any]
     streamer: Program
     peer: Program
 
@@ -165,47 +172,81 @@ class Pair:
         peer.send("attach", attach=peer_vrnic["attach"])
         streamer.reply()
         peer.reply()
-        ends = streamer.call("qp"), peer.call("qp")
-        peer.call("connect", gid=vrnic["virtual_gid"], qpn=ends[0]["qpn"], addr=ends[0]["addr"],
-                  rkey=ends[0]["rkey"])
-        streamer.call("connect", gid=peer_vrnic["virtual_gid"], qpn=ends[1]["qpn"], addr=ends[1]["addr"],
-                      rkey=ends[1]["rkey"])
-        return cls(vrnic, streamer, peer)
+        pair = cls(vrnic, peer_vrnic, streamer, peer)
+        pair.reconnect()
+        return pair
+
+    def reconnect(self) -> None:
+        """A new QP on each end, connected by virtual GID and QPN."""
+        ends = self.streamer.call("qp"), self.peer.call("qp")
+        self.peer.call("connect", gid=self.vrnic["virtual_gid"], qpn=ends[0]["qpn"], addr=ends[0]["addr"],
+                       rkey=ends[0]["rkey"])
+        self.streamer.call("connect", gid=self.peer_vrnic["virtual_gid"], qpn=ends[1]["qpn"],
+                           addr=ends[1]["addr"], rkey=ends[1]["rkey"])
 
     def close(self) -> None:
         self.streamer.close()
         self.peer.close()
 
 
-def tx_bytes(api: httpx.Client, vrnic_id: str) -> tuple[int, float]:
-    """The vRNIC's class byte counter (GET /vrnics/{id}/counters) and the moment it was read (midpoint)."""
-    before = time.monotonic()
+def tx_bytes(api: httpx.Client, vrnic_id: str) -> int:
+    """The vRNIC's class byte counter as its agent reports it (GET /vrnics/{id}/counters)."""
     got = api.get(f"/vrnics/{vrnic_id}/counters")
-    after = time.monotonic()
     if got.status_code != 200:
         raise LabError(f"counters of {vrnic_id}: {got.status_code} {got.text}")
     body = got.json()
     if not body["shaped"]:
         raise LabError(f"vRNIC {vrnic_id} has no QoS class to count its bytes: {body}")
-    return int(body["tx_bytes"]), (before + after) / 2
+    return int(body["tx_bytes"])
 
 
-def stream_together(pairs: Mapping[str, Pair], seconds: float, api: httpx.Client | None = None,
-                    measure: tuple[str, ...] = (), skip: float = 0.5) -> tuple[dict[str, float], dict[str, float]]:
-    """Stream on every pair at once: goodput (MB/s, as each streamer counts it) and, with api, each one's rate
-    on the wire (Mbit/s) from its class byte counter over a window in which every stream runs (from skip s
-    after the start to 0.5 s before the end), for the pairs named in measure (default: all)."""
+_CLASS = re.compile(r"class htb ([0-9a-f]+:[0-9a-f]+) (parent|root)[^\n]*\n\s*Sent (\d+) bytes")
+
+
+def class_bytes(netdev: str = "eth0") -> tuple[dict[str, int], float]:
+    """Bytes sent by each leaf HTB class on this host's netdev (`tc -s class show`), and when they were read.
+
+    Read with iproute2 in this process rather than through the agent's API while streams run: under
+    emulation an API request takes the agent (which also runs vrnicd's data path) long enough to disturb the
+    rates it would measure, and its timing is too coarse for a window of seconds."""
+    before = time.monotonic()
+    out = subprocess.run(["tc", "-s", "class", "show", "dev", netdev], capture_output=True, text=True,
+                         check=True).stdout
+    after = time.monotonic()
+    return {m[1]: int(m[3]) for m in _CLASS.finditer(out) if m[2] == "parent"}, (before + after) / 2
+
+
+def find_classes(api: httpx.Client, pairs: Mapping[str, Pair], seconds: float = 0.6) -> dict[str, str]:
+    """Each streamer's HTB class on this host (name -> class id): each streams alone for a moment, so that
+    every class holds its own byte count; then, at rest, the count the API reports for the vRNIC is matched
+    to the one class that holds exactly that many bytes."""
+    for i, pair in enumerate(pairs.values()):
+        pair.streamer.call("stream", seconds=seconds + 0.2 * i)
+    counted, _ = class_bytes()
+    found: dict[str, str] = {}
+    for name, pair in pairs.items():
+        sent = tx_bytes(api, pair.vrnic["id"])
+        matches = [c for c, n in counted.items() if n == sent]
+        if len(matches) != 1:
+            raise LabError(f"{name} sent {sent} bytes; classes with that count: {matches} (of {counted})")
+        found[name] = matches[0]
+    return found
+
+
+def stream_together(pairs: Mapping[str, Pair], seconds: float, classes: Mapping[str, str] | None = None,
+                    skip: float = 0.5) -> tuple[dict[str, float], dict[str, float]]:
+    """Stream on every pair at once: goodput (MB/s, as each streamer counts it) and, for the names in classes,
+    the rate on the wire (Mbit/s) from the class's byte counter over a window in which every stream runs
+    (from skip s after the start to 0.5 s before the end)."""
     for pair in pairs.values():
         pair.streamer.send("stream", seconds=seconds)
     wire: dict[str, float] = {}
-    if api is not None:
+    if classes:
         time.sleep(skip)
-        names = measure or tuple(pairs)
-        first = {name: tx_bytes(api, pairs[name].vrnic["id"]) for name in names}
-        time.sleep(max(0.5, seconds - skip - 1.0))
-        last = {name: tx_bytes(api, pairs[name].vrnic["id"]) for name in names}
-        wire = {name: (last[name][0] - first[name][0]) * 8 / (last[name][1] - first[name][1]) / 1e6
-                for name in names}
+        first, t0 = class_bytes()
+        time.sleep(max(0.5, seconds - skip - 0.5))
+        last, t1 = class_bytes()
+        wire = {name: (last[c] - first[c]) * 8 / (t1 - t0) / 1e6 for name, c in classes.items()}
     goodput = {name: float(pair.streamer.reply(timeout=seconds + 120)["mbps"]) for name, pair in pairs.items()}
     return goodput, wire
 
