@@ -7,9 +7,9 @@ bench.qos_two_hosts --out FILE` (bench/run.py runs it with bench.multihost throu
 Three vRNICs on a (x, y, z) each stream 64 KiB RDMA WRITEs (4 in flight) to a peer vRNIC of their own on b,
 connected by virtual GID and QPN (each agent resolves the other's physical GID and QPN). Their packets leave a
 through eth0, where a's agent keeps its HTB (a class per vRNIC, a filter per QP). a's agent is told its link
-is LINK_MBPS (eth0 is virtio-net without a speed): 24 Mbit/s, as on the pair topology, below what rxe does
-across the link in the lab, so the qdisc, not the CPU, decides the shares. QoS changes between scenarios are
-live PATCHes of /vrnics/{id}; the QPs stay connected all along. Wire rates are the vRNICs' HTB class byte
+is LINK_MBPS (eth0 is virtio-net without a speed): 16 Mbit/s, below the about 21 Mbit/s three streams put on
+the wire together from a's one emulated CPU, so the qdisc, not the CPU, decides the shares. QoS changes between
+scenarios are live PATCHes of /vrnics/{id}; the QPs stay connected all along. Wire rates are the vRNICs' HTB class byte
 counters on a, read with `tc -s class show` in a window in which every stream runs; each vRNIC's class is
 found once by matching the tx_bytes of GET /vrnics/{id}/counters at rest to a class's count (reading the
 API while streaming disturbs the agent, which also runs vrnicd's data path, under emulation). A stream that
@@ -43,10 +43,13 @@ from vrnic.errors import LabError, VrnicError
 from vrnic.lab.qos_two_hosts import Pair, Program, find_classes, set_qos, stream_together, tc_show
 from vrnic.lab.two_hosts.rig import Rig
 
-LINK_MBPS = 24
+# Three streams on a's single emulated CPU (their programs, vrnicd's data path in a's agent) put about
+# 21 Mbit/s on the wire together (measured here with the link set to 24 Mbit/s, as on the pair topology: a
+# 16 Mbit/s guarantee then got only 12.6, the CPU and not the qdisc decided). The link is set below that.
+LINK_MBPS = 16
 COST_LINK_MBPS = 100_000
-CAP_MBPS = 16
-GUARANTEE_MBPS = 16
+CAP_MBPS = 12
+GUARANTEE_MBPS = 10
 SECONDS = 4.0
 ROUNDS = 3
 T = TypeVar("T")
@@ -95,15 +98,18 @@ def run(out: Path, log: bool = True) -> int:
                 print(f"  HTB classes on a's eth0: {classes}", flush=True)
 
                 def attempt(label: str, run: Callable[[], T]) -> T:
-                    """run(); once more on fresh QPs if a stream fails (retry notes say so in the log)."""
-                    try:
-                        return run()
-                    except LabError as exc:
-                        print(f"  {label}: {exc}; new QPs, once more", flush=True)
-                        retries.append(label)
-                        for pair in (*pairs.values(), cost_pair):
-                            pair.reconnect()
-                        return run()
+                    """run(); on new QPs up to twice more if a stream fails (the log and the summary say so)."""
+                    for tries in range(3):
+                        try:
+                            return run()
+                        except LabError as exc:
+                            if tries == 2:
+                                raise
+                            print(f"  {label}: {exc}; new QPs, once more", flush=True)
+                            retries.append(label)
+                            for pair in (*pairs.values(), cost_pair):
+                                pair.reconnect()
+                    raise AssertionError("unreachable")
 
                 for round_ in range(ROUNDS):
                     _policies(api, pairs, x={"rate_cap_mbps": CAP_MBPS}, y={}, z={})

@@ -247,7 +247,15 @@ def stream_together(pairs: Mapping[str, Pair], seconds: float, classes: Mapping[
         time.sleep(max(0.5, seconds - skip - 0.5))
         last, t1 = class_bytes()
         wire = {name: (last[c] - first[c]) * 8 / (t1 - t0) / 1e6 for name, c in classes.items()}
-    goodput = {name: float(pair.streamer.reply(timeout=seconds + 120)["mbps"]) for name, pair in pairs.items()}
+    goodput: dict[str, float] = {}
+    failed: list[str] = []
+    for name, pair in pairs.items():  # every answer is read, so that none is left for the next command
+        try:
+            goodput[name] = float(pair.streamer.reply(timeout=seconds + 120)["mbps"])
+        except LabError as exc:
+            failed.append(f"{name}: {exc}")
+    if failed:
+        raise LabError("; ".join(failed))
     return goodput, wire
 
 
