@@ -54,13 +54,15 @@ def test_cap_holds_across_hosts_and_a_live_patch_applies_while_streaming(qos_rig
         pair = Pair.connect(mine, theirs, *programs)
         with rig.client("a") as api:
             klass = find_classes(api, {"x": pair})["x"]  # its HTB class on a's eth0
-            pair.streamer.send("stream", seconds=7.5)
+            pair.streamer.send("stream", seconds=14.0)  # outlasts the PATCH (seconds under emulation)
             time.sleep(0.5)
             first = class_bytes()
             time.sleep(2.5)
             second = class_bytes()
             shown = tc_show()
+            patching = time.monotonic()
             set_qos(api, mine["id"], rate_cap_mbps=NEW_CAP_MBPS)  # live, while the QP streams
+            patch_s = time.monotonic() - patching
             patched = tc_show()
             time.sleep(1.0)  # what the qdisc held at the old rate drains
             third = class_bytes()
@@ -69,7 +71,8 @@ def test_cap_holds_across_hosts_and_a_live_patch_applies_while_streaming(qos_rig
             done = pair.streamer.reply(timeout=120)  # every WRITE completed: the QP stayed connected
         before = (second[0][klass] - first[0][klass]) * 8 / (second[1] - first[1]) / 1e6
         after = (fourth[0][klass] - third[0][klass]) * 8 / (fourth[1] - third[1]) / 1e6
-        print(f"cap {CAP_MBPS}: {before:.1f} Mbit/s; live PATCH to {NEW_CAP_MBPS}: {after:.1f} Mbit/s; "
+        print(f"cap {CAP_MBPS}: {before:.1f} Mbit/s; live PATCH to {NEW_CAP_MBPS} ({patch_s:.1f} s): "
+              f"{after:.1f} Mbit/s; "
               f"goodput {done['mbps']:.2f} MB/s over {done['writes']} WRITEs\n{shown}\n{patched}")
         assert abs(before / CAP_MBPS - 1) <= 0.10, (before, shown)
         assert abs(after / NEW_CAP_MBPS - 1) <= 0.10, (after, patched)
