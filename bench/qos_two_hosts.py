@@ -24,7 +24,8 @@ fails (an RC error completion) is run once more on new QPs, and the log says so.
   100 Gbit/s: the qdisc installed but never the bottleneck), with QoS installed (weight 2) against none,
   alternately: goodput ratio (target >= 0.95). It runs on b because a's link setting is the 24 Mbit/s
   bottleneck of the other records; the mechanism is the same on both hosts.
-Each value is the median of ROUNDS rounds.
+Each value is the median of ROUNDS rounds, or of the values measured when a stream failed three times
+in a later one (the error and the count are printed; a missing record is a failure).
 """
 
 from __future__ import annotations
@@ -166,6 +167,10 @@ def run(out: Path, log: bool = True) -> int:
         records.append(Record("qos.two_hosts.enforcement_cost", "ratio", statistics.median(cost), 1.0,
                               target=0.95, better="higher"))
     write(records, out)
+    if failed and len(records) == 4 and not failed.startswith("tc on a"):
+        # A stream failed three times in a later round: the records are medians of the values measured.
+        print(f"bench.qos_two_hosts: {len(cost)} of {ROUNDS} complete rounds, then: {failed}", file=sys.stderr)
+        return 0
     if failed:
         print(f"bench.qos_two_hosts: {failed}", file=sys.stderr)
         return 1
