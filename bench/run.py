@@ -1,7 +1,8 @@
 """`make bench`: run every benchmark, write bench/results/latest.json, print a table.
 
 Host benchmarks run here; kernel benchmarks run inside the lab guest
-(`--in-guest`), the multi-host ones on the lab's two hosts (bench/multihost.py),
+(`--in-guest`), the multi-host ones on the lab's two hosts (bench/two_hosts.py: bench/multihost.py and
+bench/qos_two_hosts.py),
 and their records are merged in.
 """
 
@@ -18,7 +19,7 @@ from rich.table import Table
 from bench.harness import RESULTS, Record, load, write
 
 GUEST_PART = RESULTS / "guest.json"
-MULTIHOST_PART = RESULTS / "multihost.json"  # written by bench.multihost on host a of the two-hosts lab
+MULTIHOST_PART = RESULTS / "multihost.json"  # written by bench.two_hosts (multihost, qos_two_hosts) on host a
 
 
 def guest_suites() -> list[Record]:
@@ -66,7 +67,7 @@ def main() -> int:
     GUEST_PART.unlink()
     MULTIHOST_PART.unlink(missing_ok=True)
     two_hosts = [*lab[:5], "--topology", "two-hosts", *lab[5:], sys.executable, "-m", "vrnic.lab.two_hosts", "--",
-                 sys.executable, "-m", "bench.multihost", "--out", str(MULTIHOST_PART)]
+                 sys.executable, "-m", "bench.two_hosts", "--out", str(MULTIHOST_PART)]
     rc = subprocess.run(two_hosts, cwd=Path(__file__).parents[1], check=False).returncode
     if rc != 0 or not MULTIHOST_PART.exists():
         print(f"bench: the two-hosts suite failed in the lab (exit {rc})", file=sys.stderr)

@@ -1,0 +1,84 @@
+"""Issue 12 across two real hosts: a vRNIC's cap holds on traffic that crosses the link to the other host, and a
+live PATCH of the cap applies while it streams (its QP stays connected), with a's HTB read back by iproute2.
+
+a's agent is restarted for these tests with VRNIC_QOS_LINK_MBPS (eth0 is virtio-net without a speed); it stays
+so for the rest of the session (QoS acts only on vRNICs that ask for it). Rates are the vRNIC's HTB class byte
+counter on a, read with tc.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from vrnic.lab.qos_two_hosts import Pair, Program, class_bytes, find_classes, set_qos, tc_show
+from vrnic.lab.two_hosts.agent import AgentProcess
+from vrnic.lab.two_hosts.rig import Rig
+
+from .support import eventually, release
+
+LINK_MBPS = 24
+CAP_MBPS, NEW_CAP_MBPS = 16, 12  # 12: rxe's 64 packets in flight wait 46 ms at the qdisc, under the 67 ms RC timeout
+
+
+def _hosts_up(rig: Rig) -> bool:
+    with rig.client("a") as api:
+        listed = api.get("/hosts")
+    return listed.status_code == 200 and {h["name"] for h in listed.json()["items"] if h["state"] == "up"} >= {"a", "b"}
+
+
+@pytest.fixture
+def qos_rig(rig: Rig) -> Iterator[Rig]:
+    """The rig with a's agent told its link speed (QoS on)."""
+    original = rig.agents["a"]
+    assert isinstance(original, AgentProcess)
+    original.stop()
+    shaped = AgentProcess(dataclasses.replace(original.config, env={**original.config.env,
+                                                                    "VRNIC_QOS_LINK_MBPS": str(LINK_MBPS)}))
+    shaped.start()
+    rig.agents["a"] = shaped
+    assert eventually(lambda: _hosts_up(rig), timeout=15), "a's restarted agent does not beat"
+    yield rig
+
+
+def test_cap_holds_across_hosts_and_a_live_patch_applies_while_streaming(qos_rig: Rig) -> None:
+    rig = qos_rig
+    token = rig.make_tenant("shaped")
+    mine = rig.allocate("a", token, qos={"rate_cap_mbps": CAP_MBPS})
+    theirs = rig.allocate("a", token, host="b")
+    programs = [Program(), Program(rig.control)]
+    try:
+        pair = Pair.connect(mine, theirs, *programs)
+        with rig.client("a") as api:
+            klass = find_classes(api, {"x": pair})["x"]  # its HTB class on a's eth0
+            pair.streamer.send("stream", seconds=14.0)  # outlasts the PATCH (seconds under emulation)
+            time.sleep(0.5)
+            first = class_bytes()
+            time.sleep(2.5)
+            second = class_bytes()
+            shown = tc_show()
+            patching = time.monotonic()
+            set_qos(api, mine["id"], rate_cap_mbps=NEW_CAP_MBPS)  # live, while the QP streams
+            patch_s = time.monotonic() - patching
+            patched = tc_show()
+            time.sleep(1.0)  # what the qdisc held at the old rate drains
+            third = class_bytes()
+            time.sleep(2.0)
+            fourth = class_bytes()
+            done = pair.streamer.reply(timeout=120)  # every WRITE completed: the QP stayed connected
+        before = (second[0][klass] - first[0][klass]) * 8 / (second[1] - first[1]) / 1e6
+        after = (fourth[0][klass] - third[0][klass]) * 8 / (fourth[1] - third[1]) / 1e6
+        print(f"cap {CAP_MBPS}: {before:.1f} Mbit/s; live PATCH to {NEW_CAP_MBPS} ({patch_s:.1f} s): "
+              f"{after:.1f} Mbit/s; "
+              f"goodput {done['mbps']:.2f} MB/s over {done['writes']} WRITEs\n{shown}\n{patched}")
+        assert abs(before / CAP_MBPS - 1) <= 0.10, (before, shown)
+        assert abs(after / NEW_CAP_MBPS - 1) <= 0.10, (after, patched)
+        assert "class htb" in shown and f"ceil {CAP_MBPS}Mbit" in shown and "u32" in shown, shown
+        assert f"ceil {NEW_CAP_MBPS}Mbit" in patched and f"ceil {CAP_MBPS}Mbit" not in patched, patched
+    finally:
+        for program in programs:
+            program.close()
+        release(rig, mine, theirs)
