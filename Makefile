@@ -3,7 +3,7 @@ VENV ?= /opt/vrnic/venv
 BIN := $(VENV)/bin
 KERNEL_TIMEOUT ?= 2400
 
-.PHONY: setup test test-host test-kernel test-two-hosts test-sriov-nic lint demo demo-vm demo-migrate demo-qos demo-two-hosts bench
+.PHONY: setup test test-host test-kernel test-two-hosts test-qos-two-hosts test-sriov-nic lint demo demo-vm demo-migrate demo-qos demo-two-hosts bench
 
 setup:
 	@./scripts/setup.sh
@@ -26,7 +26,14 @@ test-kernel:
 # PostgreSQL on a, `vrnic daemon` on both, and the two_hosts tests run on a while b serves a's requests.
 test-two-hosts:
 	$(BIN)/vrnic lab run --topology two-hosts --timeout 540 -- \
-		python -m vrnic.lab.two_hosts --smoke -- env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest -m two_hosts -p no:cacheprovider tests/two_hosts
+		python -m vrnic.lab.two_hosts --smoke -- env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest -m two_hosts -p no:cacheprovider \
+		--ignore=tests/two_hosts/test_qos.py tests/two_hosts
+
+# QoS across the two hosts (a cap and a live PATCH, tc read back). Not in `make test`: shaped RC streams across
+# the emulated link sometimes end with IBV_WC_REM_INV_REQ_ERR in rxe (README, QoS: Open), 1 run in 3 so far.
+test-qos-two-hosts:
+	$(BIN)/vrnic lab run --topology two-hosts --timeout 540 -- \
+		python -m vrnic.lab.two_hosts -- env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest -m two_hosts -p no:cacheprovider tests/two_hosts/test_qos.py
 
 # Real SR-IOV VFs (PCI functions with netdevs) on an emulated igb NIC; runs QEMU 10 (see make setup).
 test-sriov-nic:
