@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -139,3 +140,25 @@ def test_the_ring_engine_needs_its_rings_and_the_fake_edge_refuses_the_direct_en
     with pytest.raises(NotSupported, match="no direct data path"):
         driver.create_vrnic(spec, "fake0")
     assert "vdirect" not in driver.registry.ids()
+
+
+def test_the_debug_dump_shows_the_engine_and_each_qp_even_while_the_lock_is_held(
+        make_vrnic: Callable[..., AttachInfo], driver: VerbsDriver) -> None:
+    info = make_vrnic()
+    with Context.attach(info, ARENA) as ctx:
+        pd, cq = PD(ctx), CQ(ctx, 16)
+        mr = MR(pd, 4096, Access.LOCAL_WRITE)
+        qp = QP(pd, cq, cq)
+        qp.connect(ctx.gid, qp.qpn)
+        qp.post_recv(RecvRequest(1, (mr.sge(0, 64),)), sync=True)
+        session = session_of(driver, info)
+        state = session.debug_state()
+        assert state["engine"]["recvs_posted"] == 1 and state["engine"]["alive"]
+        (entry,) = state["qps"]
+        assert (entry["vqpn"], entry["state"], entry["nic_state"], entry["recv_fifo"]) == (qp.qpn, "rts", "rts", 1)
+        assert entry["dest_qpn"] == entry["phys_qpn"] and entry["rq_waiting"] == 0
+        holder = threading.Thread(target=lambda: (session.lock.acquire(), time.sleep(3), session.lock.release()))
+        holder.start()
+        time.sleep(0.2)
+        assert session.debug_state()["lock_taken_by_other"]
+        holder.join()

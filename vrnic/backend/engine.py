@@ -169,6 +169,12 @@ class SharedRingEngine(DataPathEngine):
             self._post_recv_wr(qp, wr)
         return len(recvs)
 
+    def stats(self) -> dict[str, Any]:
+        """What the engine did so far, and whether its thread still runs (a daemon's debug dump)."""
+        return {"posted": self.posted, "recvs_posted": self.recvs_posted, "completed": self.completed,
+                "waits": self.waits, "failed": self.failed, "alive": self._thread.is_alive(),
+                "busy_poll": self.busy_poll}
+
     # ----- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
         try:
