@@ -162,3 +162,25 @@ def test_the_debug_dump_shows_the_engine_and_each_qp_even_while_the_lock_is_held
         time.sleep(0.2)
         assert session.debug_state()["lock_taken_by_other"]
         holder.join()
+
+
+def test_a_receive_posted_before_a_send_reaches_the_nic_first(make_vrnic: Callable[..., AttachInfo],
+                                                              driver: VerbsDriver, edge: FakeEdge) -> None:
+    """Program order across a QP's two rings: the engine drains them in one pass, and a receive the guest posted
+    before its send must be on the NIC before that send goes out. Otherwise the peer's answer can find no receive
+    (an RNR NAK, then the sender's RNR back-off; on rxe across hosts, sometimes a stall). A QP connected to
+    itself shows it: its own SEND is the arrival its receive is for."""
+    info = make_vrnic()
+    with Context.attach(info, ARENA) as ctx:
+        pd, cq = PD(ctx), CQ(ctx, 16)
+        mr = MR(pd, 4096, Access.LOCAL_WRITE)
+        qp = QP(pd, cq, cq)
+        qp.connect(ctx.gid, qp.qpn)
+        session = session_of(driver, info)
+        for number in range(3):
+            with session.lock:  # the engine waits: both WRs are in the rings when it looks
+                qp.post_recv(RecvRequest(10 + number, (mr.sge(0, 64),)))
+                qp.post_send(SendRequest(20 + number, WrOpcode.SEND, (mr.sge(64, 64),)))
+            done = cq.wait(2)
+            assert sorted((c.wr_id, c.status) for c in done) == [(10 + number, 0), (20 + number, 0)]
+        assert edge.rnr_naks == 0
