@@ -184,3 +184,27 @@ def test_a_receive_posted_before_a_send_reaches_the_nic_first(make_vrnic: Callab
             done = cq.wait(2)
             assert sorted((c.wr_id, c.status) for c in done) == [(10 + number, 0), (20 + number, 0)]
         assert edge.rnr_naks == 0
+
+
+def test_a_send_posted_before_its_qp_is_destroyed_reaches_the_nic(make_vrnic: Callable[..., AttachInfo],
+                                                                  driver: VerbsDriver,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Program order at destroy, as at modify_qp: a guest that posts its last SEND and destroys the QP right away
+    (as a native program may: post_send has put the WR on the NIC when it returns) must not lose that SEND in the
+    ring. It did on the two-hosts lab: b's 300th answer never left, and a waited for it in vain."""
+    a_info, b_info = make_vrnic(), make_vrnic()
+    with Context.attach(a_info, ARENA) as a, Context.attach(b_info, ARENA) as b:
+        a_pd, a_cq = PD(a), CQ(a, 16)
+        b_pd, b_cq = PD(b), CQ(b, 16)
+        a_mr, b_mr = MR(a_pd, 4096, Access.LOCAL_WRITE), MR(b_pd, 4096, Access.LOCAL_WRITE)
+        a_qp, b_qp = QP(a_pd, a_cq, a_cq), QP(b_pd, b_cq, b_cq)
+        a_qp.connect(b.gid, b_qp.qpn)
+        b_qp.connect(a.gid, a_qp.qpn)
+        b_qp.post_recv(RecvRequest(7, (b_mr.sge(0, 64),)), sync=True)
+        session = session_of(driver, a_info)
+        monkeypatch.setattr(session.engine, "_step", lambda: False)  # a's engine thread no longer drains by itself
+        with session.lock:  # nor is it inside a pass that began before
+            pass
+        a_qp.post_send(SendRequest(8, WrOpcode.SEND, (a_mr.sge(0, 64),)))
+        a_qp.close()
+        assert [(c.wr_id, c.status) for c in b_cq.wait(1, timeout=3)] == [(7, WcStatus.SUCCESS)]

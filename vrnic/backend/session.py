@@ -287,6 +287,10 @@ class GuestSession:
         return {"qp": qp.handle, "qpn": qp.vqpn}
 
     def op_destroy_qp(self, args: verb_args.QpRef) -> dict[str, Any]:
+        self.state.qps.get(args.qp)  # an unknown handle is refused before anything moves
+        # Program order, as for modify_qp: WRs the guest posted before destroying the QP reach the NIC first (a
+        # native post_send has put them there on return), rather than vanish with the rings.
+        self.engine.drain_queues()
         self._destroy_qp(self.state.take_qp(args.qp))
         return {}
 
