@@ -173,12 +173,29 @@ def run(settings: DaemonSettings) -> None:
         # cyclic GC, whose full collections otherwise stalled every request for ~100 ms now and then.
         gc.collect()
         gc.freeze()
+        signal.signal(signal.SIGUSR1, _debug_dump)
         _Server(uvicorn.Config(app, host=settings.listen_host, port=settings.listen_port,
                                log_level=settings.log_level, access_log=False)).run()
     finally:
         held = len(backend.vrnic_ids())
         backend.close()  # backend state lives in this process: tear it down rather than leak it
         log.info("stopped; released the backend state of %d vRNIC(s)", held)
+
+
+def _debug_dump(*_: object) -> None:
+    """SIGUSR1: every thread's stack and every guest session's engine and QPs, into the log (a stalled data
+    path is looked at from outside, e.g. by bench.multihost)."""
+    import faulthandler
+    import json
+    import sys
+
+    from vrnic.backend.session import LIVE_SESSIONS
+
+    sys.stderr.write(f"---- debug dump (SIGUSR1) at {time.ctime()}\n")
+    sys.stderr.flush()
+    faulthandler.dump_traceback(all_threads=True)
+    for session in list(LIVE_SESSIONS):
+        log.warning("debug dump: session %s", json.dumps(session.debug_state(), default=str))
 
 
 @contextmanager

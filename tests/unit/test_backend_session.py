@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -139,3 +140,71 @@ def test_the_ring_engine_needs_its_rings_and_the_fake_edge_refuses_the_direct_en
     with pytest.raises(NotSupported, match="no direct data path"):
         driver.create_vrnic(spec, "fake0")
     assert "vdirect" not in driver.registry.ids()
+
+
+def test_the_debug_dump_shows_the_engine_and_each_qp_even_while_the_lock_is_held(
+        make_vrnic: Callable[..., AttachInfo], driver: VerbsDriver) -> None:
+    info = make_vrnic()
+    with Context.attach(info, ARENA) as ctx:
+        pd, cq = PD(ctx), CQ(ctx, 16)
+        mr = MR(pd, 4096, Access.LOCAL_WRITE)
+        qp = QP(pd, cq, cq)
+        qp.connect(ctx.gid, qp.qpn)
+        qp.post_recv(RecvRequest(1, (mr.sge(0, 64),)), sync=True)
+        session = session_of(driver, info)
+        state = session.debug_state()
+        assert state["engine"]["recvs_posted"] == 1 and state["engine"]["alive"]
+        (entry,) = state["qps"]
+        assert (entry["vqpn"], entry["state"], entry["nic_state"], entry["recv_fifo"]) == (qp.qpn, "rts", "rts", 1)
+        assert entry["dest_qpn"] == entry["phys_qpn"] and entry["rq_waiting"] == 0
+        holder = threading.Thread(target=lambda: (session.lock.acquire(), time.sleep(3), session.lock.release()))
+        holder.start()
+        time.sleep(0.2)
+        assert session.debug_state()["lock_taken_by_other"]
+        holder.join()
+
+
+def test_a_receive_posted_before_a_send_reaches_the_nic_first(make_vrnic: Callable[..., AttachInfo],
+                                                              driver: VerbsDriver, edge: FakeEdge) -> None:
+    """Program order across a QP's two rings: the engine drains them in one pass, and a receive the guest posted
+    before its send must be on the NIC before that send goes out. Otherwise the peer's answer can find no receive
+    (an RNR NAK, then the sender's RNR back-off; on rxe across hosts, sometimes a stall). A QP connected to
+    itself shows it: its own SEND is the arrival its receive is for."""
+    info = make_vrnic()
+    with Context.attach(info, ARENA) as ctx:
+        pd, cq = PD(ctx), CQ(ctx, 16)
+        mr = MR(pd, 4096, Access.LOCAL_WRITE)
+        qp = QP(pd, cq, cq)
+        qp.connect(ctx.gid, qp.qpn)
+        session = session_of(driver, info)
+        for number in range(3):
+            with session.lock:  # the engine waits: both WRs are in the rings when it looks
+                qp.post_recv(RecvRequest(10 + number, (mr.sge(0, 64),)))
+                qp.post_send(SendRequest(20 + number, WrOpcode.SEND, (mr.sge(64, 64),)))
+            done = cq.wait(2)
+            assert sorted((c.wr_id, c.status) for c in done) == [(10 + number, 0), (20 + number, 0)]
+        assert edge.rnr_naks == 0
+
+
+def test_a_send_posted_before_its_qp_is_destroyed_reaches_the_nic(make_vrnic: Callable[..., AttachInfo],
+                                                                  driver: VerbsDriver,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Program order at destroy, as at modify_qp: a guest that posts its last SEND and destroys the QP right away
+    (as a native program may: post_send has put the WR on the NIC when it returns) must not lose that SEND in the
+    ring. It did on the two-hosts lab: b's 300th answer never left, and a waited for it in vain."""
+    a_info, b_info = make_vrnic(), make_vrnic()
+    with Context.attach(a_info, ARENA) as a, Context.attach(b_info, ARENA) as b:
+        a_pd, a_cq = PD(a), CQ(a, 16)
+        b_pd, b_cq = PD(b), CQ(b, 16)
+        a_mr, b_mr = MR(a_pd, 4096, Access.LOCAL_WRITE), MR(b_pd, 4096, Access.LOCAL_WRITE)
+        a_qp, b_qp = QP(a_pd, a_cq, a_cq), QP(b_pd, b_cq, b_cq)
+        a_qp.connect(b.gid, b_qp.qpn)
+        b_qp.connect(a.gid, a_qp.qpn)
+        b_qp.post_recv(RecvRequest(7, (b_mr.sge(0, 64),)), sync=True)
+        session = session_of(driver, a_info)
+        monkeypatch.setattr(session.engine, "_step", lambda: False)  # a's engine thread no longer drains by itself
+        with session.lock:  # nor is it inside a pass that began before
+            pass
+        a_qp.post_send(SendRequest(8, WrOpcode.SEND, (a_mr.sge(0, 64),)))
+        a_qp.close()
+        assert [(c.wr_id, c.status) for c in b_cq.wait(1, timeout=3)] == [(7, WcStatus.SUCCESS)]

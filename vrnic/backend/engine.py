@@ -169,6 +169,12 @@ class SharedRingEngine(DataPathEngine):
             self._post_recv_wr(qp, wr)
         return len(recvs)
 
+    def stats(self) -> dict[str, Any]:
+        """What the engine did so far, and whether its thread still runs (a daemon's debug dump)."""
+        return {"posted": self.posted, "recvs_posted": self.recvs_posted, "completed": self.completed,
+                "waits": self.waits, "failed": self.failed, "alive": self._thread.is_alive(),
+                "busy_poll": self.busy_poll}
+
     # ----- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -245,6 +251,13 @@ class SharedRingEngine(DataPathEngine):
         if sq is None or rq is None or qp.held:  # not a shared-ring QP, or a migration holds it
             return False
         try:
+            # Receives first: one the guest posted before a send must be on the NIC before that send goes out, or
+            # the peer's answer finds none (RNR NAK and back-off). A receive posted after a send loses nothing
+            # by being early: only arriving SENDs consume receives. All of them (the ring is no longer than the QP's
+            # receive queue), so none posted before a send stays behind it.
+            for slot in rq.consume(rq.entries):
+                worked = True
+                self._post_recv(qp, slot)
             retry, qp.pending = qp.pending, []
             for wr in retry:
                 self._post(qp, wr)
@@ -261,9 +274,6 @@ class SharedRingEngine(DataPathEngine):
                     qp.pending.append(wr)
                 else:
                     self._post(qp, wr)
-            for slot in rq.consume(BATCH):
-                worked = True
-                self._post_recv(qp, slot)
         except RingCorrupt as exc:
             sq.set_flag(RingFlags.CORRUPT)
             log.warning("vRNIC %s QP %d: %s; queue marked corrupt", self.host.vrnic_id, qp.vqpn, exc)

@@ -93,6 +93,7 @@ class FakeEdge(RnicEdge):
         self.qps: dict[tuple[str, int], FakeQp] = {}
         self.mrs_by_rkey: dict[tuple[str, int], FakeMr] = {}
         self.posted: list[tuple[int, PhysSend]] = []  # (physical QPN, WR): what reached a NIC
+        self.rnr_naks = 0  # SENDs that found no receive posted (an RC responder answers RNR NAK; the send waits)
         self.live: set[int] = set()  # ids of objects not destroyed yet, for leak checks
         self.open_contexts = 0
         self._numbers = itertools.count(0x100)
@@ -215,6 +216,8 @@ class FakeContext(DeviceContext):
         if opcode in (WrOpcode.SEND, WrOpcode.SEND_WITH_IMM):
             if dest is None:
                 return WcStatus.GENERAL_ERR if wr.ah is not None else WcStatus.REM_ACCESS_ERR
+            if dest.inbox or not dest.recvs:
+                self.edge.rnr_naks += 1
             dest.inbox.append((qp, wr, b"".join(ctypes.string_at(a, n) for a, n, _ in wr.sges)))
             qp.in_flight += 1
             self._deliver(dest)

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -45,6 +46,7 @@ from vrnic.errors import Conflict, InvalidArgument, NotFound, VrnicError
 log = logging.getLogger(__name__)
 
 ENGINE_OPS = frozenset({"create_qp", "create_cq", "destroy_qp", "destroy_cq", "busy_poll"})
+LIVE_SESSIONS: weakref.WeakSet[GuestSession] = weakref.WeakSet()  # for the daemon's debug dump (SIGUSR1)
 
 
 def _same_qp(qp: QpEntry, q: QpRecord) -> bool:
@@ -78,6 +80,7 @@ class GuestSession:
         self.dirty: DirtyLog | None = None  # while its VM migrates: what the NIC and vrnicd wrote
         self.staged = False  # a migration's destination session: built, not yet published or serving
         self.engine = engine_factory(self)
+        LIVE_SESSIONS.add(self)
 
     @property
     def closed(self) -> bool:
@@ -112,6 +115,39 @@ class GuestSession:
         if op in ENGINE_OPS:
             self.engine.wake()
         return result
+
+    def debug_state(self) -> dict[str, Any]:
+        """The engine's counters and every QP as vrnicd and its rings see it (the daemon's SIGUSR1 dump). Reads
+        without the lock when the lock stays taken: a dump must not hang on the stall it is meant to show."""
+        locked = self.lock.acquire(timeout=2.0)
+        try:
+            stats = getattr(self.engine, "stats", None)
+            qps = []
+            for _, qp in list(self.state.qps.items()):
+                entry: dict[str, Any] = {
+                    "vqpn": qp.vqpn, "phys_qpn": qp.phys_qpn, "dest_qpn": qp.dest_qpn, "state": qp.state,
+                    "peer_vqpn": qp.peer_vqpn, "held": qp.held, "pending": len(qp.pending),
+                    "send_fifo": len(qp.send_fifo), "recv_fifo": len(qp.recv_fifo)}
+                for name, ring in (("sq", qp.sq), ("rq", qp.rq)):
+                    if ring is not None:
+                        with contextlib.suppress(VrnicError):
+                            entry[f"{name}_waiting"] = ring.count()
+                with contextlib.suppress(Exception):  # a dump reports what it can
+                    entry["nic_state"] = self.device.query_qp_state(qp.obj)
+                qps.append(entry)
+            cqs = []
+            for _, cq in list(self.state.cqs.items()):
+                info: dict[str, Any] = {"handle": cq.handle, "armed": cq.armed}
+                if cq.ring is not None:
+                    with contextlib.suppress(VrnicError):
+                        info["ring_waiting"] = cq.ring.count()
+                    info["ring_flags"] = int(cq.ring.flags)
+                cqs.append(info)
+            return {"vrnic_id": self.vrnic_id, "closed": self._closed, "lock_taken_by_other": not locked,
+                    "engine": stats() if stats is not None else type(self.engine).__name__, "qps": qps, "cqs": cqs}
+        finally:
+            if locked:
+                self.lock.release()
 
     def ring_doorbell(self) -> None:
         """The doorbell of a guest that cannot write our eventfd itself (a VM: a message on its channel)."""
@@ -251,6 +287,10 @@ class GuestSession:
         return {"qp": qp.handle, "qpn": qp.vqpn}
 
     def op_destroy_qp(self, args: verb_args.QpRef) -> dict[str, Any]:
+        self.state.qps.get(args.qp)  # an unknown handle is refused before anything moves
+        # Program order, as for modify_qp: WRs the guest posted before destroying the QP reach the NIC first (a
+        # native post_send has put them there on return), rather than vanish with the rings.
+        self.engine.drain_queues()
         self._destroy_qp(self.state.take_qp(args.qp))
         return {}
 

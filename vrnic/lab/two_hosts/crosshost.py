@@ -129,7 +129,7 @@ class NativeSide:
 class VrnicSide:
     """The same through a vRNIC of this host's agent (the guest library over its channel)."""
 
-    def __init__(self, attach: dict[str, Any]) -> None:
+    def __init__(self, attach: dict[str, Any], wait_s: float = 30.0) -> None:
         from vrnic.core.specs import AttachInfo
         from vrnic.frontend import CQ, MR, PD, Access, Context
 
@@ -139,6 +139,7 @@ class VrnicSide:
         self.mr = MR(self.pd, 4096, Access.LOCAL_WRITE | Access.REMOTE_WRITE)
         self.qp: Any = None
         self.wr = 0
+        self.wait_s = wait_s
 
     def new_qp(self) -> dict[str, Any]:
         from vrnic.frontend import QP
@@ -169,7 +170,7 @@ class VrnicSide:
         from vrnic.frontend import WcOpcode
 
         while True:
-            for completion in self.cq.wait(1, timeout=30):
+            for completion in self.cq.wait(1, timeout=self.wait_s):
                 if completion.status != 0:
                     raise DeviceError(f"vrnic completion failed with status {completion.status}")
                 if completion.opcode == WcOpcode.RECV:
@@ -196,12 +197,14 @@ class Leader:
             server.close()
         conn.settimeout(120)
         self.line = Line(conn)
+        self.progress = ""  # where the current exchange is (a stalled run says where it stalled)
 
     def connect_ms(self, side: Side, kind: str, rounds: int) -> list[float]:
         """Per round: create + exchange + connect on both hosts, in ms (QPs closed between rounds)."""
         self.line.send({"op": "connect", "side": kind, "rounds": rounds})
         samples = []
-        for _ in range(rounds):
+        for number in range(rounds):
+            self.progress = f"{kind} connect round {number}"
             started = time.perf_counter()
             mine = side.new_qp()
             self.line.send(mine)
@@ -216,12 +219,14 @@ class Leader:
     def ping_pong_us(self, side: Side, kind: str, iterations: int, rounds: int = 3) -> list[float]:
         """One connected QP pair; per round, iterations 64-byte ping-pongs: half the round trip, in µs."""
         self.line.send({"op": "ping_pong", "side": kind, "iterations": iterations, "rounds": rounds})
+        self.progress = f"{kind} ping-pong connect"
         self.line.send(side.new_qp())
         side.connect(self.line.recv())  # b connected and posted its first receive
         samples = []
-        for _ in range(rounds):
+        for number in range(rounds):
             started = time.perf_counter()
-            for _ in range(iterations):
+            for iteration in range(iterations):
+                self.progress = f"{kind} ping-pong round {number} iteration {iteration}"
                 side.post_recv()
                 side.post_send()
                 side.wait_recv()
@@ -290,11 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--leader", required=True, help="ADDR:PORT of host a's Leader")
     parser.add_argument("--attach", help="AttachInfo JSON of this host's vRNIC (for the vrnic side)")
+    parser.add_argument("--wait-s", type=float, default=30.0, help="how long the vrnic side waits for a RECV")
     args = parser.parse_args(argv)
     attach = json.loads(args.attach) if args.attach else None
     sides: dict[str, Callable[[], Side]] = {"native": NativeSide, "native-busy": lambda: NativeSide(busy=True)}
     if attach is not None:
-        sides["vrnic"] = lambda: VrnicSide(attach)
+        sides["vrnic"] = lambda: VrnicSide(attach, args.wait_s)
     try:
         follow(args.leader, sides)
     except (VrnicError, OSError) as exc:
