@@ -29,6 +29,7 @@ from vrnic.core.vaddr import make_virtual_gid
 from vrnic.daemon import serve_in_thread
 from vrnic.db.engine import make_engine
 from vrnic.db.migrate import upgrade
+from vrnic.frontend import CQ, MR, PD, QP, Access, Context
 
 AGENT_TOKEN = "vra_peering-rig-agent-token"
 _serial = itertools.count(7000)
@@ -132,3 +133,21 @@ def two_agents_on_one_database(edge: RnicEdge, devices: tuple[str, str], tmp: Pa
             agents[host] = Agent(host, device, driver, url)
         yield Cluster(agents, {"Authorization": f"Bearer {operator}"})
 
+
+
+ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
+
+
+class PeerGuest:
+    """A guest's PD, one CQ, one MR and one QP on an attached context (the peering tests' endpoint)."""
+
+    def __init__(self, ctx: Context, qp_type: str = "rc", cqe: int = 32, mr_bytes: int = 4096) -> None:
+        self.ctx = ctx
+        self.pd = PD(ctx)
+        self.cq = CQ(ctx, cqe)
+        self.mr = MR(self.pd, mr_bytes, ALL)
+        self.qp = QP(self.pd, self.cq, self.cq, qp_type=qp_type)
+
+    def close(self) -> None:
+        for obj in (self.qp, self.mr, self.cq, self.pd, self.ctx):
+            obj.close()

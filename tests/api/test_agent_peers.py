@@ -17,15 +17,14 @@ import httpx
 import pytest
 
 from tests.peering_fakes import MemoryLocator
-from tests.peering_rig import AGENT_TOKEN, TwoAgents, two_agents, two_agents_on_one_database
+from tests.peering_rig import AGENT_TOKEN, PeerGuest, TwoAgents, two_agents, two_agents_on_one_database
 from vrnic.backend.fake_edge import FakeEdge
 from vrnic.backend.peer_directory import AgentDirectory, AgentRef
 from vrnic.core.peering import Identity
 from vrnic.core.vaddr import make_virtual_gid
 from vrnic.errors import Conflict, NotFound, Unavailable
-from vrnic.frontend import CQ, MR, PD, QP, Access, Context, RecvRequest, SendRequest, WcStatus, WrOpcode, cm
+from vrnic.frontend import QP, Context, RecvRequest, SendRequest, WcStatus, WrOpcode, cm
 
-ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 ARENA = 1 << 20
 
 
@@ -37,13 +36,7 @@ def rig(tmp_path: Path) -> Iterator[TwoAgents]:
     assert not edge.live, "objects left on the fake NIC"
 
 
-class Guest:
-    def __init__(self, ctx: Context, qp_type: str = "rc") -> None:
-        self.ctx = ctx
-        self.pd = PD(ctx)
-        self.cq = CQ(ctx, 32)
-        self.mr = MR(self.pd, 4096, ALL)
-        self.qp = QP(self.pd, self.cq, self.cq, qp_type=qp_type)
+Guest = PeerGuest
 
 
 def send_and_write(a: Guest, b: Guest, text: bytes) -> None:

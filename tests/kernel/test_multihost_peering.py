@@ -17,14 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.peering_rig import TwoAgents, two_agents, two_agents_on_one_database
+from tests.peering_rig import PeerGuest, TwoAgents, two_agents, two_agents_on_one_database
 from vrnic.backend.peer_directory import AgentDirectory, RemotePeer
 from vrnic.backend.rdma_tool import resource_counts
-from vrnic.frontend import CQ, MR, PD, QP, Access, Context, RecvRequest, SendRequest, WcStatus, WrOpcode, cm
+from vrnic.frontend import Context, RecvRequest, SendRequest, WcStatus, WrOpcode, cm
 
 from .conftest import wait_for_baseline
-
-ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 
 
 @pytest.fixture
@@ -39,17 +37,8 @@ def rig(device_pair: tuple[str, str], tmp_path: Path) -> Iterator[TwoAgents]:
     assert wait_for_baseline(baseline) == baseline, "kernel objects leaked"
 
 
-class Guest:
-    def __init__(self, ctx: Context, qp_type: str = "rc") -> None:
-        self.ctx = ctx
-        self.pd = PD(ctx)
-        self.cq = CQ(ctx, 64)
-        self.mr = MR(self.pd, 65536, ALL)
-        self.qp = QP(self.pd, self.cq, self.cq, qp_type=qp_type)
-
-    def close(self) -> None:
-        for obj in (self.qp, self.mr, self.cq, self.pd, self.ctx):
-            obj.close()
+def Guest(ctx: Context, qp_type: str = "rc") -> PeerGuest:  # noqa: N802 (reads as the class it builds)
+    return PeerGuest(ctx, qp_type, cqe=64, mr_bytes=65536)
 
 
 @pytest.mark.parametrize("engine", ["ring", "direct"])

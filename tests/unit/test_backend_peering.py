@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.peering_fakes import MemoryLocator
+from tests.peering_rig import ALL, PeerGuest
 from vrnic.backend import registry as registry_module
 from vrnic.backend.cm import ConnectionManager
 from vrnic.backend.drivers.paravirtual import VerbsDriver
@@ -31,9 +32,8 @@ from vrnic.core.specs import AttachInfo, VrnicSpec
 from vrnic.core.translate import MrWindow
 from vrnic.core.vaddr import make_virtual_gid
 from vrnic.errors import Conflict, InvalidArgument, NotFound, Unavailable
-from vrnic.frontend import CQ, MR, PD, QP, Access, Context, RecvRequest, SendRequest, WcStatus, WrOpcode, cm
+from vrnic.frontend import MR, Context, RecvRequest, SendRequest, WcStatus, WrOpcode, cm
 
-ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 ARENA = 1 << 20
 _serial = itertools.count(5000)
 
@@ -111,13 +111,7 @@ def hosts(edge: FakeEdge, tmp_path: Path) -> Iterator[Hosts]:
     assert not edge.live, "objects left on the fake NIC"
 
 
-class Guest:
-    def __init__(self, ctx: Context, qp_type: str = "rc") -> None:
-        self.ctx = ctx
-        self.pd = PD(ctx)
-        self.cq = CQ(ctx, 32)
-        self.mr = MR(self.pd, 4096, ALL)
-        self.qp = QP(self.pd, self.cq, self.cq, qp_type=qp_type)
+Guest = PeerGuest
 
 
 def send_and_write(a: Guest, b: Guest) -> None:

@@ -28,6 +28,7 @@ import httpx
 
 from vrnic.core.specs import AttachInfo
 from vrnic.errors import LabError, VrnicError
+from vrnic.lab.two_hosts.guest import serve_lines
 
 WRITE = 64 * 1024
 IN_FLIGHT = 4  # 256 KiB: more than the 64 packets rxe keeps in flight per QP, so its qdisc queue never runs dry
@@ -85,18 +86,7 @@ class StreamProgram:
         return {"mbps": done * WRITE / (time.monotonic() - start) / 1e6, "writes": done}
 
     def serve(self, stdin: Any, stdout: Any) -> int:
-        for line in stdin:
-            command = json.loads(line)
-            op = command.pop("op")
-            if op == "quit":
-                break
-            try:
-                answer = getattr(self, f"do_{op}")(**command)
-            except (VrnicError, OSError) as exc:
-                answer = {"error": type(exc).__name__, "message": str(exc)}
-            stdout.write(json.dumps(answer) + "\n")
-            stdout.flush()
-        return 0
+        return serve_lines(self, stdin, stdout, (VrnicError, OSError))
 
 
 def program_argv() -> list[str]:

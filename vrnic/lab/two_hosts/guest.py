@@ -143,18 +143,25 @@ class GuestProgram:
         return {"hex": self.mr.read(length, WRITE_AT + offset).hex()}
 
     def serve(self, stdin: Any, stdout: Any) -> int:
-        for line in stdin:
-            command = json.loads(line)
-            op = command.pop("op")
-            if op == "quit":
-                break
-            try:
-                answer = getattr(self, f"do_{op}")(**command)
-            except VrnicError as exc:
-                answer = {"error": type(exc).__name__, "message": str(exc)}
-            stdout.write(json.dumps(answer) + "\n")
-            stdout.flush()
-        return 0
+        return serve_lines(self, stdin, stdout)
+
+
+def serve_lines(program: object, stdin: Any, stdout: Any,
+                errors: tuple[type[BaseException], ...] = (VrnicError,)) -> int:
+    """Answer JSON commands line by line: {"op": name, ...} calls program.do_<name>(...); "quit" ends. An
+    error of the given kinds becomes an {"error", "message"} answer, so the driving side can raise it."""
+    for line in stdin:
+        command = json.loads(line)
+        op = command.pop("op")
+        if op == "quit":
+            break
+        try:
+            answer = getattr(program, f"do_{op}")(**command)
+        except errors as exc:
+            answer = {"error": type(exc).__name__, "message": str(exc)}
+        stdout.write(json.dumps(answer) + "\n")
+        stdout.flush()
+    return 0
 
 
 def guest_argv() -> list[str]:
