@@ -142,14 +142,20 @@ def test_the_ring_engine_needs_its_rings_and_the_fake_edge_refuses_the_direct_en
     assert "vdirect" not in driver.registry.ids()
 
 
+def _looped_qp(ctx: Context) -> tuple[CQ, MR, QP]:
+    """A CQ, an MR and an RC QP connected to itself: its own SENDs are the arrivals its receives are for."""
+    pd, cq = PD(ctx), CQ(ctx, 16)
+    mr = MR(pd, 4096, Access.LOCAL_WRITE)
+    qp = QP(pd, cq, cq)
+    qp.connect(ctx.gid, qp.qpn)
+    return cq, mr, qp
+
+
 def test_the_debug_dump_shows_the_engine_and_each_qp_even_while_the_lock_is_held(
         make_vrnic: Callable[..., AttachInfo], driver: VerbsDriver) -> None:
     info = make_vrnic()
     with Context.attach(info, ARENA) as ctx:
-        pd, cq = PD(ctx), CQ(ctx, 16)
-        mr = MR(pd, 4096, Access.LOCAL_WRITE)
-        qp = QP(pd, cq, cq)
-        qp.connect(ctx.gid, qp.qpn)
+        cq, mr, qp = _looped_qp(ctx)
         qp.post_recv(RecvRequest(1, (mr.sge(0, 64),)), sync=True)
         session = session_of(driver, info)
         state = session.debug_state()
@@ -172,10 +178,7 @@ def test_a_receive_posted_before_a_send_reaches_the_nic_first(make_vrnic: Callab
     itself shows it: its own SEND is the arrival its receive is for."""
     info = make_vrnic()
     with Context.attach(info, ARENA) as ctx:
-        pd, cq = PD(ctx), CQ(ctx, 16)
-        mr = MR(pd, 4096, Access.LOCAL_WRITE)
-        qp = QP(pd, cq, cq)
-        qp.connect(ctx.gid, qp.qpn)
+        cq, mr, qp = _looped_qp(ctx)
         session = session_of(driver, info)
         for number in range(3):
             with session.lock:  # the engine waits: both WRs are in the rings when it looks
