@@ -105,6 +105,23 @@ class QosMechanism(ABC):
         """Remove everything this mechanism installed."""
 
 
+def _first(counts: Counter[Any], key: Any) -> bool:
+    """Count one more user of key; True if it is the first (the kernel object is to be made)."""
+    counts[key] += 1
+    return counts[key] == 1
+
+
+def _last(counts: Counter[Any] | None, key: Any) -> bool:
+    """Count one user of key less; True if that was the last (the kernel object is to go)."""
+    if not counts or not counts[key]:
+        return False
+    counts[key] -= 1
+    if counts[key]:
+        return False
+    del counts[key]
+    return True
+
+
 def _burst(kbit: int) -> int:
     """Bytes a class may send at once: 20 ms at its rate, at least 64 KiB (one 64 KiB WRITE). HTB's default
     (a timer tick's worth) loses rate whenever its timer runs late, as it does under emulation."""
@@ -278,20 +295,13 @@ class HtbShaper(QosMechanism):
         with self._lock:
             if vrnic_id not in self._shaped:
                 return  # no QoS for this vRNIC: nothing counted, as for what it sends
-            mine = self._rx.setdefault(vrnic_id, Counter())
-            if not mine[qpn]:
+            if _first(self._rx.setdefault(vrnic_id, Counter()), qpn):
                 self._ensure_ingress()
                 self._add_rx_filter(qpn)
-            mine[qpn] += 1
 
     def uncount_received(self, vrnic_id: str, qpn: int) -> None:
         with self._lock:
-            mine = self._rx.get(vrnic_id)
-            if not mine or not mine[qpn]:
-                return
-            mine[qpn] -= 1
-            if not mine[qpn]:
-                del mine[qpn]
+            if _last(self._rx.get(vrnic_id), qpn):
                 self._drop_rx([qpn], self._observed_rx())
 
     def _remove_rx_all(self) -> int:
@@ -372,20 +382,13 @@ class HtbShaper(QosMechanism):
                 if keys[key] and other != vrnic_id:  # a UD QP whose port hashes like another vRNIC's
                     raise Conflict(f"QoS cannot tell this QP's packets (UDP source port {key[0]}) from vRNIC "
                                    f"{other}'s; create another QP", current_state="indistinguishable")
-            mine = self._filters.setdefault(vrnic_id, Counter())
-            if not mine[key]:
+            if _first(self._filters.setdefault(vrnic_id, Counter()), key):
                 self._add_filter(Filter(key, shaped.minor))
-            mine[key] += 1
 
     def unclassify(self, vrnic_id: str, key: FlowKey) -> None:
         with self._lock:
-            mine = self._filters.get(vrnic_id)
-            if not mine or not mine[key]:
-                return
-            mine[key] -= 1
-            if mine[key]:
-                return  # another QP of the vRNIC still sends so
-            del mine[key]
+            if not _last(self._filters.get(vrnic_id), key):
+                return  # unknown, or another QP of the vRNIC still sends so
             _, observed, _ = self._observed()
             for f, handle in observed.items():
                 if f.key == key:
