@@ -20,7 +20,7 @@ test-host:
 
 # The kernel tier runs inside the lab: a QEMU guest with Soft-RoCE and netdevsim.
 test-kernel:
-	$(BIN)/vrnic lab run --netdevsim --rerun-on-panic --timeout $(KERNEL_TIMEOUT) -- pytest -m kernel tests
+	$(BIN)/vrnic lab run --netdevsim --rerun-on-guest-loss --timeout $(KERNEL_TIMEOUT) -- pytest -m kernel tests
 
 # Two guests wired by a QEMU dgram link as two hosts: first a native RDMA WRITE from b into a (the smoke), then
 # PostgreSQL on a, `vrnic daemon` on both, and the two_hosts tests run on a while b serves a's requests.
@@ -37,7 +37,7 @@ test-qos-two-hosts:
 
 # Real SR-IOV VFs (PCI functions with netdevs) on an emulated igb NIC; runs QEMU 10 (see make setup).
 test-sriov-nic:
-	$(BIN)/vrnic lab run --sriov-nic --topology single --rerun-on-panic --timeout 600 -- pytest -m kernel tests/kernel/test_sriov_vf_netdev.py tests/kernel/test_vm_sriov_hostdev.py
+	$(BIN)/vrnic lab run --sriov-nic --topology single --rerun-on-guest-loss --timeout 600 -- pytest -m kernel tests/kernel/test_sriov_vf_netdev.py tests/kernel/test_vm_sriov_hostdev.py
 
 demo: setup
 	$(BIN)/vrnic lab run -- python -m vrnic.demo

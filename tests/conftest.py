@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from vrnic.lab import progress
+
 TIERS = ("unit", "api", "kernel", "libvirt", "two_hosts")
 
 
@@ -30,6 +32,44 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(getattr(pytest.mark, tier))
         if tier == "kernel" and not _have_rdma():
             item.add_marker(no_rdma)
+    _resume(config, items)
+
+
+def _progress_file() -> Path | None:
+    path = os.environ.get(progress.ENV)
+    return Path(path) if path else None
+
+
+def _resume(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Leave out what an earlier run in a lab guest that died already decided (vrnic/lab/progress.py)."""
+    path = _progress_file()
+    if path is None:
+        return
+    done = progress.Progress.read(path)
+    if not done.outcomes:
+        return
+    keep = [item for item in items if item.nodeid not in done.outcomes]
+    left_out = [item for item in items if item.nodeid in done.outcomes]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = keep
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"resuming after the lab guest died: {len(left_out)} test(s) already ran "
+                                f"({len(done.failed)} failed), {done.running or 'none'} was running")
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    path = _progress_file()
+    if path is not None:
+        progress.record(path, "start", nodeid)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = _progress_file()
+    kind = progress.outcome_of(report.when, report.outcome) if path is not None else None
+    if path is not None and kind is not None:
+        progress.record(path, kind, report.nodeid)
 
 
 @pytest.fixture

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from vrnic.errors import VrnicError
 from vrnic.lab.guest import Topology
+
+if TYPE_CHECKING:
+    from vrnic.lab.runner import LabRequest, LabRunner
 
 app = typer.Typer(help="The lab: Debian's kernel under QEMU TCG with Soft-RoCE (rxe) ready.",
                   no_args_is_help=True)
@@ -23,33 +27,55 @@ def run(
                                                  "with netdevs); runs QEMU 10.")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds before the guest is killed (exit 124).")] = 600.0,
     env: Annotated[list[str] | None, typer.Option("--env", "-e", help="NAME=VALUE for the command.")] = None,
-    rerun_on_panic: Annotated[bool, typer.Option(help="If the lab guest's own kernel panics or locks up (a CPU "
-                                                      "stuck for 2 min), say so and run the command once more "
-                                                      "(nested KVM under TCG, rarely).")] = False,
+    rerun_on_guest_loss: Annotated[bool, typer.Option(
+        "--rerun-on-guest-loss", "--rerun-on-panic",
+        help="If the lab guest dies under the command (its kernel panics or locks up, or the emulator exits), "
+             "say so and run the command once more in a new guest. A pytest command resumes: tests that "
+             "already have an outcome are not run again, and an earlier failure still fails the run "
+             "(nested KVM under TCG, rarely).")] = False,
 ) -> None:
     """Boot the lab, run COMMAND in it and exit with its exit code.
 
     Exit 124 on timeout, 125 if the guest failed to boot, 126 if it died while running the command.
     """
+    from vrnic.lab import progress
     from vrnic.lab.guest import EXIT_GUEST_LOST
     from vrnic.lab.runner import LabRequest, LabRunner
 
     pairs = dict(item.split("=", 1) for item in env or [] if "=" in item)
     if len(pairs) != len(env or []):
         raise typer.BadParameter("--env takes NAME=VALUE", param_hint="--env")
-    request = LabRequest(command=command, topology=topology, netdevsim=netdevsim, sriov_nic=sriov_nic,
-                         timeout=timeout, env=pairs)
     try:
         runner = LabRunner()
+        progress_file = None
+        if rerun_on_guest_loss:
+            progress_file = runner.new_progress_file()
+            pairs.setdefault(progress.ENV, str(progress_file))
+        request = LabRequest(command=command, topology=topology, netdevsim=netdevsim, sriov_nic=sriov_nic,
+                             timeout=timeout, env=pairs)
         rc = runner.run(request)
-        if rc == EXIT_GUEST_LOST and rerun_on_panic and runner.panicked:
-            # The lab guest (Debian's kernel under QEMU TCG) running nested KVM has been seen to panic with
-            # "TASK stack guard page was hit" in the KVM run loop, and to lock up with the nested QEMU stuck
-            # on one CPU: the emulator's, not the command's, failure.
-            typer.secho(f"vrnic lab: the lab guest's kernel panicked or locked up ({runner.panicked}); running "
-                        "the command once more", err=True, fg="yellow")
-            rc = runner.run(request)
+        if rc == EXIT_GUEST_LOST and progress_file is not None:
+            rc = _rerun(runner, request, progress_file)
     except VrnicError as exc:
         typer.secho(f"vrnic lab: {exc}", err=True, fg="red")
         raise typer.Exit(125) from exc
     raise typer.Exit(rc)
+
+
+def _rerun(runner: LabRunner, request: LabRequest, progress_file: Path) -> int:
+    from vrnic.lab import progress
+
+    before = progress.Progress.read(progress_file)
+    # The lab guest (Debian's kernel under QEMU TCG) running nested KVM has been seen to panic with "TASK stack
+    # guard page was hit" in the KVM run loop, to lock up with the nested QEMU stuck on one CPU, and to vanish
+    # without a console line: the emulator's failure, not the command's.
+    why = runner.panicked or "no panic on its console"
+    typer.secho(f"vrnic lab: the lab guest died ({why}) while {before.running or 'the command'} ran; running "
+                f"the command once more in a new guest ({len(before.outcomes)} test(s) already have an "
+                "outcome and are not run again)", err=True, fg="yellow")
+    rc = runner.run(request)
+    if rc == 0 and before.failed:
+        typer.secho(f"vrnic lab: {len(before.failed)} test(s) failed before the guest died: "
+                    + ", ".join(before.failed), err=True, fg="red")
+        return 1
+    return rc

@@ -148,6 +148,16 @@ class LabRunner:
             guests.append((role, qemu_argv(spec), rc_file))
         return run_dir, guests
 
+    def new_progress_file(self) -> Path:
+        """An empty file, visible to the guest, for a pytest run's progress (vrnic/lab/progress.py)."""
+        runs = self.settings.work_dir / ".lab" / "progress"
+        runs.mkdir(parents=True, exist_ok=True)
+        for old in sorted(runs.iterdir())[:-KEEP_RUNS]:
+            old.unlink(missing_ok=True)
+        path = runs / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
+        path.write_text("")
+        return path
+
     # --- running -------------------------------------------------------------------------------
     def run(self, request: LabRequest) -> int:
         started = time.monotonic()

@@ -1,0 +1,68 @@
+"""A pytest run's progress, kept in a file so a run can resume after the lab guest under it died.
+
+The lab guest (Debian's kernel under QEMU TCG) running nested KVM sometimes dies under the command: a panic,
+a lockup, or the emulator gone. `vrnic lab run --rerun-on-guest-loss` then boots a new guest and runs the
+command again; with `VRNIC_TEST_PROGRESS` pointing at this file, that second run skips every test that already
+has an outcome. Only the test that was running when the guest died runs twice; a test that failed is never
+run again, and its failure still fails the whole run.
+
+One line per event: `start <nodeid>` or `<outcome> <nodeid>` (passed, failed, skipped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENV = "VRNIC_TEST_PROGRESS"
+OUTCOMES = ("passed", "failed", "skipped")
+
+
+@dataclass
+class Progress:
+    outcomes: dict[str, str] = field(default_factory=dict)  # nodeid -> its last outcome
+    running: str | None = None  # the test started last and not finished: the one the guest died under
+
+    @classmethod
+    def parse(cls, text: str) -> Progress:
+        progress = cls()
+        # Whatever follows the last newline is a line the guest's death cut short.
+        for line in text.split("\n")[:-1]:
+            kind, _, nodeid = line.partition(" ")
+            if kind == "start":
+                progress.running = nodeid
+            elif kind in OUTCOMES:
+                # A failure in any phase (setup, call, teardown) sticks; a later "passed" does not clear it.
+                if progress.outcomes.get(nodeid) != "failed":
+                    progress.outcomes[nodeid] = kind
+                if progress.running == nodeid:
+                    progress.running = None
+        return progress
+
+    @classmethod
+    def read(cls, path: Path) -> Progress:
+        try:
+            return cls.parse(path.read_text())
+        except FileNotFoundError:
+            return cls()
+
+    @property
+    def failed(self) -> list[str]:
+        return [nodeid for nodeid, outcome in self.outcomes.items() if outcome == "failed"]
+
+
+def outcome_of(when: str, outcome: str) -> str | None:
+    """The line to record for one phase's report, or None when the phase says nothing new."""
+    if outcome == "failed":
+        return "failed"
+    if outcome == "skipped":
+        return "skipped"
+    if when == "call":
+        return "passed"
+    return None  # a passing setup or teardown
+
+
+def record(path: Path, kind: str, nodeid: str) -> None:
+    # One small append per event; the line is on the host's disk (9p) before the next test starts.
+    with path.open("a") as out:
+        out.write(f"{kind} {nodeid}\n")
