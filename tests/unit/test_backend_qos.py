@@ -64,7 +64,7 @@ def test_vrnicd_raises_a_connected_rc_qps_timeout_above_its_qos_queue_wait(
         patient.modify("init")
         patient.modify("rtr", remote_gid=cb.gid, remote_qpn=peers[2].qpn)
         patient.modify("rts", timeout=25)  # more than any floor here: kept
-        assert first.query()["timeout"] == rc_timeout_floor(1024, 1, 12_000) == 17  # the guest asked 14
-        assert second.query()["timeout"] == rc_timeout_floor(1024, 2, 12_000) == 18  # two QPs share the class
+        assert first.query()["timeout"] == rc_timeout_floor(1024, 1, 12_000) == 16  # the guest asked 14
+        assert second.query()["timeout"] == rc_timeout_floor(1024, 2, 12_000) == 17  # two QPs share the class
         assert patient.query()["timeout"] == 25
         assert peers[0].query()["timeout"] == 14  # fake1 shapes nothing: the guest's own

@@ -124,7 +124,7 @@ def test_jain_index() -> None:
 
 
 def test_queue_wait_is_every_qps_packets_in_flight_at_the_class_rate() -> None:
-    # 65 packets of 1024 + 94 bytes at 12 Mbit/s: 48 ms, under the guest's 67 ms (timeout 14), but not by 8x
+    # 65 packets of 1024 + 94 bytes at 12 Mbit/s: 48 ms, under the guest's 67 ms (timeout 14), but not by 4x
     assert queue_wait_s(1024, 1, 12_000) == pytest.approx(65 * 1118 * 8 / 12e6)
     assert queue_wait_s(1024, 3, 12_000) == pytest.approx(3 * queue_wait_s(1024, 1, 12_000))
     assert queue_wait_s(4096, 1, 12_000) > queue_wait_s(1024, 1, 12_000)
@@ -141,9 +141,10 @@ def test_the_rc_timeout_floor_is_the_smallest_exponent_above_margin_times_the_wa
 
 
 def test_rc_timeout_floor_values_and_bounds() -> None:
-    assert rc_timeout_floor(1024, 1, 12_000) == 17  # 8 x 48 ms = 0.38 s -> 2^17 x 4.096 us = 0.54 s
-    assert rc_timeout_floor(1024, 1, 16_000) == 17
-    assert rc_timeout_floor(1024, 1, 100_000_000) == 4  # a 100 Gbit/s class: the guest's 14 stays
+    assert rc_timeout_floor(1024, 1, 12_000) == 16  # 4 x 48 ms = 0.19 s -> 2^16 x 4.096 us = 0.27 s
+    assert rc_timeout_floor(1024, 1, 16_000) == 16
+    assert rc_timeout_floor(1024, 1, 4_000) == 18  # 4 x 145 ms = 0.58 s -> 1.07 s
+    assert rc_timeout_floor(1024, 1, 100_000_000) == 3  # a 100 Gbit/s class: the guest's 14 stays
     assert rc_timeout_floor(1024, 1_000_000, 8) == 31  # 2.4 hours at most
 
 

@@ -106,7 +106,9 @@ def plan_classes(link_mbps: int, shaped: Iterable[Shaped]) -> dict[str, HtbClass
 # "invalid request" (IBV_WC_REM_INV_REQ_ERR at the requester). So no shaped RC QP may time out on queueing.
 RXE_PACKETS_IN_FLIGHT = 65  # rxe stops a QP's requester once more than 64 of its packets are not yet freed
 ROCE_V2_OVERHEAD = 94  # wire bytes around a payload: Ethernet 14, IPv6 40 (IPv4 20), UDP 8, BTH 12, RETH 16, ICRC 4
-RC_TIMEOUT_MARGIN = 8  # the class's rate may fall to an eighth of its share at connect (later guarantees, weights)
+# The class's rate may fall to a quarter of its share at connect (guarantees admitted later), or emulation stall
+# the ACKs as long; more would only slow the recovery of a packet lost twice (the timer's job then).
+RC_TIMEOUT_MARGIN = 4
 RC_TIMEOUT_UNIT_S = 4.096e-6
 RC_TIMEOUT_MAX = 31
 
