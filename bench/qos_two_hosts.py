@@ -11,7 +11,8 @@ is LINK_MBPS (eth0 is virtio-net without a speed): 16 Mbit/s, below the about 21
 the wire together from a's one emulated CPU, so the qdisc, not the CPU, decides the shares. QoS changes between
 scenarios are live PATCHes of /vrnics/{id}; the QPs stay connected all along. Wire rates are the vRNICs' HTB class byte
 counters on a, read with `tc -s class show` in a window in which every stream runs; each vRNIC's class is
-found once by matching the tx_bytes of GET /vrnics/{id}/counters at rest to a class's count (reading the
+found once as the class that grows while it streams alone, checked against the tx_bytes of
+GET /vrnics/{id}/counters at rest (reading the
 API while streaming disturbs the agent, which also runs vrnicd's data path, under emulation). A stream that
 fails (an RC error completion) is run once more on new QPs; the log says so, and so do two records:
 

@@ -224,19 +224,22 @@ def rxe_counters() -> dict[str, int]:
 
 
 def find_classes(api: httpx.Client, pairs: Mapping[str, Pair], seconds: float = 0.6) -> dict[str, str]:
-    """Each streamer's HTB class on this host (name -> class id): each streams alone for a moment, so that
-    every class holds its own byte count; then, at rest, the count the API reports for the vRNIC is matched
-    to the one class that holds exactly that many bytes."""
-    for i, pair in enumerate(pairs.values()):
-        pair.streamer.call("stream", seconds=seconds + 0.2 * i)
-    counted, _ = class_bytes()
+    """Each streamer's HTB class on this host (name -> class id): each streams alone in turn, and its class is
+    the one whose byte count grew meanwhile; at rest, the count the API reports for the vRNIC must be that
+    class's. (Matching counts alone fails on a loaded machine, where streams of different lengths can all
+    end after the same number of WRITEs.)"""
     found: dict[str, str] = {}
     for name, pair in pairs.items():
+        before, _ = class_bytes()
+        pair.streamer.call("stream", seconds=seconds)
+        after, _ = class_bytes()
+        grown = [c for c, n in after.items() if n > before.get(c, 0)]
+        if len(grown) != 1:
+            raise LabError(f"while {name} streamed alone, classes {grown} grew (of {after})")
         sent = tx_bytes(api, pair.vrnic["id"])
-        matches = [c for c, n in counted.items() if n == sent]
-        if len(matches) != 1:
-            raise LabError(f"{name} sent {sent} bytes; classes with that count: {matches} (of {counted})")
-        found[name] = matches[0]
+        if sent != after[grown[0]]:
+            raise LabError(f"{name} sent {sent} bytes by the API, its class {grown[0]} {after[grown[0]]}")
+        found[name] = grown[0]
     return found
 
 
