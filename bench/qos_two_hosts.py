@@ -11,9 +11,10 @@ is LINK_MBPS (eth0 is virtio-net without a speed): 16 Mbit/s, below the about 21
 the wire together from a's one emulated CPU, so the qdisc, not the CPU, decides the shares. QoS changes between
 scenarios are live PATCHes of /vrnics/{id}; the QPs stay connected all along. Wire rates are the vRNICs' HTB class byte
 counters on a, read with `tc -s class show` in a window in which every stream runs; each vRNIC's class is
-found once by matching the tx_bytes of GET /vrnics/{id}/counters at rest to a class's count (reading the
+found once as the class that grows while it streams alone, checked against the tx_bytes of
+GET /vrnics/{id}/counters at rest (reading the
 API while streaming disturbs the agent, which also runs vrnicd's data path, under emulation). A stream that
-fails (an RC error completion) is run once more on new QPs, and the log says so.
+fails (an RC error completion) is run once more on new QPs; the log says so, and so do two records:
 
 - qos.two_hosts.cap_accuracy: x capped at CAP_MBPS streams alone: wire rate / cap (target within 10 %).
 - qos.two_hosts.guarantee_under_contention: x guaranteed GUARANTEE_MBPS, y and z unguaranteed, all three
@@ -24,6 +25,10 @@ fails (an RC error completion) is run once more on new QPs, and the log says so.
   100 Gbit/s: the qdisc installed but never the bottleneck), with QoS installed (weight 2) against none,
   alternately: goodput ratio (target >= 0.95). It runs on b because a's link setting is the 24 Mbit/s
   bottleneck of the other records; the mechanism is the same on both hosts.
+- qos.two_hosts.streams_retried: how many streams had to run again (0 expected since vrnicd raises a shaped
+  RC QP's timeout above its queue wait, vrnic.core.qos.rc_timeout_floor).
+- qos.two_hosts.rc_retransmissions: retransmissions a's rxe started during the streams (completer_retry_err;
+  its rcvd_seq_err, sequence NAKs of lost packets, is printed beside it).
 Each value is the median of ROUNDS rounds, or of the values measured when a stream failed three times
 in a later one (the error and the count are printed; a missing record is a failure).
 """
@@ -41,7 +46,7 @@ from typing import Any, TypeVar
 from bench.harness import RESULTS, Record, write
 from vrnic.core.qos import jain_index
 from vrnic.errors import LabError, VrnicError
-from vrnic.lab.qos_two_hosts import Pair, Program, find_classes, set_qos, stream_together, tc_show
+from vrnic.lab.qos_two_hosts import Pair, Program, find_classes, rxe_counters, set_qos, stream_together, tc_show
 from vrnic.lab.two_hosts.rig import Rig
 
 # Three streams on a's single emulated CPU (their programs, vrnicd's data path in a's agent) put about
@@ -76,6 +81,7 @@ def run(out: Path, log: bool = True) -> int:
     jain: list[float] = []
     cost: list[float] = []
     retries: list[str] = []
+    counted: dict[str, int] = {}
     failed = ""
     with Rig.start(log=log, host_env=HOST_ENV) as rig:
         token = rig.make_tenant("qos-bench")
@@ -97,6 +103,7 @@ def run(out: Path, log: bool = True) -> int:
                 _policies(api, pairs, x={"weight": 2}, y={"weight": 2}, z={"weight": 2})  # a's qdisc from now on
                 classes = find_classes(api, pairs)
                 print(f"  HTB classes on a's eth0: {classes}", flush=True)
+                counted = rxe_counters()
 
                 def attempt(label: str, run: Callable[[], T]) -> T:
                     """run(); on new QPs up to twice more if a stream fails (the log and the summary say so)."""
@@ -152,9 +159,14 @@ def run(out: Path, log: bool = True) -> int:
                     program.close()
                 except (LabError, OSError) as exc:
                     print(f"closing a stream program: {exc}", file=sys.stderr)
+    now = rxe_counters() if counted else {}
+    retransmitted, naks = (now.get(k, 0) - counted.get(k, 0) for k in ("completer_retry_err", "rcvd_seq_err"))
     print(f"qos two-hosts: cap ratio {_fmt(cap)}, guarantee ratio {_fmt(guarantee)}, jain {_fmt(jain)}, "
-          f"cost {_fmt(cost)}; streams retried on new QPs: {retries or 'none'}", flush=True)
-    records = []
+          f"cost {_fmt(cost)}; streams retried on new QPs: {retries or 'none'}; rxe on a: {retransmitted} "
+          f"retransmissions, {naks} sequence NAKs", flush=True)
+    records = [Record("qos.two_hosts.streams_retried", "count", len(retries))]
+    if counted:
+        records.append(Record("qos.two_hosts.rc_retransmissions", "count", retransmitted))
     if cap:
         records.append(Record("qos.two_hosts.cap_accuracy", "ratio", statistics.median(cap), 1.0, target=1.10))
     if guarantee:
@@ -167,7 +179,7 @@ def run(out: Path, log: bool = True) -> int:
         records.append(Record("qos.two_hosts.enforcement_cost", "ratio", statistics.median(cost), 1.0,
                               target=0.95, better="higher"))
     write(records, out)
-    if failed and len(records) == 4 and not failed.startswith("tc on a"):
+    if failed and len(records) == 6 and not failed.startswith("tc on a"):
         # A stream failed three times in a later round: the records are medians of the values measured.
         print(f"bench.qos_two_hosts: {len(cost)} of {ROUNDS} complete rounds, then: {failed}", file=sys.stderr)
         return 0

@@ -4,13 +4,18 @@ on rxe in the lab (tests/kernel/test_qos_rxe.py) and on real netlink (tests/kern
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from vrnic.backend.drivers.paravirtual import VerbsDriver
-from vrnic.core.qos import RateMeter
-from vrnic.core.specs import QosPolicy, Quota, VrnicSpec
+from vrnic.core.qos import RateMeter, rc_timeout_floor
+from vrnic.core.specs import AttachInfo, QosPolicy, Quota, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
 from vrnic.errors import NotFound, NotSupported
+from vrnic.frontend import CQ, PD, QP, Context
+
+ARENA = 1 << 20
 
 pytestmark = pytest.mark.unit
 
@@ -41,3 +46,25 @@ def test_rate_meter() -> None:
     assert meter.read("a", 3000, 12.0) == 8000.0  # 2000 bytes in 2 s
     assert meter.read("a", 100, 13.0) == 0.0  # the counter went back (a new class): no rate
     assert meter.read("b", 5, 13.0) == 0.0
+
+
+def test_vrnicd_raises_a_connected_rc_qps_timeout_above_its_qos_queue_wait(
+        driver: VerbsDriver, make_vrnic: Callable[..., AttachInfo], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fake NIC cannot shape; the drain rate a shaping device would report is given (12 Mbit/s), and the
+    timeout RTS gave the physical QP is read back from the NIC through query_qp."""
+    monkeypatch.setattr(driver, "_qos_drain_kbit", lambda device, vrnic_id: 12_000 if device == "fake0" else None)
+    info_a, info_b = make_vrnic(), make_vrnic(device="fake1")
+    with Context.attach(info_b, ARENA) as cb, Context.attach(info_a, ARENA) as ca:
+        pd_a, cq_a, pd_b, cq_b = PD(ca), CQ(ca, 16), PD(cb), CQ(cb, 16)
+        first, second, patient = QP(pd_a, cq_a, cq_a), QP(pd_a, cq_a, cq_a), QP(pd_a, cq_a, cq_a)
+        peers = [QP(pd_b, cq_b, cq_b) for _ in range(3)]
+        for mine, peer in zip((first, second), peers[:2], strict=True):
+            mine.connect(cb.gid, peer.qpn)
+            peer.connect(ca.gid, mine.qpn)
+        patient.modify("init")
+        patient.modify("rtr", remote_gid=cb.gid, remote_qpn=peers[2].qpn)
+        patient.modify("rts", timeout=25)  # more than any floor here: kept
+        assert first.query()["timeout"] == rc_timeout_floor(1024, 1, 12_000) == 16  # the guest asked 14
+        assert second.query()["timeout"] == rc_timeout_floor(1024, 2, 12_000) == 17  # two QPs share the class
+        assert patient.query()["timeout"] == 25
+        assert peers[0].query()["timeout"] == 14  # fake1 shapes nothing: the guest's own

@@ -7,15 +7,21 @@ import pytest
 from vrnic.backend.qos_shaper import decode_u32_keys
 from vrnic.core.qos import (
     FIRST_MINOR,
+    RC_TIMEOUT_MARGIN,
+    RC_TIMEOUT_UNIT_S,
     Filter,
     HtbClass,
     Shaped,
     admit,
+    drain_kbit,
     drift,
     jain_index,
     key_of,
     next_minor,
     plan_classes,
+    queue_wait_s,
+    rc_timeout,
+    rc_timeout_floor,
     rx_qpn_of,
     rx_u32_keys,
     u32_keys,
@@ -115,3 +121,46 @@ def test_jain_index() -> None:
     assert jain_index([10, 10, 10]) == pytest.approx(1.0)
     assert jain_index([30, 0, 0]) == pytest.approx(1 / 3)
     assert jain_index([]) == 0.0
+
+
+def test_queue_wait_is_every_qps_packets_in_flight_at_the_class_rate() -> None:
+    # 65 packets of 1024 + 94 bytes at 12 Mbit/s: 48 ms, under the guest's 67 ms (timeout 14), but not by 4x
+    assert queue_wait_s(1024, 1, 12_000) == pytest.approx(65 * 1118 * 8 / 12e6)
+    assert queue_wait_s(1024, 3, 12_000) == pytest.approx(3 * queue_wait_s(1024, 1, 12_000))
+    assert queue_wait_s(4096, 1, 12_000) > queue_wait_s(1024, 1, 12_000)
+
+
+@pytest.mark.parametrize(("mtu", "qps", "kbit"), [(1024, 1, 12_000), (1024, 1, 2_000), (1024, 3, 5_333),
+                                                  (4096, 8, 1_000), (1024, 1, 100_000_000), (256, 1, 8)])
+def test_the_rc_timeout_floor_is_the_smallest_exponent_above_margin_times_the_wait(mtu: int, qps: int,
+                                                                                   kbit: int) -> None:
+    floor = rc_timeout_floor(mtu, qps, kbit)
+    needed = RC_TIMEOUT_MARGIN * queue_wait_s(mtu, qps, kbit)
+    assert RC_TIMEOUT_UNIT_S * 2 ** floor >= needed
+    assert floor == 0 or RC_TIMEOUT_UNIT_S * 2 ** (floor - 1) < needed
+
+
+def test_rc_timeout_floor_values_and_bounds() -> None:
+    assert rc_timeout_floor(1024, 1, 12_000) == 16  # 4 x 48 ms = 0.19 s -> 2^16 x 4.096 us = 0.27 s
+    assert rc_timeout_floor(1024, 1, 16_000) == 16
+    assert rc_timeout_floor(1024, 1, 4_000) == 18  # 4 x 145 ms = 0.58 s -> 1.07 s
+    assert rc_timeout_floor(1024, 1, 100_000_000) == 3  # a 100 Gbit/s class: the guest's 14 stays
+    assert rc_timeout_floor(1024, 1_000_000, 8) == 31  # 2.4 hours at most
+
+
+def test_the_guests_timeout_is_only_ever_raised() -> None:
+    assert rc_timeout(14, 17) == 17
+    assert rc_timeout(20, 17) == 20
+    assert rc_timeout(0, 17) == 0  # none at all: never retransmits on a timeout
+
+
+def test_drain_rate_counts_every_vrnic_on_the_device_as_shaped() -> None:
+    # nobody asks anything: an equal share of the link each (QoS on would give each a class so)
+    assert drain_kbit(16, {"x": QosPolicy(), "y": QosPolicy(), "z": QosPolicy(), "w": QosPolicy()}, "x") == 4000
+    # the vRNIC itself need not be listed yet (a default policy)
+    assert drain_kbit(16, {"y": QosPolicy()}, "x") == 8000
+    # a guarantee is the guarantee; the others share what it leaves by weight; a cap bounds the rate
+    policies = {"x": QosPolicy(guarantee_mbps=10), "y": QosPolicy(weight=2), "z": QosPolicy()}
+    assert drain_kbit(16, policies, "x") == 10_000
+    assert drain_kbit(16, policies, "y") == 4000 and drain_kbit(16, policies, "z") == 2000
+    assert drain_kbit(24, {"x": QosPolicy(rate_cap_mbps=12)}, "x") == 12_000

@@ -79,6 +79,7 @@ class FakeQp:
     recvs: deque[PhysRecv] = field(default_factory=deque)
     inbox: deque[tuple[FakeQp, PhysSend, bytes]] = field(default_factory=deque)  # sends waiting for a recv
     in_flight: int = 0  # sends not completed yet (to model a full send queue)
+    timeout: int = 0  # RC: what RTS set
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,10 @@ class FakeContext(DeviceContext):
 
     def qp_to_rts(self, qp: FakeQp, qp_type: str, params: RtsParams) -> None:
         self._transition(qp, ("rtr",), "rts")
+        qp.timeout = params.timeout
+
+    def query_rc_timeout(self, qp: FakeQp) -> int:
+        return qp.timeout
 
     def qp_to_state(self, qp: FakeQp, state: str) -> None:
         with self.edge.lock:

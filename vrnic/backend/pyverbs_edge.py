@@ -263,6 +263,11 @@ class PyverbsContext(DeviceContext):
             attr, _init = qp.query(e.IBV_QP_STATE | e.IBV_QP_CAP)
         return QP_STATES.get(attr.qp_state, str(attr.qp_state))
 
+    def query_rc_timeout(self, qp: QP) -> int:
+        with device_errors("query QP"):
+            attr, _init = qp.query(e.IBV_QP_TIMEOUT)
+        return int(attr.timeout)
+
     def create_ah(self, pd: PD, dgid: str, sgid_index: int) -> AH:
         route = GlobalRoute(dgid=_gid(dgid), sgid_index=sgid_index, hop_limit=64)
         with device_errors("create AH"):

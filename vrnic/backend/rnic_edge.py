@@ -150,6 +150,10 @@ class DeviceContext(ABC):
         """"reset", "init", "rtr", "rts", "sqd", "sqe" or "err"."""
 
     @abstractmethod
+    def query_rc_timeout(self, qp: Any) -> int:
+        """The RC QP's timeout as the NIC holds it (the exponent: 4.096 us * 2^timeout; 0: none)."""
+
+    @abstractmethod
     def create_ah(self, pd: Any, dgid: str, sgid_index: int) -> Any: ...
 
     @abstractmethod

@@ -29,6 +29,7 @@ from vrnic.backend.registry import Peer, Registry, VirtualRnic
 from vrnic.backend.rnic_edge import PORT, DeviceContext, QpCaps, RtrParams, RtsParams
 from vrnic.core import verb_args
 from vrnic.core.migration import DirtyLog
+from vrnic.core.qos import rc_timeout, rc_timeout_floor
 from vrnic.core.quota import Resource
 from vrnic.core.rings import CQ_SLOT, RQ_SLOT, SQ_SLOT, Access, Ring, RingFlags
 from vrnic.core.session_state import (
@@ -61,7 +62,8 @@ class GuestSession:
                  cred: PeerCred, doorbell_fd: int, notify_fd: int | None,
                  engine_factory: Callable[[EngineHost], DataPathEngine],
                  disconnect: Callable[[], None] = lambda: None, guard: FlowGuard | None = None,
-                 qos: QosMechanism | None = None, cm: ConnectionManager | None = None) -> None:
+                 qos: QosMechanism | None = None, cm: ConnectionManager | None = None,
+                 qos_drain_kbit: Callable[[], int | None] | None = None) -> None:
         self.vrnic = vrnic
         self.vrnic_id = vrnic.spec.id
         self.registry = registry
@@ -73,6 +75,8 @@ class GuestSession:
         self.disconnect = disconnect
         self.guard = guard
         self.qos = qos  # its vRNIC's QoS on its device, when enforced: every connected QP is classified
+        # the rate its QoS class drains at on its device, shaping now or not (None: the device shapes nothing)
+        self.qos_drain_kbit = qos_drain_kbit
         self.cm = cm if cm is not None else ConnectionManager()  # the driver's: listeners of all its vRNICs
         self.lock = threading.RLock()
         self.state = SessionState(vrnic.spec.quota, memory.layout)
@@ -304,8 +308,11 @@ class GuestSession:
 
     def op_query_qp(self, args: verb_args.QpRef) -> dict[str, Any]:
         qp = self.state.qps.get(args.qp)
-        return {"qpn": qp.vqpn, "state": self.device.query_qp_state(qp.obj), "qp_type": qp.qp_type,
-                "connected_to": qp.peer_gid}
+        answer = {"qpn": qp.vqpn, "state": self.device.query_qp_state(qp.obj), "qp_type": qp.qp_type,
+                  "connected_to": qp.peer_gid}
+        if qp.qp_type == "rc":  # the NIC's, which vrnicd may have raised above the guest's (rc_timeout)
+            answer["timeout"] = self.device.query_rc_timeout(qp.obj)
+        return answer
 
     def op_modify_qp(self, args: verb_args.ModifyQp, resolved: tuple[Peer, int] | None = None) -> dict[str, Any]:
         """resolved: the peer and physical QPN of an RTR, looked up beforehand without the session lock."""
@@ -343,7 +350,8 @@ class GuestSession:
             qp.link.update(path_mtu=args.path_mtu, max_dest_rd_atomic=args.max_dest_rd_atomic,
                            min_rnr_timer=args.min_rnr_timer)
         elif args.state == "rts":
-            self.device.qp_to_rts(qp.obj, qp.qp_type, RtsParams(sq_psn=args.sq_psn, timeout=args.timeout,
+            timeout = self.rc_timeout(qp.qp_type, qp.link.get("path_mtu", args.path_mtu), args.timeout)
+            self.device.qp_to_rts(qp.obj, qp.qp_type, RtsParams(sq_psn=args.sq_psn, timeout=timeout,
                                                                 retry_cnt=args.retry_cnt, rnr_retry=args.rnr_retry,
                                                                 max_rd_atomic=args.max_rd_atomic))
             qp.link.update(timeout=args.timeout, retry_cnt=args.retry_cnt, rnr_retry=args.rnr_retry,
@@ -363,6 +371,16 @@ class GuestSession:
                 qp.pending.clear()
         qp.state = args.state
         return {"state": args.state}
+
+    def rc_timeout(self, qp_type: str, path_mtu: int, asked: int) -> int:
+        """The RC timeout a physical QP gets: the guest's, raised so that its packets waiting in the QoS queue
+        never make rxe retransmit (vrnic.core.qos.rc_timeout_floor: every connected RC QP of this vRNIC, this
+        one included, with its packets in flight ahead, drained at the class's rate)."""
+        drain = self.qos_drain_kbit() if qp_type == "rc" and self.qos_drain_kbit is not None else None
+        if drain is None:
+            return asked
+        connected = sum(1 for _, q in self.state.qps.items() if q.qp_type == "rc" and q.dest_qpn is not None)
+        return rc_timeout(asked, rc_timeout_floor(path_mtu, max(connected, 1), drain))
 
     def _classify(self, qp: QpEntry, dest_qpn: int | None, obj_qpn: int | None = None) -> None:
         """Put the QP's packets (to dest_qpn; None for UD) in its vRNIC's QoS class."""
@@ -726,7 +744,8 @@ class GuestSession:
         self.device.qp_to_rtr(obj, qp_type, RtrParams(
             dgid=dgid, sgid_index=self.vrnic.gid_index, path_mtu=get("path_mtu"), dest_qpn=dest_qpn,
             max_dest_rd_atomic=get("max_dest_rd_atomic"), min_rnr_timer=get("min_rnr_timer")))
-        self.device.qp_to_rts(obj, qp_type, RtsParams(timeout=get("timeout"), retry_cnt=get("retry_cnt"),
+        timeout = self.rc_timeout(qp_type, get("path_mtu"), get("timeout"))
+        self.device.qp_to_rts(obj, qp_type, RtsParams(timeout=timeout, retry_cnt=get("retry_cnt"),
                                                       rnr_retry=get("rnr_retry"), max_rd_atomic=get("max_rd_atomic")))
 
     def shadow(self, qp: QpEntry, dgid: str, dest_qpn: int) -> tuple[Any, int]:

@@ -56,6 +56,7 @@ _MMINFO = struct.Struct("<QI4x")  # rdma_user_rxe.h struct mminfo: offset, size
 _QP_DEST = struct.Struct("<16sIHHBBBBBBBB")  # ib_uverbs_qp_dest
 _MODIFY_TAIL = struct.Struct("<IIIIIIIHHBBBBBBBBBBBBBB2x")  # ib_uverbs_modify_qp after the two dests
 QUERY_QP_STATE_AT = 108  # ib_uverbs_query_qp_resp.qp_state
+QUERY_QP_TIMEOUT_AT = 117  # ib_uverbs_query_qp_resp.timeout
 
 
 @dataclass(frozen=True)
@@ -242,6 +243,10 @@ class DirectContext(DeviceContext):
     def query_qp_state(self, qp: RawQp) -> str:
         resp = self.file.command(QUERY_QP, struct.pack("<II", qp.handle, STATE), 128, "query QP")
         return QP_STATE_NAME.get(resp[QUERY_QP_STATE_AT], str(resp[QUERY_QP_STATE_AT]))
+
+    def query_rc_timeout(self, qp: RawQp) -> int:
+        resp = self.file.command(QUERY_QP, struct.pack("<II", qp.handle, TIMEOUT), 128, "query QP")
+        return resp[QUERY_QP_TIMEOUT_AT]
 
     def create_ah(self, pd: Any, dgid: str, sgid_index: int) -> Any:
         raise InvalidArgument("address handles are for UD, which stays on the shared-ring engine")

@@ -98,6 +98,51 @@ def plan_classes(link_mbps: int, shaped: Iterable[Shaped]) -> dict[str, HtbClass
     return plan
 
 
+# How long an RC QP's packets can wait in its class's queue, and the RC timeout that outlasts it. rxe (Linux 6.1)
+# retransmits from the last acknowledged PSN when no ACK came for `timeout` (4.096 us * 2^timeout; the guest
+# library's 14 is 67 ms), while the originals still wait in the qdisc; a second timeout during that retry can
+# restart the message at a PSN past its end (req_retry() in rxe_req.c counts the PSNs already acknowledged
+# into the head WQE even when ACKs of the originals took it past its last), and the responder then NAKs
+# "invalid request" (IBV_WC_REM_INV_REQ_ERR at the requester). So no shaped RC QP may time out on queueing.
+RXE_PACKETS_IN_FLIGHT = 65  # rxe stops a QP's requester once more than 64 of its packets are not yet freed
+ROCE_V2_OVERHEAD = 94  # wire bytes around a payload: Ethernet 14, IPv6 40 (IPv4 20), UDP 8, BTH 12, RETH 16, ICRC 4
+# The class's rate may fall to a quarter of its share at connect (guarantees admitted later), or emulation stall
+# the ACKs as long; more would only slow the recovery of a packet lost twice (the timer's job then).
+RC_TIMEOUT_MARGIN = 4
+RC_TIMEOUT_UNIT_S = 4.096e-6
+RC_TIMEOUT_MAX = 31
+
+
+def queue_wait_s(path_mtu: int, qps: int, drain_kbit: int) -> float:
+    """The longest a packet can wait in a class that qps RC QPs send into: all their packets in flight ahead of
+    it, drained at the class's guaranteed rate (HTB never gives a class less than its rate)."""
+    return qps * RXE_PACKETS_IN_FLIGHT * (path_mtu + ROCE_V2_OVERHEAD) * 8 / (max(drain_kbit, MIN_RATE_KBIT) * 1000)
+
+
+def rc_timeout_floor(path_mtu: int, qps: int, drain_kbit: int, margin: float = RC_TIMEOUT_MARGIN) -> int:
+    """The smallest RC timeout exponent whose time (4.096 us * 2^t) is at least margin times queue_wait_s (31 at
+    most: 2.4 hours)."""
+    wait = margin * queue_wait_s(path_mtu, qps, drain_kbit)
+    floor = 0
+    while floor < RC_TIMEOUT_MAX and RC_TIMEOUT_UNIT_S * (1 << floor) < wait:
+        floor += 1
+    return floor
+
+
+def rc_timeout(asked: int, floor: int) -> int:
+    """The timeout a QP gets: the one asked for, raised to the floor (0, no timeout at all, stays)."""
+    return asked if asked == 0 or asked >= floor else floor
+
+
+def drain_kbit(link_mbps: int, policies: Mapping[str, QosPolicy], vrnic_id: str) -> int:
+    """The rate of vrnic_id's class with every vRNIC on the device shaped by its policy (QoS on a device gives
+    each of them a class as soon as any asks for it), whether or not the device shapes now."""
+    everyone = dict(policies)
+    everyone.setdefault(vrnic_id, QosPolicy())
+    shaped = [Shaped(i, p, FIRST_MINOR + n) for n, (i, p) in enumerate(sorted(everyone.items()))]
+    return plan_classes(link_mbps, shaped)[vrnic_id].rate_kbit
+
+
 FlowKey = tuple[int, int | None]  # (UDP source port, BTH destination QPN or None for UD)
 
 

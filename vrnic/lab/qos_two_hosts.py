@@ -5,7 +5,8 @@
 The program is a container guest on one vRNIC of its host's agent with one RC QP and a 64 KiB MR. Commands:
 attach {attach} -> gid; qp -> qpn, addr, rkey; connect {gid, qpn, addr, rkey} (by the peer's virtual GID and
 QPN: the agents resolve the physical path across hosts; addr and rkey are the peer's MR, the target of the
-WRITEs); stream {seconds} -> mbps (64 KiB RDMA WRITEs, IN_FLIGHT at once, goodput in MB/s); quit.
+WRITEs); stream {seconds} -> mbps (64 KiB RDMA WRITEs, IN_FLIGHT at once, goodput in MB/s); query -> the QP as
+vrnicd reports it (query_qp: the physical QP's state and RC timeout); quit.
 
 Host a's side (bench.qos_two_hosts, tests/two_hosts/test_qos.py): Pair connects a streamer on one host to a
 peer on the other; wire_rates() reads each streamer's class byte counter through the REST API while all stream.
@@ -13,6 +14,7 @@ peer on the other; wire_rates() reads each streamer's class byte counter through
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -22,6 +24,7 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -63,6 +66,10 @@ class StreamProgram:
         self.qp.connect(gid, qpn)
         self.peer = (addr, rkey)
         return {}
+
+    def do_query(self) -> dict[str, Any]:
+        answer: dict[str, Any] = self.qp.query()
+        return answer
 
     def do_stream(self, seconds: float) -> dict[str, Any]:
         from vrnic.frontend import SendRequest, WrOpcode
@@ -206,20 +213,33 @@ def class_bytes(netdev: str = "eth0") -> tuple[dict[str, int], float]:
     return {m[1]: int(m[3]) for m in _CLASS.finditer(out) if m[2] == "parent"}, (before + after) / 2
 
 
+def rxe_counters() -> dict[str, int]:
+    """This host's rxe counters (sysfs hw_counters), summed over its devices: completer_retry_err counts the
+    retransmissions its requesters started (on a timeout or a NAK), rcvd_seq_err the sequence-error NAKs."""
+    counted: dict[str, int] = {}
+    for path in Path("/sys/class/infiniband").glob("*/ports/1/hw_counters/*"):
+        with contextlib.suppress(OSError, ValueError):
+            counted[path.name] = counted.get(path.name, 0) + int(path.read_text())
+    return counted
+
+
 def find_classes(api: httpx.Client, pairs: Mapping[str, Pair], seconds: float = 0.6) -> dict[str, str]:
-    """Each streamer's HTB class on this host (name -> class id): each streams alone for a moment, so that
-    every class holds its own byte count; then, at rest, the count the API reports for the vRNIC is matched
-    to the one class that holds exactly that many bytes."""
-    for i, pair in enumerate(pairs.values()):
-        pair.streamer.call("stream", seconds=seconds + 0.2 * i)
-    counted, _ = class_bytes()
+    """Each streamer's HTB class on this host (name -> class id): each streams alone in turn, and its class is
+    the one whose byte count grew meanwhile; at rest, the count the API reports for the vRNIC must be that
+    class's. (Matching counts alone fails on a loaded machine, where streams of different lengths can all
+    end after the same number of WRITEs.)"""
     found: dict[str, str] = {}
     for name, pair in pairs.items():
+        before, _ = class_bytes()
+        pair.streamer.call("stream", seconds=seconds)
+        after, _ = class_bytes()
+        grown = [c for c, n in after.items() if n > before.get(c, 0)]
+        if len(grown) != 1:
+            raise LabError(f"while {name} streamed alone, classes {grown} grew (of {after})")
         sent = tx_bytes(api, pair.vrnic["id"])
-        matches = [c for c, n in counted.items() if n == sent]
-        if len(matches) != 1:
-            raise LabError(f"{name} sent {sent} bytes; classes with that count: {matches} (of {counted})")
-        found[name] = matches[0]
+        if sent != after[grown[0]]:
+            raise LabError(f"{name} sent {sent} bytes by the API, its class {grown[0]} {after[grown[0]]}")
+        found[name] = grown[0]
     return found
 
 

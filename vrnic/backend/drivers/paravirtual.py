@@ -42,7 +42,7 @@ from vrnic.backend.rnic_edge import DeviceContext, RnicEdge
 from vrnic.backend.session import GuestSession
 from vrnic.backend.vm_link import VmLink, connect_channel
 from vrnic.core.migration import MigrationPhase
-from vrnic.core.qos import admit
+from vrnic.core.qos import admit, drain_kbit
 from vrnic.core.specs import (
     AttachInfo,
     DataEngine,
@@ -89,6 +89,7 @@ class VerbsDriver(RnicDriver):
         self.qos_link_mbps = qos_link_mbps  # the uplinks' speed when sysfs has none (veth, some virtio-net)
         self._shapers: dict[str, QosMechanism] = {}  # by device, while any vRNIC on it asks for QoS
         self._qos_lock = threading.RLock()
+        self._can_shape: dict[str, bool] = {}  # device -> has a QoS mechanism (DeviceInfo caps "qos_shaping")
         if edge is None:
             from vrnic.backend.pyverbs_edge import PyverbsEdge  # pyverbs only where a real device is used
 
@@ -190,7 +191,8 @@ class VerbsDriver(RnicDriver):
                 engine = functools.partial(SharedRingEngine, busy_poll=busy_poll)
             session = session_type(vrnic, self.registry, device, memory, cred, doorbell_fd=doorbell_fd,
                                    notify_fd=notify_fd, engine_factory=engine, disconnect=disconnect,
-                                   guard=self.guard, qos=self._shapers.get(vrnic.device), cm=self.cm)
+                                   guard=self.guard, qos=self._shapers.get(vrnic.device), cm=self.cm,
+                                   qos_drain_kbit=functools.partial(self._qos_drain_kbit, vrnic.device, vrnic.spec.id))
             self.registry.attach(vrnic, session, vm_domain)
         except BaseException:
             if session is not None:
@@ -370,7 +372,8 @@ class VerbsDriver(RnicDriver):
             return GuestSession(vrnic, self.registry, device, memory, cred, doorbell_fd=doorbell, notify_fd=None,
                                 engine_factory=functools.partial(SharedRingEngine, busy_poll=busy),
                                 disconnect=link.session_failed, guard=self.guard,
-                                qos=self._shapers.get(vrnic.device), cm=self.cm)
+                                qos=self._shapers.get(vrnic.device), cm=self.cm,
+                                qos_drain_kbit=functools.partial(self._qos_drain_kbit, vrnic.device, vrnic.spec.id))
         except BaseException:
             if device is not None:
                 device.close()
@@ -467,6 +470,24 @@ class VerbsDriver(RnicDriver):
                                                              or self.qos_link_mbps)
         others = [v.spec.qos for v in self.registry.all_on(device) if v.spec.id != vrnic_id]
         admit(link, others, policy)
+
+    def _qos_drain_kbit(self, device: str, vrnic_id: str) -> int | None:
+        """The rate the vRNIC's class on the device drains at, with every vRNIC there shaped as it asks (as
+        they are once any asks; it may not yet); None if the device cannot shape or has no known link speed.
+        Takes no QoS lock: a session asks under its own lock, and _qos_refresh takes them the other way."""
+        if device not in self._can_shape:
+            self._can_shape[device] = bool(self.edge.describe(device).caps.get("qos_shaping"))
+        if not self._can_shape[device]:
+            return None
+        shaper = self._shapers.get(device)
+        try:
+            link = shaper.link_mbps if shaper is not None else (link_speed_mbps(uplink_netdev(device))
+                                                                 or self.qos_link_mbps)
+        except NotSupported:
+            return None
+        if link is None:
+            return None
+        return drain_kbit(link, {v.spec.id: v.spec.qos for v in self.registry.all_on(device)}, vrnic_id)
 
     def _qos_refresh(self, device: str) -> None:
         """QoS is on for a device while any vRNIC on it asks for it; then every vRNIC on it has a class, and
