@@ -156,6 +156,10 @@ class Context(_Resource):
             raise VrnicError("the context is closed")
         return self.channel.call(op, **args)
 
+    def null_rpc(self) -> None:
+        """An empty round trip to vrnicd: the floor under every control verb (benchmarks)."""
+        self.call("null_rpc")
+
     def query_device(self) -> dict[str, Any]:
         return self.call("query_device")
 
@@ -341,42 +345,80 @@ class CQ(_Resource):
         self.closed = True
 
 
+def _ring_addrs(buffers: list[tuple[Buffer, Buffer]]) -> dict[str, int]:
+    return {"sq_ring": buffers[0][0].addr, "rq_ring": buffers[0][1].addr} if buffers else {}
+
+
 class QP(_Resource):
+    pd: PD
+    qp_type: str
+    direct: DirectQp | None
+    handle: int
+    qpn: int  # virtual: what a peer names this QP by
+    sq_buffer: Buffer  # the shared-ring engine's rings, in the arena
+    rq_buffer: Buffer
+    sq: Ring
+    rq: Ring
+
     def __init__(self, pd: PD, send_cq: CQ, recv_cq: CQ, qp_type: str = "rc", max_send_wr: int = 64,
                  max_recv_wr: int = 64, max_sge: int = 1) -> None:
-        self.pd = pd
+        (made,) = QP.create_many(pd, send_cq, recv_cq, 1, qp_type, max_send_wr, max_recv_wr, max_sge)
+        self.__dict__.update(made.__dict__)
+
+    @classmethod
+    def create_many(cls, pd: PD, send_cq: CQ, recv_cq: CQ, count: int, qp_type: str = "rc", max_send_wr: int = 64,
+                    max_recv_wr: int = 64, max_sge: int = 1) -> list[QP]:
+        """count QPs of one shape in one round trip to vrnicd (create_qps): all of them, or none."""
         ctx = pd.ctx
-        self.qp_type = qp_type
-        self.direct: DirectQp | None = None
-        if ctx.direct is not None:  # the NIC's own queues, mapped here
-            reply = ctx.call("create_qp", pd=pd.handle, send_cq=send_cq.handle, recv_cq=recv_cq.handle,
-                             qp_type=qp_type, max_send_wr=max_send_wr, max_recv_wr=max_recv_wr, max_sge=max_sge)
-            self.handle = int(reply["qp"])
-            self.qpn = int(reply["qpn"])
-            try:
-                self.direct = DirectQp(ctx.direct, self.handle, reply)
-            except BaseException:
-                ctx.call("destroy_qp", qp=self.handle)
-                raise
-            return
-        self.sq_buffer = ctx.alloc(Ring.bytes_needed(max_send_wr, SQ_SLOT.size))
-        self.rq_buffer = ctx.alloc(Ring.bytes_needed(max_recv_wr, RQ_SLOT.size))
+        shape = {"pd": pd.handle, "send_cq": send_cq.handle, "recv_cq": recv_cq.handle, "qp_type": qp_type,
+                 "max_send_wr": max_send_wr, "max_recv_wr": max_recv_wr, "max_sge": max_sge}
+        buffers: list[tuple[Buffer, Buffer]] = []
         try:
-            reply = ctx.call("create_qp", pd=pd.handle, send_cq=send_cq.handle, recv_cq=recv_cq.handle,
-                             qp_type=qp_type, max_send_wr=max_send_wr, max_recv_wr=max_recv_wr, max_sge=max_sge,
-                             sq_ring=self.sq_buffer.addr, rq_ring=self.rq_buffer.addr)
+            if ctx.direct is None:  # the shared-ring engine: the rings live in the arena
+                for _ in range(count):
+                    sq = ctx.alloc(Ring.bytes_needed(max_send_wr, SQ_SLOT.size))
+                    buffers.append((sq, ctx.alloc(Ring.bytes_needed(max_recv_wr, RQ_SLOT.size))))
+            if count == 1:  # the plain verb, understood by every vrnicd
+                replies = [ctx.call("create_qp", **shape, **_ring_addrs(buffers[:1]))]
+            else:
+                replies = ctx.call("create_qps", qps=[{**shape, **_ring_addrs(buffers[i:i + 1])}
+                                                      for i in range(count)])["qps"]
         except BaseException:
-            ctx.free(self.sq_buffer)
-            ctx.free(self.rq_buffer)
+            for pair in buffers:
+                for buffer in pair:
+                    ctx.free(buffer)
             raise
-        self.handle = int(reply["qp"])
-        self.qpn = int(reply["qpn"])  # virtual: what a peer names this QP by
-        self.sq = Ring(ctx.view, self.sq_buffer.offset, max_send_wr, SQ_SLOT, ctx.words)
-        self.rq = Ring(ctx.view, self.rq_buffer.offset, max_recv_wr, RQ_SLOT, ctx.words)
+        qps: list[QP] = []
+        for index, reply in enumerate(replies):
+            qp = cls.__new__(cls)
+            qp.pd, qp.qp_type, qp.direct = pd, qp_type, None
+            qp.handle = int(reply["qp"])
+            qp.qpn = int(reply["qpn"])
+            if ctx.direct is not None:  # the NIC's own queues, mapped here
+                try:
+                    qp.direct = DirectQp(ctx.direct, qp.handle, reply)
+                except BaseException:
+                    for left in replies[index:]:
+                        ctx.call("destroy_qp", qp=int(left["qp"]))
+                    for made in qps:
+                        made.close()
+                    raise
+            else:
+                qp.sq_buffer, qp.rq_buffer = buffers[index]
+                qp.sq = Ring(ctx.view, qp.sq_buffer.offset, max_send_wr, SQ_SLOT, ctx.words)
+                qp.rq = Ring(ctx.view, qp.rq_buffer.offset, max_recv_wr, RQ_SLOT, ctx.words)
+            qps.append(qp)
+        return qps
 
     def connect(self, remote_gid: str, remote_qpn: int, access: int = 15) -> None:
         """INIT -> RTR -> RTS towards a peer named by its virtual GID and virtual QPN."""
         self.pd.ctx.call("connect", qp=self.handle, remote_gid=remote_gid, remote_qpn=remote_qpn, access=access)
+
+    @staticmethod
+    def connect_many(ctx: Context, connections: Iterable[tuple[QP, str, int]], access: int = 15) -> None:
+        """connect for each (QP, remote GID, remote QPN), in one round trip (connect_qps): all, or none."""
+        ctx.call("connect_qps", connections=[{"qp": qp.handle, "remote_gid": gid, "remote_qpn": qpn,
+                                              "access": access} for qp, gid, qpn in connections])
 
     def modify(self, state: str, **attrs: Any) -> None:
         self.pd.ctx.call("modify_qp", qp=self.handle, state=state, **attrs)
