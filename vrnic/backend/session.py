@@ -85,6 +85,7 @@ class GuestSession:
         self.dirty: DirtyLog | None = None  # while its VM migrates: what the NIC and vrnicd wrote
         self.staged = False  # a migration's destination session: built, not yet published or serving
         self.engine = engine_factory(self)
+        self._may_run = self._engine_running = False
         LIVE_SESSIONS.add(self)
 
     @property
@@ -92,7 +93,16 @@ class GuestSession:
         return self._closed
 
     def start(self) -> None:
-        self.engine.start()
+        """Let the engine run. Its thread starts with the first QP: until then it has nothing to move, and
+        starting and stopping it cost more than a whole attach without QPs (issue 14)."""
+        self._may_run = True
+        if len(self.state.qps):
+            self._run_engine()
+
+    def _run_engine(self) -> None:
+        if self._may_run and not self._engine_running:
+            self._engine_running = True
+            self.engine.start()
 
     # ----- dispatch ----------------------------------------------------------------------------
     def handle(self, op: str, raw_args: dict[str, Any]) -> dict[str, Any]:
@@ -291,6 +301,7 @@ class GuestSession:
             self._classify(qp, None)
         if not self.staged:
             self.registry.publish_qp(self.vrnic, qp.vqpn, phys_qpn)
+        self._run_engine()
         return {"qp": qp.handle, "qpn": qp.vqpn}
 
     def op_destroy_qp(self, args: verb_args.QpRef) -> dict[str, Any]:
