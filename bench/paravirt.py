@@ -125,3 +125,27 @@ def run(native_records: list[Record]) -> list[Record]:
     native = {r.name: r.value for r in native_records}
     with vrnicd(2) as infos:
         return control_verbs(infos, native) + connect_and_data(infos, native) + setup_qp_pairs(infos, native)
+
+
+def control_only() -> list[Record]:
+    """The control-path records alone (issue 14), with their native baselines, for a quick lab run:
+    `vrnic lab run -- python -m bench.paravirt` writes bench/results/control.json and prints the table."""
+    from bench import native_verbs
+
+    native = (native_verbs.control_verbs() + native_verbs.connect_and_data()[:1]
+              + native_verbs.setup_qp_pairs())
+    baseline = {r.name: r.value for r in native}
+    with vrnicd(2) as infos:
+        mediated = (control_verbs(infos, baseline)
+                    + [r for r in connect_and_data(infos, baseline) if r.name == "paravirt.connect_qp_pair"]
+                    + setup_qp_pairs(infos, baseline))
+    return native + mediated
+
+
+if __name__ == "__main__":
+    from bench.harness import RESULTS, write
+    from bench.run import show
+
+    records = control_only()
+    write(records, RESULTS / "control.json")
+    show(records)

@@ -7,6 +7,7 @@ plain data, and the file descriptor of a completion channel (for select()).
 from __future__ import annotations
 
 import errno as errnos
+import functools
 import ipaddress
 import os
 import threading
@@ -158,8 +159,10 @@ QP_STATES = {e.IBV_QPS_RESET: "reset", e.IBV_QPS_INIT: "init", e.IBV_QPS_RTR: "r
              e.IBV_QPS_SQD: "sqd", e.IBV_QPS_SQE: "sqe", e.IBV_QPS_ERR: "err"}
 
 
+@functools.lru_cache(maxsize=1024)
 def _gid(text: str) -> GID:
-    """pyverbs parses only the fully written-out form (8 groups of 4 hex digits)."""
+    """pyverbs parses only the fully written-out form (8 groups of 4 hex digits). Cached: parsing it (and
+    pyverbs' GID, which looks up a logger) was a tenth of connecting a QP; a route copies the GID it is given."""
     return GID(ipaddress.IPv6Address(text).exploded)
 
 
