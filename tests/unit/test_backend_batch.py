@@ -9,8 +9,9 @@ import pytest
 from vrnic.backend.fake_edge import FakeEdge
 from vrnic.core.specs import AttachInfo
 from vrnic.core.verb_args import MAX_BATCH
-from vrnic.errors import InvalidArgument, NotFound, QuotaExceeded
+from vrnic.errors import Conflict, InvalidArgument, NotFound, QuotaExceeded
 from vrnic.frontend import CQ, MR, PD, QP, Access, Context, SendRequest, WcStatus, WrOpcode
+from vrnic.frontend.guest_library import PD_POOL
 
 ARENA = 4 << 20
 ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
@@ -91,3 +92,37 @@ def test_connect_qps_is_all_or_nothing(make_vrnic: Callable[..., AttachInfo]) ->
             QP.connect_many(ca, [(qas[0], cb.gid, qbs[0].qpn), (qas[0], cb.gid, qbs[1].qpn)])
         QP.connect_many(ca, connections[:2])
         assert [qp.query()["state"] for qp in qas] == ["rts", "rts", "reset"]
+
+
+def test_pds_are_handed_out_from_a_pool_that_counts_against_the_quota(
+        make_vrnic: Callable[..., AttachInfo], edge: FakeEdge) -> None:
+    with Context.attach(make_vrnic(), ARENA) as ctx:
+        live = len(edge.live)
+        first = PD(ctx)
+        assert ctx.call("query_device")["quota_used"]["pd"] == PD_POOL  # one alloc_pds filled the pool
+        assert len(edge.live) == live + PD_POOL  # real PDs on the NIC, not promises
+        others = [PD(ctx) for _ in range(PD_POOL - 1)]
+        assert len({pd.handle for pd in [first, *others]}) == PD_POOL
+        assert ctx.call("query_device")["quota_used"]["pd"] == PD_POOL  # handouts: no more PDs
+        first.close()
+        again = PD(ctx)
+        assert again.handle == first.handle  # a closed PD went back to the pool
+        mr = MR(again, 4096, ALL)  # and works as any PD
+        with pytest.raises(Conflict, match="still has 1"):
+            again.close()
+        mr.close()
+        again.close()
+    assert len(edge.live) == live  # the pool goes with the context
+
+
+def test_the_pd_pool_stops_at_the_quota(make_vrnic: Callable[..., AttachInfo]) -> None:
+    with Context.attach(make_vrnic(max_pds=2), ARENA) as ctx:
+        a, b = PD(ctx), PD(ctx)
+        assert ctx.call("query_device")["quota_used"]["pd"] == 2
+        with pytest.raises(QuotaExceeded):
+            PD(ctx)
+        a.close()
+        assert PD(ctx).handle == a.handle
+        with pytest.raises(InvalidArgument, match="alloc_pds: count"):
+            ctx.call("alloc_pds", count=0)
+        assert b.handle != a.handle

@@ -41,7 +41,7 @@ from vrnic.core.session_state import (
     SessionState,
 )
 from vrnic.core.translate import MrWindow
-from vrnic.errors import Conflict, InvalidArgument, NotFound, VrnicError
+from vrnic.errors import Conflict, InvalidArgument, NotFound, QuotaExceeded, VrnicError
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +214,18 @@ class GuestSession:
                 self.device.destroy(pd.obj)
                 raise
         return {"pd": pd.handle}
+
+    def op_alloc_pds(self, args: verb_args.AllocPds) -> dict[str, Any]:
+        """Up to args.count PDs within the quota, at least one (else the quota error of the first)."""
+        handles: list[int] = []
+        for _ in range(args.count):
+            try:
+                handles.append(self.op_alloc_pd(verb_args.NoArgs())["pd"])
+            except QuotaExceeded:
+                if not handles:
+                    raise
+                break
+        return {"pds": handles}
 
     def op_dealloc_pd(self, args: verb_args.PdRef) -> dict[str, Any]:
         self.device.destroy(self.state.take_pd(args.pd).obj)

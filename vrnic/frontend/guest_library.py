@@ -26,7 +26,7 @@ from vrnic.core.rings import (
     pack_send,
     unpack_completion,
 )
-from vrnic.errors import DeviceError, InvalidArgument, VrnicError
+from vrnic.errors import Conflict, DeviceError, InvalidArgument, VrnicError
 from vrnic.frontend.channel import DEFAULT_PORT, Channel, PortChannel, UnixChannel
 from vrnic.frontend.direct import DirectCq, DirectDevice, DirectQp
 from vrnic.frontend.memory import Arena, MemfdArena, VmArena
@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # pydantic: not imported in a VM guest
     from vrnic.core.specs import AttachInfo
 
 DEFAULT_ARENA = 16 << 20
+PD_POOL = 8  # PDs a context asks vrnicd for at once (fewer when the quota leaves less room)
 DEFAULT_VM_ARENA = 8 << 20  # four 2 MiB hugepages
 VM_POLL_SLEEP_S = 0.0002  # a VM guest has no completion eventfd: it polls, sleeping this long between polls
 DIRECT_SPIN_S = 0.02  # a direct guest polls the NIC's CQ as native verbs programs do: it spins this long, then naps
@@ -126,6 +127,7 @@ class Context(_Resource):
         except BaseException:
             self._release_local()
             raise
+        self.spare_pds: list[int] = []  # PDs vrnicd allocated for this context and no PD object holds
         self.vrnic_id: str = info["vrnic_id"]
         self.gid: str = info["virtual_gid"]
         self.ip: str | None = info.get("virtual_ip")  # its address in the VPC, if it has one (frontend.cm)
@@ -210,13 +212,26 @@ class Context(_Resource):
 
 
 class PD(_Resource):
+    """A protection domain, handed out from the context's pool of PDs (pre-setup): vrnicd allocates up to
+    PD_POOL of them in one request (within the quota, which they count against), and a PD closed here goes back
+    to the pool, so creating one is no round trip. The pool goes with the context."""
+
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self.handle = int(ctx.call("alloc_pd")["pd"])
+        self.users = 0  # MRs and QPs on it: as vrnicd does, a PD in use is not given up
+        if ctx.closed or ctx.channel is None:
+            raise VrnicError("the context is closed")
+        if not ctx.spare_pds:
+            ctx.spare_pds = [int(h) for h in ctx.call("alloc_pds", count=PD_POOL)["pds"]][::-1]
+        self.handle = ctx.spare_pds.pop()
 
     def close(self) -> None:
-        if not self.closed and not self.ctx.closed:
-            self.ctx.call("dealloc_pd", pd=self.handle)
+        if self.closed:
+            return
+        if self.users:
+            raise Conflict(f"PD {self.handle} still has {self.users} MR(s)/QP(s)", current_state="in_use")
+        if not self.ctx.closed:
+            self.ctx.spare_pds.append(self.handle)
         self.closed = True
 
 
@@ -234,6 +249,7 @@ class MR(_Resource):
             if self.owned:
                 pd.ctx.free(self.buffer)
             raise
+        pd.users += 1
         self.handle = int(reply["mr"])
         self.lkey = int(reply["lkey"])
         self.rkey = int(reply["rkey"])
@@ -265,6 +281,8 @@ class MR(_Resource):
             self.pd.ctx.call("dereg_mr", mr=self.handle)
             if self.owned:
                 self.pd.ctx.free(self.buffer)
+        if not self.closed:
+            self.pd.users -= 1
         self.closed = True
 
 
@@ -408,6 +426,7 @@ class QP(_Resource):
                 qp.sq = Ring(ctx.view, qp.sq_buffer.offset, max_send_wr, SQ_SLOT, ctx.words)
                 qp.rq = Ring(ctx.view, qp.rq_buffer.offset, max_recv_wr, RQ_SLOT, ctx.words)
             qps.append(qp)
+            pd.users += 1
         return qps
 
     def connect(self, remote_gid: str, remote_qpn: int, access: int = 15) -> None:
@@ -463,4 +482,6 @@ class QP(_Resource):
             else:
                 ctx.free(self.sq_buffer)
                 ctx.free(self.rq_buffer)
+        if not self.closed:
+            self.pd.users -= 1
         self.closed = True
