@@ -132,13 +132,10 @@ def control_only() -> list[Record]:
     `vrnic lab run -- python -m bench.paravirt` writes bench/results/control.json and prints the table."""
     from bench import native_verbs
 
-    native = (native_verbs.control_verbs() + native_verbs.connect_and_data()[:1]
-              + native_verbs.setup_qp_pairs())
+    native = native_verbs.control_verbs() + native_verbs.connect_and_data() + native_verbs.setup_qp_pairs()
     baseline = {r.name: r.value for r in native}
     with vrnicd(2) as infos:
-        mediated = (control_verbs(infos, baseline)
-                    + [r for r in connect_and_data(infos, baseline) if r.name == "paravirt.connect_qp_pair"]
-                    + setup_qp_pairs(infos, baseline))
+        mediated = control_verbs(infos, baseline) + connect_and_data(infos, baseline) + setup_qp_pairs(infos, baseline)
     return native + mediated
 
 
