@@ -15,7 +15,7 @@ from pyverbs.qp import QP, QPCap, QPInitAttr
 
 from bench.harness import Record, median_ms
 from vrnic.lab.latency import native_ping_pong_us
-from vrnic.lab.native import ACCESS, RcEndpoint
+from vrnic.lab.native import ACCESS, RcEndpoint, connect_rc
 
 
 def control_verbs(device: str = "rxe0", repeat: int = 50) -> list[Record]:
@@ -87,5 +87,28 @@ def connect_and_data(pair: tuple[str, str] = ("rxe0", "rxe1"), repeat: int = 20)
     return records
 
 
+def setup_qp_pairs(count: int = 64, pair: tuple[str, str] = ("rxe0", "rxe1"), repeat: int = 5) -> list[Record]:
+    """count RC QPs on each device and each pair connected (INIT, RTR, RTS on both sides), with one PD and one CQ
+    per side already there: what paravirt.setup_64_qp_pairs does through vrnicd in batches."""
+    def setup():  # type: ignore[no-untyped-def]
+        sides = [RcEndpoint(name) for name in pair]
+        started = time.perf_counter()
+        qps = [[QP(side.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=side.cq, rcq=side.cq,
+                                       cap=QPCap(max_send_wr=64, max_recv_wr=64, max_send_sge=1, max_recv_sge=1)))
+                for _ in range(count)] for side in sides]
+        for i in range(count):
+            for me, peer in ((0, 1), (1, 0)):
+                connect_rc(qps[me][i], sides[peer].gid, qps[peer][i].qp_num, sides[me].gid_index)
+        elapsed = (time.perf_counter() - started) * 1e3
+        for side, mine in zip(sides, qps, strict=True):
+            for qp in mine:
+                qp.close()
+            side.close()
+        return elapsed
+
+    samples = sorted(setup() for _ in range(repeat))
+    return [Record(f"native.setup_{count}_qp_pairs", "ms", samples[len(samples) // 2])]
+
+
 def run() -> list[Record]:
-    return control_verbs() + connect_and_data()
+    return control_verbs() + connect_and_data() + setup_qp_pairs()

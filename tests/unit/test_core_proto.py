@@ -8,6 +8,7 @@ import struct
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from vrnic.core.proto import (
     HEADER,
@@ -213,6 +214,31 @@ def test_parse_request_id_bounds() -> None:
 def test_parse_request_refuses_malformed_messages(message: dict[str, object]) -> None:
     with pytest.raises(ProtocolError, match="malformed request"):
         parse_request(message)
+
+
+envelopes = st.fixed_dictionaries({}, optional={
+    "id": st.none() | st.booleans() | st.integers(-3, 3) | st.integers(-(1 << 64), 1 << 64) | st.floats(0, 9)
+    | st.text(max_size=3),
+    "op": st.none() | st.integers(0, 9) | st.text(max_size=66),
+    "args": json_values,
+    "extra": json_values,
+})
+
+
+@settings(deadline=None, max_examples=400)
+@given(envelopes)
+def test_parse_request_accepts_exactly_what_the_request_model_accepts(message: dict[str, object]) -> None:
+    """The hand-written envelope check (the hot path) is the strict Request model, no looser and no stricter."""
+    try:
+        expected: Request | None = Request.model_validate(message)
+    except ValidationError:
+        expected = None
+    if expected is None:
+        with pytest.raises(ProtocolError, match="malformed request"):
+            parse_request(message)
+    else:
+        got = parse_request(message)
+        assert (got.id, got.op, got.args) == (expected.id, expected.op, expected.args)
 
 
 def test_reply_ok_shapes() -> None:

@@ -41,6 +41,7 @@ from pydantic import ValidationError
 
 from vrnic.backend.attachment import AttachedSession, PeerCred, SessionOpener
 from vrnic.core import verb_args
+from vrnic.core.framing import fds_of
 from vrnic.core.proto import FrameDecoder, ProtocolError, Request, encode, parse_request, reply_error, reply_ok
 from vrnic.errors import Conflict, InvalidArgument, VrnicError
 
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 
 RECV_BYTES = 65536
 MAX_FDS = 3
+_FDS_SPACE = socket.CMSG_SPACE(MAX_FDS * 4)
 _UCRED = struct.Struct("3i")
 EVICTION_LOG_INTERVAL_S = 10.0
 
@@ -293,14 +295,16 @@ class ChannelServer:
             _send(conn, reply_ok(request.id, session.attach_result()), session.attach_fds())
             if self._serve_messages(conn, session, backlog):
                 return
+            buffer = memoryview(bytearray(RECV_BYTES))  # one per guest, not 64 KiB allocated per request
             while not self._stopping.is_set():
                 try:
-                    data, extra_fds, _flags, _addr = socket.recv_fds(conn, RECV_BYTES, MAX_FDS)
+                    size, ancillary, _flags, _addr = conn.recvmsg_into([buffer], _FDS_SPACE)
                 except OSError:
                     return
-                _close_fds(extra_fds)  # an attached guest has nothing more to hand over
-                if not data:
+                _close_fds(fds_of(ancillary))  # an attached guest has nothing more to hand over
+                if not size:
                     return
+                data = buffer[:size]
                 try:
                     messages = pending.decoder.feed(data)
                 except ProtocolError as exc:

@@ -84,7 +84,7 @@ class DirectEngine(DataPathEngine):
     def wake(self) -> None:
         return None
 
-    def drain_queues(self) -> int:
+    def drain_queues(self, qps: list[QpEntry] | None = None) -> int:
         return 0  # posted WRs are already in the NIC's queues
 
     def stop(self) -> None:

@@ -104,8 +104,9 @@ class DataPathEngine(ABC):
         """Something changed (a queue was created or destroyed): look again."""
 
     @abstractmethod
-    def drain_queues(self) -> int:
-        """Move every posted WR to the NIC now (the caller holds the session lock); how many moved."""
+    def drain_queues(self, qps: list[QpEntry] | None = None) -> int:
+        """Move the WRs posted to qps (all QPs by default) to the NIC now (the caller holds the session lock);
+        how many moved."""
 
     @abstractmethod
     def stop(self) -> None:
@@ -149,9 +150,9 @@ class SharedRingEngine(DataPathEngine):
             self._thread.join(timeout=10)
         os.close(self._wake_fd)
 
-    def drain_queues(self) -> int:
+    def drain_queues(self, qps: list[QpEntry] | None = None) -> int:
         before = self.posted + self.recvs_posted
-        for _, qp in self.host.state.qps.items():
+        for qp in qps if qps is not None else [q for _, q in self.host.state.qps.items()]:
             self._drain_queues(qp)
         return self.posted + self.recvs_posted - before
 

@@ -7,6 +7,7 @@ plain data, and the file descriptor of a completion channel (for select()).
 from __future__ import annotations
 
 import errno as errnos
+import functools
 import ipaddress
 import os
 import threading
@@ -158,8 +159,10 @@ QP_STATES = {e.IBV_QPS_RESET: "reset", e.IBV_QPS_INIT: "init", e.IBV_QPS_RTR: "r
              e.IBV_QPS_SQD: "sqd", e.IBV_QPS_SQE: "sqe", e.IBV_QPS_ERR: "err"}
 
 
+@functools.lru_cache(maxsize=1024)
 def _gid(text: str) -> GID:
-    """pyverbs parses only the fully written-out form (8 groups of 4 hex digits)."""
+    """pyverbs parses only the fully written-out form (8 groups of 4 hex digits). Cached: parsing it (and
+    pyverbs' GID, which looks up a logger) was a tenth of connecting a QP; a route copies the GID it is given."""
     return GID(ipaddress.IPv6Address(text).exploded)
 
 
@@ -173,10 +176,17 @@ class _Cq:
         close_quietly(self.real, self.channel)
 
 
+SPARE_CHANNELS = 64  # completion channels a context keeps from destroyed CQs, for the next create_cq
+
+
 class PyverbsContext(DeviceContext):
     def __init__(self, name: str) -> None:
         self.name = name
         self.ctx = open_context(name)
+        # A destroyed CQ's completion channel serves the next CQ: finding a new channel's fd lists /proc/self/fd
+        # twice, which cost more than the CQ itself (issue 14). Destroying a CQ drops its pending events from
+        # the channel (the kernel's ib_uverbs_release_ucq), so a reused channel carries none of the old CQ's.
+        self._spare_channels: list[tuple[CompChannel, int | None]] = []
 
     def query_device(self) -> DeviceLimits:
         with device_errors("query device"):
@@ -199,7 +209,7 @@ class PyverbsContext(DeviceContext):
         return mr, mr.lkey, mr.rkey
 
     def create_cq(self, cqe: int) -> _Cq:
-        channel, fd = comp_channel_with_fd(self.ctx)
+        channel, fd = self._spare_channels.pop() if self._spare_channels else comp_channel_with_fd(self.ctx)
         try:
             with device_errors("create CQ"):
                 return _Cq(CQ(self.ctx, cqe, None, channel, 0), channel, fd)
@@ -313,10 +323,20 @@ class PyverbsContext(DeviceContext):
             pass  # no event pending: a stale wake-up
 
     def destroy(self, *objects: Any) -> None:
-        close_quietly(*objects)
+        for obj in objects:
+            if isinstance(obj, _Cq) and obj.fd is not None and len(self._spare_channels) < SPARE_CHANNELS:
+                try:
+                    obj.real.close()
+                except PyverbsError:  # the CQ may live on: so does its channel
+                    close_quietly(obj)
+                    continue
+                self._spare_channels.append((obj.channel, obj.fd))
+            else:
+                close_quietly(obj)
 
     def close(self) -> None:
-        close_quietly(self.ctx)
+        spares, self._spare_channels = self._spare_channels, []
+        close_quietly(*(channel for channel, _ in spares), self.ctx)
 
 
 class PyverbsEdge(RnicEdge):

@@ -42,11 +42,16 @@ from vrnic.core.session_state import (
     SessionState,
 )
 from vrnic.core.translate import MrWindow
-from vrnic.errors import Conflict, InvalidArgument, NotFound, VrnicError
+from vrnic.errors import Conflict, InvalidArgument, NotFound, QuotaExceeded, VrnicError
 
 log = logging.getLogger(__name__)
 
-ENGINE_OPS = frozenset({"create_qp", "create_cq", "destroy_qp", "destroy_cq", "busy_poll"})
+# Ops after which the engine must look again at once. Creating or destroying a queue needs no wake-up: a new
+# queue has nothing to move until the guest posts (its doorbell wakes the engine, which then arms the new CQ),
+# and a destroyed one is gone from the tables the engine reads under the lock. Waking on every create made the
+# engine thread compete with the verb for the CPU (issue 14).
+ENGINE_OPS = frozenset({"busy_poll"})
+RESOLVED_OPS = frozenset({"connect", "modify_qp"})
 LIVE_SESSIONS: weakref.WeakSet[GuestSession] = weakref.WeakSet()  # for the daemon's debug dump (SIGUSR1)
 
 
@@ -84,6 +89,7 @@ class GuestSession:
         self.dirty: DirtyLog | None = None  # while its VM migrates: what the NIC and vrnicd wrote
         self.staged = False  # a migration's destination session: built, not yet published or serving
         self.engine = engine_factory(self)
+        self._may_run = self._engine_running = False
         LIVE_SESSIONS.add(self)
 
     @property
@@ -91,7 +97,16 @@ class GuestSession:
         return self._closed
 
     def start(self) -> None:
-        self.engine.start()
+        """Let the engine run. Its thread starts with the first QP: until then it has nothing to move, and
+        starting and stopping it cost more than a whole attach without QPs (issue 14)."""
+        self._may_run = True
+        if len(self.state.qps):
+            self._run_engine()
+
+    def _run_engine(self) -> None:
+        if self._may_run and not self._engine_running:
+            self._engine_running = True
+            self.engine.start()
 
     # ----- dispatch ----------------------------------------------------------------------------
     def handle(self, op: str, raw_args: dict[str, Any]) -> dict[str, Any]:
@@ -110,7 +125,9 @@ class GuestSession:
             unlocked: dict[str, Any] = getattr(self, f"op_{op}")(args)
             return unlocked
         # A peer on another host is looked up before the lock is taken: the engine does not wait for that agent.
-        resolved = self._remote_peer(args) if op in ("connect", "modify_qp") else None
+        resolved: Any = self._remote_peer(args) if op in RESOLVED_OPS else None
+        if isinstance(args, verb_args.ConnectQps):
+            resolved = [self._remote_peer(c) for c in args.connections]
         with self.lock:
             if self._closed:
                 raise Conflict("the session is closed", current_state="detached")
@@ -202,6 +219,18 @@ class GuestSession:
                 raise
         return {"pd": pd.handle}
 
+    def op_alloc_pds(self, args: verb_args.AllocPds) -> dict[str, Any]:
+        """Up to args.count PDs within the quota, at least one (else the quota error of the first)."""
+        handles: list[int] = []
+        for _ in range(args.count):
+            try:
+                handles.append(self.op_alloc_pd(verb_args.NoArgs())["pd"])
+            except QuotaExceeded:
+                if not handles:
+                    raise
+                break
+        return {"pds": handles}
+
     def op_dealloc_pd(self, args: verb_args.PdRef) -> dict[str, Any]:
         self.device.destroy(self.state.take_pd(args.pd).obj)
         return {}
@@ -288,13 +317,14 @@ class GuestSession:
             self._classify(qp, None)
         if not self.staged:
             self.registry.publish_qp(self.vrnic, qp.vqpn, phys_qpn)
+        self._run_engine()
         return {"qp": qp.handle, "qpn": qp.vqpn}
 
     def op_destroy_qp(self, args: verb_args.QpRef) -> dict[str, Any]:
-        self.state.qps.get(args.qp)  # an unknown handle is refused before anything moves
+        qp = self.state.qps.get(args.qp)  # an unknown handle is refused before anything moves
         # Program order, as for modify_qp: WRs the guest posted before destroying the QP reach the NIC first (a
         # native post_send has put them there on return), rather than vanish with the rings.
-        self.engine.drain_queues()
+        self.engine.drain_queues([qp])
         self._destroy_qp(self.state.take_qp(args.qp))
         return {}
 
@@ -318,8 +348,9 @@ class GuestSession:
         """resolved: the peer and physical QPN of an RTR, looked up beforehand without the session lock."""
         qp = self.state.qps.get(args.qp)
         # Program order: WRs the guest posted before this call reach the NIC before the transition
-        # (a receive posted, then ERR, must be flushed, not lost in the ring).
-        self.engine.drain_queues()
+        # (a receive posted, then ERR, must be flushed, not lost in the ring). Only this QP's: the others' WRs
+        # do not depend on its state, and draining all of them made connecting N QPs cost O(N^2).
+        self.engine.drain_queues([qp])
         if args.state == "init":
             self.device.qp_to_init(qp.obj, qp.qp_type, args.access, args.qkey)
             qp.access, qp.qkey = args.access, args.qkey
@@ -448,6 +479,45 @@ class GuestSession:
                                                  remote_gid=args.remote_gid, remote_qpn=args.remote_qpn),
                               resolved=resolved if state == "rtr" else None)
         return {"state": "rts"}
+
+    def op_null_rpc(self, _: verb_args.NoArgs) -> dict[str, Any]:
+        """An empty round trip through the whole dispatch (checks, lock): the floor under every verb."""
+        return {}
+
+    def op_create_qps(self, args: verb_args.CreateQps) -> dict[str, Any]:
+        """Several create_qp in one request: all of them, or none (the first failure is raised)."""
+        replies: list[dict[str, Any]] = []
+        try:
+            for item in args.qps:
+                replies.append(self.op_create_qp(item))
+        except BaseException:
+            for reply in reversed(replies):
+                with contextlib.suppress(VrnicError):
+                    self.op_destroy_qp(verb_args.QpRef(qp=reply["qp"]))
+            raise
+        return {"qps": replies}
+
+    def op_connect_qps(self, args: verb_args.ConnectQps,
+                       resolved: list[tuple[Peer, int] | None] | None = None) -> dict[str, Any]:
+        """Several connect in one request: all of them, or none (those connected go back to RESET)."""
+        handles = [c.qp for c in args.connections]
+        if len(set(handles)) != len(handles):
+            raise InvalidArgument("connect_qps names a QP twice")
+        qps = [self.state.qps.get(c.qp) for c in args.connections]  # every QP is checked before any moves
+        if any(qp.qp_type != "rc" for qp in qps):
+            raise InvalidArgument("connect is for RC QPs; UD QPs name their peer per work request")
+        was_reset = [qp.state == "reset" for qp in qps]
+        index = 0
+        try:
+            for index, c in enumerate(args.connections):
+                self.op_connect(c, resolved=None if resolved is None else resolved[index])
+        except BaseException:
+            for qp, reset in zip(qps[:index + 1], was_reset, strict=False):  # the failed one may be half-way
+                if reset and qp.state != "reset":
+                    with contextlib.suppress(VrnicError):
+                        self.op_modify_qp(verb_args.ModifyQp(qp=qp.handle, state="reset"))
+            raise
+        return {"state": "rts", "connected": len(qps)}
 
     def op_resolve_rkey(self, _: verb_args.ResolveRkey) -> dict[str, Any]:
         raise InvalidArgument("resolve_rkey is for the direct engine; on this one vrnicd translates keys itself")

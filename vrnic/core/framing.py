@@ -8,7 +8,9 @@ virtio-serial port.
 
 from __future__ import annotations
 
+import array
 import json
+import socket
 import struct
 from typing import Any
 
@@ -33,13 +35,22 @@ def encode(message: dict[str, Any]) -> bytes:
     return HEADER.pack(MAGIC, VERSION, 0, len(body)) + body
 
 
+def fds_of(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors an SCM_RIGHTS message carried (what socket.recv_fds returns, from recvmsg_into)."""
+    fds: list[int] = []
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds += array.array("i", data[:len(data) - len(data) % 4])
+    return fds
+
+
 class FrameDecoder:
     """Incremental decoder: feed bytes, take whole messages. Errors are final for the stream."""
 
     def __init__(self) -> None:
         self._buffer = bytearray()
 
-    def feed(self, data: bytes) -> list[dict[str, Any]]:
+    def feed(self, data: bytes | memoryview) -> list[dict[str, Any]]:
         self._buffer += data
         messages = []
         while len(self._buffer) >= HEADER.size:

@@ -109,6 +109,29 @@ class Connect(Args):
     access: int = Field(15, ge=0, le=15)
 
 
+MAX_BATCH = 128  # objects one batched request may name: its reply stays well under the frame cap
+
+
+class CreateQps(Args):
+    """create_qp for each item, in one request: all are created, or none (the first failure is raised)."""
+
+    qps: list[CreateQp] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class ConnectQps(Args):
+    """connect for each item, in one request: all are connected, or none (those done go back to RESET)."""
+
+    connections: list[Connect] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class AllocPds(Args):
+    """Up to count PDs, as many as the quota leaves room for (at least one): the frontend's pool of PDs, so
+    that its later alloc_pd is a handout without a round trip. Pooled PDs are ordinary PDs of the session:
+    they count against the quota and go with the session."""
+
+    count: int = Field(ge=1, le=MAX_BATCH)
+
+
 class ResolveRkey(Args):
     """Direct engine: the physical rkey (and address base) behind a virtual rkey of qp's connected peer."""
 
@@ -169,6 +192,7 @@ OPS: dict[str, type[Args]] = {
     "create_cq": CreateCq, "destroy_cq": CqRef,
     "create_qp": CreateQp, "destroy_qp": QpRef, "modify_qp": ModifyQp, "query_qp": QpRef,
     "connect": Connect, "resolve_rkey": ResolveRkey, "translations": NoArgs,
+    "create_qps": CreateQps, "connect_qps": ConnectQps, "alloc_pds": AllocPds, "null_rpc": NoArgs,
     "busy_poll": BusyPoll, "sync": NoArgs, "detach": NoArgs,
     "resolve_ip": ResolveIp, "cm_listen": CmPort, "cm_unlisten": CmPort, "cm_get_request": CmGetRequest,
     "cm_accept": CmAccept, "cm_reject": CmReject, "cm_connect": CmConnect,

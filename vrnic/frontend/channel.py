@@ -16,11 +16,13 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
-from vrnic.core.framing import FrameDecoder, encode
+from vrnic.core.framing import FrameDecoder, encode, fds_of
 from vrnic.errors import NotFound, VrnicError, error_from_dict
 
 VIRTIO_PORTS = Path("/sys/class/virtio-ports")
 DEFAULT_PORT = "org.vrnic.0"
+RECV_BYTES = 65536
+_FDS_SPACE = socket.CMSG_SPACE(4 * 4)  # room for four descriptors
 
 
 class Channel(ABC):
@@ -84,6 +86,7 @@ class UnixChannel(Channel):
     def __init__(self, path: str) -> None:
         super().__init__()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._buffer = memoryview(bytearray(RECV_BYTES))
         try:
             self.sock.connect(path)
         except OSError as exc:
@@ -97,9 +100,10 @@ class UnixChannel(Channel):
             self.sock.sendall(data)
 
     def _recv(self) -> bytes:
-        data, fds, _flags, _addr = socket.recv_fds(self.sock, 65536, 4)
-        self.received_fds += fds
-        return data
+        # Into one buffer kept for the connection: recv_fds would allocate 64 KiB per reply.
+        size, ancillary, _flags, _addr = self.sock.recvmsg_into([self._buffer], _FDS_SPACE)
+        self.received_fds += fds_of(ancillary)
+        return self._buffer[:size].tobytes()
 
     def close(self) -> None:
         for fd in self.take_fds():

@@ -26,7 +26,7 @@ from vrnic.core.rings import (
     pack_send,
     unpack_completion,
 )
-from vrnic.errors import DeviceError, InvalidArgument, VrnicError
+from vrnic.errors import Conflict, DeviceError, InvalidArgument, VrnicError
 from vrnic.frontend.channel import DEFAULT_PORT, Channel, PortChannel, UnixChannel
 from vrnic.frontend.direct import DirectCq, DirectDevice, DirectQp
 from vrnic.frontend.memory import Arena, MemfdArena, VmArena
@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # pydantic: not imported in a VM guest
     from vrnic.core.specs import AttachInfo
 
 DEFAULT_ARENA = 16 << 20
+PD_POOL = 8  # PDs a context asks vrnicd for at once (fewer when the quota leaves less room)
 DEFAULT_VM_ARENA = 8 << 20  # four 2 MiB hugepages
 VM_POLL_SLEEP_S = 0.0002  # a VM guest has no completion eventfd: it polls, sleeping this long between polls
 DIRECT_SPIN_S = 0.02  # a direct guest polls the NIC's CQ as native verbs programs do: it spins this long, then naps
@@ -126,6 +127,7 @@ class Context(_Resource):
         except BaseException:
             self._release_local()
             raise
+        self.spare_pds: list[int] = []  # PDs vrnicd allocated for this context and no PD object holds
         self.vrnic_id: str = info["vrnic_id"]
         self.gid: str = info["virtual_gid"]
         self.ip: str | None = info.get("virtual_ip")  # its address in the VPC, if it has one (frontend.cm)
@@ -155,6 +157,10 @@ class Context(_Resource):
         if self.closed or self.channel is None:
             raise VrnicError("the context is closed")
         return self.channel.call(op, **args)
+
+    def null_rpc(self) -> None:
+        """An empty round trip to vrnicd: the floor under every control verb (benchmarks)."""
+        self.call("null_rpc")
 
     def query_device(self) -> dict[str, Any]:
         return self.call("query_device")
@@ -206,13 +212,26 @@ class Context(_Resource):
 
 
 class PD(_Resource):
+    """A protection domain, handed out from the context's pool of PDs (pre-setup): vrnicd allocates up to
+    PD_POOL of them in one request (within the quota, which they count against), and a PD closed here goes back
+    to the pool, so creating one is no round trip. The pool goes with the context."""
+
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self.handle = int(ctx.call("alloc_pd")["pd"])
+        self.users = 0  # MRs and QPs on it: as vrnicd does, a PD in use is not given up
+        if ctx.closed or ctx.channel is None:
+            raise VrnicError("the context is closed")
+        if not ctx.spare_pds:
+            ctx.spare_pds = [int(h) for h in ctx.call("alloc_pds", count=PD_POOL)["pds"]][::-1]
+        self.handle = ctx.spare_pds.pop()
 
     def close(self) -> None:
-        if not self.closed and not self.ctx.closed:
-            self.ctx.call("dealloc_pd", pd=self.handle)
+        if self.closed:
+            return
+        if self.users:
+            raise Conflict(f"PD {self.handle} still has {self.users} MR(s)/QP(s)", current_state="in_use")
+        if not self.ctx.closed:
+            self.ctx.spare_pds.append(self.handle)
         self.closed = True
 
 
@@ -230,6 +249,7 @@ class MR(_Resource):
             if self.owned:
                 pd.ctx.free(self.buffer)
             raise
+        pd.users += 1
         self.handle = int(reply["mr"])
         self.lkey = int(reply["lkey"])
         self.rkey = int(reply["rkey"])
@@ -261,6 +281,8 @@ class MR(_Resource):
             self.pd.ctx.call("dereg_mr", mr=self.handle)
             if self.owned:
                 self.pd.ctx.free(self.buffer)
+        if not self.closed:
+            self.pd.users -= 1
         self.closed = True
 
 
@@ -341,42 +363,81 @@ class CQ(_Resource):
         self.closed = True
 
 
+def _ring_addrs(buffers: list[tuple[Buffer, Buffer]]) -> dict[str, int]:
+    return {"sq_ring": buffers[0][0].addr, "rq_ring": buffers[0][1].addr} if buffers else {}
+
+
 class QP(_Resource):
+    pd: PD
+    qp_type: str
+    direct: DirectQp | None
+    handle: int
+    qpn: int  # virtual: what a peer names this QP by
+    sq_buffer: Buffer  # the shared-ring engine's rings, in the arena
+    rq_buffer: Buffer
+    sq: Ring
+    rq: Ring
+
     def __init__(self, pd: PD, send_cq: CQ, recv_cq: CQ, qp_type: str = "rc", max_send_wr: int = 64,
                  max_recv_wr: int = 64, max_sge: int = 1) -> None:
-        self.pd = pd
+        (made,) = QP.create_many(pd, send_cq, recv_cq, 1, qp_type, max_send_wr, max_recv_wr, max_sge)
+        self.__dict__.update(made.__dict__)
+
+    @classmethod
+    def create_many(cls, pd: PD, send_cq: CQ, recv_cq: CQ, count: int, qp_type: str = "rc", max_send_wr: int = 64,
+                    max_recv_wr: int = 64, max_sge: int = 1) -> list[QP]:
+        """count QPs of one shape in one round trip to vrnicd (create_qps): all of them, or none."""
         ctx = pd.ctx
-        self.qp_type = qp_type
-        self.direct: DirectQp | None = None
-        if ctx.direct is not None:  # the NIC's own queues, mapped here
-            reply = ctx.call("create_qp", pd=pd.handle, send_cq=send_cq.handle, recv_cq=recv_cq.handle,
-                             qp_type=qp_type, max_send_wr=max_send_wr, max_recv_wr=max_recv_wr, max_sge=max_sge)
-            self.handle = int(reply["qp"])
-            self.qpn = int(reply["qpn"])
-            try:
-                self.direct = DirectQp(ctx.direct, self.handle, reply)
-            except BaseException:
-                ctx.call("destroy_qp", qp=self.handle)
-                raise
-            return
-        self.sq_buffer = ctx.alloc(Ring.bytes_needed(max_send_wr, SQ_SLOT.size))
-        self.rq_buffer = ctx.alloc(Ring.bytes_needed(max_recv_wr, RQ_SLOT.size))
+        shape = {"pd": pd.handle, "send_cq": send_cq.handle, "recv_cq": recv_cq.handle, "qp_type": qp_type,
+                 "max_send_wr": max_send_wr, "max_recv_wr": max_recv_wr, "max_sge": max_sge}
+        buffers: list[tuple[Buffer, Buffer]] = []
         try:
-            reply = ctx.call("create_qp", pd=pd.handle, send_cq=send_cq.handle, recv_cq=recv_cq.handle,
-                             qp_type=qp_type, max_send_wr=max_send_wr, max_recv_wr=max_recv_wr, max_sge=max_sge,
-                             sq_ring=self.sq_buffer.addr, rq_ring=self.rq_buffer.addr)
+            if ctx.direct is None:  # the shared-ring engine: the rings live in the arena
+                for _ in range(count):
+                    sq = ctx.alloc(Ring.bytes_needed(max_send_wr, SQ_SLOT.size))
+                    buffers.append((sq, ctx.alloc(Ring.bytes_needed(max_recv_wr, RQ_SLOT.size))))
+            if count == 1:  # the plain verb, understood by every vrnicd
+                replies = [ctx.call("create_qp", **shape, **_ring_addrs(buffers[:1]))]
+            else:
+                replies = ctx.call("create_qps", qps=[{**shape, **_ring_addrs(buffers[i:i + 1])}
+                                                      for i in range(count)])["qps"]
         except BaseException:
-            ctx.free(self.sq_buffer)
-            ctx.free(self.rq_buffer)
+            for pair in buffers:
+                for buffer in pair:
+                    ctx.free(buffer)
             raise
-        self.handle = int(reply["qp"])
-        self.qpn = int(reply["qpn"])  # virtual: what a peer names this QP by
-        self.sq = Ring(ctx.view, self.sq_buffer.offset, max_send_wr, SQ_SLOT, ctx.words)
-        self.rq = Ring(ctx.view, self.rq_buffer.offset, max_recv_wr, RQ_SLOT, ctx.words)
+        qps: list[QP] = []
+        for index, reply in enumerate(replies):
+            qp = cls.__new__(cls)
+            qp.pd, qp.qp_type, qp.direct = pd, qp_type, None
+            qp.handle = int(reply["qp"])
+            qp.qpn = int(reply["qpn"])
+            if ctx.direct is not None:  # the NIC's own queues, mapped here
+                try:
+                    qp.direct = DirectQp(ctx.direct, qp.handle, reply)
+                except BaseException:
+                    for left in replies[index:]:
+                        ctx.call("destroy_qp", qp=int(left["qp"]))
+                    for made in qps:
+                        made.close()
+                    raise
+            else:
+                qp.sq_buffer, qp.rq_buffer = buffers[index]
+                qp.sq = Ring(ctx.view, qp.sq_buffer.offset, max_send_wr, SQ_SLOT, ctx.words)
+                qp.rq = Ring(ctx.view, qp.rq_buffer.offset, max_recv_wr, RQ_SLOT, ctx.words)
+            qps.append(qp)
+            pd.users += 1
+        return qps
 
     def connect(self, remote_gid: str, remote_qpn: int, access: int = 15) -> None:
         """INIT -> RTR -> RTS towards a peer named by its virtual GID and virtual QPN."""
         self.pd.ctx.call("connect", qp=self.handle, remote_gid=remote_gid, remote_qpn=remote_qpn, access=access)
+
+    @staticmethod
+    def connect_many(ctx: Context, connections: Iterable[tuple[QP, str, int]], access: int = 15) -> None:
+        """connect for each (QP, remote GID, remote QPN), in one round trip (connect_qps): all, or none."""
+        ctx.call("connect_qps", connections=[{"qp": qp.handle, "remote_gid": gid, "remote_qpn": qpn,
+                                              "access": access} for qp, gid, qpn in connections])
 
     def modify(self, state: str, **attrs: Any) -> None:
         self.pd.ctx.call("modify_qp", qp=self.handle, state=state, **attrs)
@@ -421,4 +482,6 @@ class QP(_Resource):
             else:
                 ctx.free(self.sq_buffer)
                 ctx.free(self.rq_buffer)
+        if not self.closed:
+            self.pd.users -= 1
         self.closed = True

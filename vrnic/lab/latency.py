@@ -71,7 +71,7 @@ def standalone_vrnicd(vrnics: list[str], *extra: str, pid_out: list[int] | None 
         if pid_out is not None:
             pid_out.append(daemon.pid)
         try:
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 180  # Python under TCG on a loaded host can take a minute to start
             while not attach.exists():
                 if daemon.poll() is not None or time.monotonic() > deadline:
                     raise VrnicError("vrnicd did not start")
