@@ -15,6 +15,8 @@ from vrnic.api.controlplane import ControlPlane
 from vrnic.api.pagination import MAX_PAGE
 from vrnic.api.problems import RESPONSES
 from vrnic.api.schemas import (
+    ContainerAttach,
+    ContainerAttached,
     DeviceOut,
     EventOut,
     HostOut,
@@ -358,6 +360,26 @@ def get_vrnic_hostdev(vrnic_id: VrnicPath, cp: CP, who: Caller,
                                                          description="libvirt user alias")] = None) -> Response:
     """The libvirt device XML that gives the vRNIC's VF to a VM (needs a PCI VF)."""
     return Response(cp.sriov.vrnic_hostdev_xml(who, vrnic_id, alias), media_type="application/xml")
+
+
+@router.put("/vrnics/{vrnic_id}/container", tags=["vrnics", "sriov"])
+async def attach_vrnic_to_container(vrnic_id: VrnicPath, body: ContainerAttach, cp: CP, who: Caller
+                                    ) -> ContainerAttached:
+    """Operator (the container runtime): move the vRNIC's VF netdev, and its RDMA device, into a container's
+    named network namespace. Refused (422) for a VF without a netdev of its own, or, with require_rdma,
+    without an RDMA device that can move; 409 when it is in a namespace already."""
+    attached = await cp.write(cp.sriov.attach_container, who, vrnic_id, body)
+    await cp.write(cp.vrnics.record_observed)  # vrnicd now observes it attached
+    return attached
+
+
+@router.delete("/vrnics/{vrnic_id}/container", tags=["vrnics", "sriov"])
+async def detach_vrnic_from_container(vrnic_id: VrnicPath, cp: CP, who: Caller) -> SriovVfOut:
+    """Operator: bring the VF back from the container's namespace into the host's (a namespace that is
+    gone already gave it back)."""
+    vf = await cp.write(cp.sriov.detach_container, who, vrnic_id)
+    await cp.write(cp.vrnics.record_observed)
+    return vf
 
 
 metrics_router = APIRouter(responses=RESPONSES)

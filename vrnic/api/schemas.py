@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from vrnic.core.lifecycle import VrnicState
 from vrnic.core.peering import RuleAction
@@ -300,6 +300,24 @@ class SriovVfOut(BaseModel):
     rdma_device: str | None = None
     settings: VfSettings | None = Field(description="as the kernel reports them (null: the VF is gone)")
     allocation: VfAllocationOut | None = None
+
+
+class ContainerAttach(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    netns: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$", examples=["ctr1"],
+                       description="a named network namespace of this host (`ip netns add NAME`)")
+    require_rdma: StrictBool = Field(True, description="refuse unless the VF's RDMA device moves along (needs "
+                                                       "`rdma system set netns exclusive`); false: Ethernet only "
+                                                       "is fine, the reason is in notes")
+
+
+class ContainerAttached(BaseModel):
+    vrnic_id: str
+    netns: str
+    netdev: str = Field(description="the VF netdev, now inside netns")
+    rdma_device: str | None = Field(description="the VF's RDMA device, moved along (null: Ethernet only)")
+    notes: list[str] = Field(description="why the RDMA device did not move, when require_rdma was false")
 
 
 class SriovPfOut(BaseModel):

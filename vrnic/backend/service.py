@@ -17,7 +17,7 @@ from vrnic.errors import Conflict, InvalidArgument, NotFound, NotSupported
 if TYPE_CHECKING:
     from vrnic.backend.peer_service import PeerService
     from vrnic.sriov.libvirt_xml import HostdevInterface
-    from vrnic.sriov.manager import CountChangeResult, PfInventory, SriovManager
+    from vrnic.sriov.manager import ContainerAttachment, CountChangeResult, PfInventory, SriovManager
     from vrnic.sriov.vf_types import Allocation, VfEvent
 
 
@@ -153,3 +153,9 @@ class BackendService:
 
     def sriov_vm_interface(self, vrnic_id: str, alias: str | None = None) -> HostdevInterface:
         return self._sriov().vm_interface(vrnic_id, alias)
+
+    def sriov_attach_container(self, vrnic_id: str, netns: str, require_rdma: bool = True) -> ContainerAttachment:
+        return self._sriov().attach_container(vrnic_id, netns, require_rdma)
+
+    def sriov_detach_container(self, vrnic_id: str) -> None:
+        self._sriov().detach_container(vrnic_id)
