@@ -191,3 +191,18 @@ def test_the_operator_token_file_is_read_from_the_daemons_state_dir(api_url: str
     listed = runner.invoke(cli, ["hosts", "list", "--json"])
     assert listed.exit_code == 0, listed.stderr
     assert [h["name"] for h in json.loads(listed.stdout)] == ["test-host"]
+
+
+def test_a_replayed_allocation_hints_at_new_token_which_prints_a_working_one(  # type: ignore[no-untyped-def]
+        run, backend: BackendService) -> None:
+    code, out, _ = run("tenants", "create", "acme", "--json")
+    token = json.loads(out)["token"]
+    code, out, _ = run("vrnics", "allocate", "--idempotency-key", "k1", "--json", token=token)
+    first = json.loads(out)
+    code, out, err = run("vrnics", "allocate", "--idempotency-key", "k1", "--json", token=token)
+    assert code == 0 and json.loads(out)["attach"]["token"] is None
+    assert f"vrnic vrnics new-token {first['id']}" in err
+    code, out, _ = run("vrnics", "new-token", first["id"], token=token)
+    fake = backend.driver(VrnicMode.PARAVIRTUAL)
+    assert code == 0 and isinstance(fake, FakeDriver) and out.strip() == fake.tokens[first["id"]]
+    assert out.strip() != first["attach"]["token"]

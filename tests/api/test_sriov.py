@@ -267,6 +267,8 @@ def test_operator_moves_a_vf_into_a_container_over_rest_and_back(api: TestClient
     assert actions == [("vf_allocated", "tenant:red"), ("vrnic.allocate", "tenant:red"),
                        ("vf_netns_moved", "operator"), ("vrnic.attach", "daemon"),
                        ("vf_netns_returned", "operator"), ("vrnic.detach", "daemon")]
+    no_token = api.post(f"/api/v1/vrnics/{vid}/token", headers=red)
+    assert no_token.status_code == 422 and "no attach token" in no_token.json()["detail"]
     paravirtual = api.post("/api/v1/vrnics", headers=red, json={}).json()["id"]
     assert api.put(f"/api/v1/vrnics/{paravirtual}/container", json={"netns": "ctr1"}).status_code == 422
 

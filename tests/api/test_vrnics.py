@@ -162,6 +162,35 @@ def test_idempotency_key_makes_retries_safe(client: TestClient, backend: Backend
     assert theirs.status_code == 201 and theirs.json()["id"] != first.json()["id"]
 
 
+def test_a_replayed_allocation_points_at_the_token_reissue_which_retires_the_old_token(
+        client: TestClient, backend: BackendService, make_tenant: Callable[..., Tenant]) -> None:
+    acme, other = make_tenant("acme"), make_tenant("other")
+    key = {"Idempotency-Key": str(uuid.uuid4()), **_as(acme)}
+    first = client.post("/api/v1/vrnics", json={}, headers=key).json()
+    retry = client.post("/api/v1/vrnics", json={}, headers=key)
+    vid = first["id"]
+    assert retry.status_code == 200 and retry.json()["attach"]["token"] is None
+    assert retry.headers["link"] == f'</api/v1/vrnics/{vid}/token>; rel="token"'
+    fake = backend.driver(VrnicMode.PARAVIRTUAL)
+    assert isinstance(fake, FakeDriver) and fake.tokens[vid] == first["attach"]["token"]
+    # another tenant's vRNIC looks like none
+    assert client.post(f"/api/v1/vrnics/{vid}/token", headers=_as(other)).status_code == 404
+    reissued = client.post(f"/api/v1/vrnics/{vid}/token", headers=_as(acme))
+    assert reissued.status_code == 200, reissued.text
+    token = reissued.json()["attach"]["token"]
+    assert token and token != first["attach"]["token"] and fake.tokens[vid] == token  # the old one is gone
+    by_operator = client.post(f"/api/v1/vrnics/{vid}/token").json()["attach"]["token"]
+    assert by_operator not in (token, None) and fake.tokens[vid] == by_operator
+    assert client.get(f"/api/v1/vrnics/{vid}", headers=_as(acme)).json()["attach"]["token"] is None
+    events = client.get("/api/v1/events", params={"subject": f"vrnic/{vid}"}).json()["items"]
+    assert [(e["action"], e["actor"]) for e in events] == [
+        ("vrnic.allocate", "tenant:acme"), ("vrnic.token_reissue", "tenant:acme"), ("vrnic.token_reissue", "operator")]
+    assert all(token not in str(e["detail"]) for e in events)
+    client.delete(f"/api/v1/vrnics/{vid}", headers=_as(acme))
+    gone = client.post(f"/api/v1/vrnics/{vid}/token", headers=_as(acme))
+    assert gone.status_code == 409 and gone.json()["current_state"] == "released"
+
+
 def test_quota_and_defaults(client: TestClient, backend: BackendService,
                             make_tenant: Callable[..., Tenant]) -> None:
     small = make_tenant("small", max_vrnics=2, default_quota={"max_qps": 3, "max_mrs": 9})

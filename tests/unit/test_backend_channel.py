@@ -261,3 +261,16 @@ def test_the_socket_group_is_a_name_or_a_number() -> None:
     assert group_id("root") == 0
     with pytest.raises(InvalidArgument, match="no group 'no-such-group-xyz'"):
         group_id("no-such-group-xyz")
+
+
+def test_a_reissued_token_attaches_and_the_old_one_no_longer_does(
+        serve: Callable[..., tuple[VerbsDriver, AttachInfo]]) -> None:
+    drv, info = serve()
+    new = drv.reissue_token(info.vrnic_id)
+    assert new != info.token
+    with pytest.raises(NotFound):
+        Context.attach(info, ARENA)
+    with Context.attach(info.model_copy(update={"token": new}), ARENA) as ctx:
+        assert ctx.query_device() is not None
+    with pytest.raises(NotFound):
+        drv.reissue_token("no-such-vrnic")

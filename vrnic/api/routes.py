@@ -140,21 +140,34 @@ async def revoke_token(name: TenantPath, token_id: BigId, cp: CP, who: Caller) -
 
 @router.post("/vrnics", status_code=status.HTTP_201_CREATED, tags=["vrnics"],
              responses={200: {"model": VrnicOut, "description": "a replay: Idempotency-Key matched an earlier "
-                                                                 "allocation (the attach token is not shown again)"}})
+                                                                 "allocation. The attach token is not shown again: "
+                                                                 "POST /vrnics/{id}/token issues a new one",
+                              "headers": {"Idempotent-Replayed": {"schema": {"type": "string", "enum": ["true"]}},
+                                          "Link": {"description": "rel=\"token\": where to get a new attach token",
+                                                   "schema": {"type": "string"}}}}})
 async def allocate_vrnic(body: VrnicCreate, cp: CP, who: Caller, response: Response,
                          idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255,
                                                                        pattern=Printable)] = None) -> VrnicOut:
     """Allocate a vRNIC: pick a device, create it in the backend, return what a frontend needs to attach.
 
     The attach token is in this response only. Retrying with the same Idempotency-Key returns the
-    same vRNIC (status 200, header Idempotent-Replayed: true) instead of allocating another.
+    same vRNIC (status 200, header Idempotent-Replayed: true) instead of allocating another, without its
+    token: the header `Link: </api/v1/vrnics/{id}/token>; rel="token"` says where to get a new one.
     """
     out, replayed = await cp.write(cp.vrnics.allocate, who, body, idempotency_key)
     response.headers["Location"] = f"/api/v1/vrnics/{out.id}"
     if replayed:
         response.status_code = status.HTTP_200_OK
         response.headers["Idempotent-Replayed"] = "true"
+        response.headers["Link"] = f'</api/v1/vrnics/{out.id}/token>; rel="token"'
     return out
+
+
+@router.post("/vrnics/{vrnic_id}/token", tags=["vrnics"])
+async def reissue_vrnic_token(vrnic_id: VrnicPath, cp: CP, who: Caller) -> VrnicOut:
+    """A new attach token for a paravirtual vRNIC (its tenant or the operator), shown in this response only;
+    the old token stops working at once (a guest attached now stays attached). Audited."""
+    return await cp.write(cp.vrnics.reissue_token, who, vrnic_id)
 
 
 @router.get("/vrnics", tags=["vrnics"])

@@ -410,6 +410,23 @@ class Vrnics:
                              rx_bytes=rx, rx_packets=counted.get("rx_packets", 0),
                              rx_rate_bps=self.meter.read(f"rx:{vrnic_id}", rx, now))
 
+    # -- attach token -----------------------------------------------------------------------------
+
+    def reissue_token(self, principal: Principal, vrnic_id: str) -> VrnicOut:
+        """A new attach token (in this response only); the old one stops working at once. For a client whose
+        allocation response was lost (an Idempotency-Key replay does not show the token again)."""
+        with self.tx.write(principal.actor) as uow:
+            row, tenant = find_vrnic(uow.session, principal, vrnic_id, for_update=True)
+            if row.state == VrnicState.RELEASED.value:
+                raise Conflict(f"vRNIC {vrnic_id} was released", current_state="released")
+            if row.mode != VrnicMode.PARAVIRTUAL.value:
+                raise NotSupported(f"vRNIC {vrnic_id} is an SR-IOV VF: it has no attach token")
+            token = self._backend_of(uow.session, row.host_id).reissue_token(vrnic_id)
+            row.updated_at = utcnow()
+            uow.record("vrnic.token_reissue", f"vrnic/{vrnic_id}", row.tenant_id, {})
+            out = self._out(uow.session, row, tenant)
+        return out.model_copy(update={"attach": out.attach.model_copy(update={"token": token})})
+
     # -- release ----------------------------------------------------------------------------------
 
     def release(self, principal: Principal, vrnic_id: str, *, force: bool = False) -> VrnicOut:

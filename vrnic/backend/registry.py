@@ -17,6 +17,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -168,6 +169,16 @@ class Registry:
             if hmac.compare_digest(vrnic.token.encode(), token.encode()):
                 return vrnic
         raise NotFound("invalid attach token")
+
+    def reissue_token(self, vrnic_id: str) -> str:
+        """A new attach token for the vRNIC; the old one stops working now (an attached guest stays)."""
+        token = secrets.token_urlsafe(24)
+        with self._lock:
+            vrnic = self._by_id.get(vrnic_id)
+            if vrnic is None:
+                raise NotFound(f"no vRNIC {vrnic_id} in the backend")
+            vrnic.token = token
+        return token
 
     def get(self, vrnic_id: str) -> VirtualRnic:
         with self._lock:

@@ -78,6 +78,16 @@ class BackendService:
         with self._lock:
             self._placement.pop(vrnic_id, None)
 
+    def reissue_token(self, vrnic_id: str) -> str:
+        """A new attach token for a vRNIC of this host; the old one stops working."""
+        with self._lock:
+            mode = self._placement.get(vrnic_id)
+        if mode is None:
+            mode = next((m for m, d in self._drivers.items() if vrnic_id in d.vrnic_ids()), None)
+        if mode is None:
+            raise NotFound(f"no vRNIC {vrnic_id} in the backend")
+        return self._drivers[mode].reissue_token(vrnic_id)
+
     def vrnic_ids(self) -> set[str]:
         return {i for d in self._drivers.values() for i in d.vrnic_ids()}
 

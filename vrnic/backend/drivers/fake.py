@@ -30,6 +30,7 @@ class FakeDriver(RnicDriver):
         ]
         self._socket_path = socket_path
         self._vrnics: dict[str, str] = {}  # vrnic id -> device
+        self.tokens: dict[str, str] = {}  # vrnic id -> its attach token now
         self._attached: set[str] = set()  # what a real driver would observe: a guest holding a session
         self._vms: dict[str, VmBinding] = {}
         self._migrating: dict[str, VmBinding] = {}  # domain -> its destination binding
@@ -46,13 +47,22 @@ class FakeDriver(RnicDriver):
             if spec.id in self._vrnics:
                 raise Conflict(f"vRNIC {spec.id} already exists in the backend")
             self._vrnics[spec.id] = device
+            token = self.tokens[spec.id] = secrets.token_urlsafe(24)
         return AttachInfo(vrnic_id=spec.id, mode=spec.mode, device=device, virtual_gid=spec.virtual_gid,
-                          socket_path=self._socket_path, token=secrets.token_urlsafe(24))
+                          socket_path=self._socket_path, token=token)
+
+    def reissue_token(self, vrnic_id: str) -> str:
+        with self._lock:
+            if vrnic_id not in self._vrnics:
+                raise NotFound(f"no vRNIC {vrnic_id} in the backend")
+            token = self.tokens[vrnic_id] = secrets.token_urlsafe(24)
+        return token
 
     def release_vrnic(self, vrnic_id: str) -> None:
         with self._lock:
             if self._vrnics.pop(vrnic_id, None) is None:
                 raise NotFound(f"no vRNIC {vrnic_id} in the backend")
+            self.tokens.pop(vrnic_id, None)
             self._attached.discard(vrnic_id)
             for domain, binding in list(self._vms.items()):
                 if any(v.vrnic_id == vrnic_id for v in binding.vrnics):

@@ -427,6 +427,9 @@ class VerbsDriver(RnicDriver):
         with self._vm_lock:
             return {name: state.binding for name, state in self._vms.items()}
 
+    def reissue_token(self, vrnic_id: str) -> str:
+        return self.registry.reissue_token(vrnic_id)
+
     def release_vrnic(self, vrnic_id: str) -> None:
         with self._vm_lock:  # a VM using it loses its vRNIC service now; the hook's unbind finds nothing
             for domain, state in list(self._vms.items()):
