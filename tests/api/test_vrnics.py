@@ -340,3 +340,20 @@ def test_after_a_restart_vrnics_whose_guests_went_with_the_old_process_are_detac
             assert released.status_code == 200 and released.json()["state"] == "released"
     finally:
         restarted.close()
+
+
+def test_requests_are_strict_booleans_integers_query_names_and_405s_name_the_allowed_methods(
+        client: TestClient, make_tenant: Callable[..., Tenant]) -> None:
+    make_tenant("acme")
+    as_int = client.patch("/api/v1/tenants/acme", json={"unlimited": 0})
+    assert as_int.status_code == 422 and "boolean" in as_int.json()["detail"]
+    as_bool = client.patch("/api/v1/tenants/acme", json={"max_vrnics": False})
+    assert as_bool.status_code == 422 and "not a boolean" in as_bool.json()["detail"]
+    quota = client.post("/api/v1/vrnics", json={"tenant": "acme", "quota": {"max_qps": True}})
+    assert quota.status_code == 422
+    typo = client.get("/api/v1/vrnics", params={"stat": "attached"})
+    assert typo.status_code == 400 and "'stat'" in typo.json()["detail"]
+    assert client.get("/api/v1/vrnics", params={"state": "attached"}).status_code == 200
+    refused = client.put("/api/v1/tenants/acme")
+    assert refused.status_code == 405 and refused.headers["allow"] == "DELETE, GET, PATCH"
+    assert client.request("TRACE", "/metrics").headers["allow"] == "GET"

@@ -13,7 +13,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from vrnic.api.auth import Principal
 from vrnic.api.controlplane import ControlPlane
 from vrnic.api.pagination import MAX_PAGE
-from vrnic.api.problems import RESPONSES
+from vrnic.api.problems import RESPONSES, unknown_query_parameters
 from vrnic.api.schemas import (
     ContainerAttach,
     ContainerAttached,
@@ -48,6 +48,7 @@ from vrnic.api.schemas import (
 )
 from vrnic.core.lifecycle import VrnicState
 from vrnic.core.specs import VmBinding
+from vrnic.errors import InvalidArgument
 
 bearer = HTTPBearer(auto_error=False, description="the operator token, or a tenant's token")
 
@@ -81,7 +82,16 @@ DomainPath = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$", 
 PfPath = Annotated[str, Path(pattern=r"^[A-Za-z0-9_.:@-]{1,15}$", description="the PF's netdev name",
                              examples=["eth0"])]
 
-router = APIRouter(prefix="/api/v1", responses=RESPONSES)
+async def known_query_only(request: Request) -> None:
+    """Refuse query parameters the operation does not have (`?forse=true` must not be ignored)."""
+    if request.query_params:
+        unknown = unknown_query_parameters(request.app, request.method, request.url.path,
+                                           set(request.query_params.keys()))
+        if unknown:
+            raise InvalidArgument(f"unknown query parameter(s): {', '.join(map(repr, unknown))}")
+
+
+router = APIRouter(prefix="/api/v1", responses=RESPONSES, dependencies=[Depends(known_query_only)])
 
 
 @router.get("/health", tags=["meta"])
@@ -395,7 +405,7 @@ async def detach_vrnic_from_container(vrnic_id: VrnicPath, cp: CP, who: Caller) 
     return vf
 
 
-metrics_router = APIRouter(responses=RESPONSES)
+metrics_router = APIRouter(responses=RESPONSES, dependencies=[Depends(known_query_only)])
 
 
 @metrics_router.get("/metrics", tags=["metrics"], response_class=PlainTextResponse)
