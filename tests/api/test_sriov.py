@@ -335,13 +335,18 @@ def test_restart_reconciles_the_database_with_the_kernel(migrated: Engine, sriov
     vrnic = api.post("/api/v1/vrnics", headers=red, json={"mode": "sriov", "qos": {"rate_cap_mbps": 300}}).json()
     desired = kernel.vfs[0]
     kernel.tamper(0, max_tx_rate=0, mac="02:66:66:66:66:66")  # while "the daemon is down"
+    # VF 2: configured for an allocation whose commit never happened (the daemon was killed in between)
+    kernel.tamper(2, mac="02:77:77:77:77:77", vlan=300)
     restarted = BackendService({VrnicMode.SRIOV: sriov_driver(migrated, HOST, kernel)})  # a fresh process's state
     try:
         app = create_app(sriov_settings, restarted, engine=migrated)
         with TestClient(app, headers=dict(api.headers)) as client:
             assert kernel.vfs[0] == desired  # at startup, before any request
+            assert kernel.vfs[2] == CLEAN_VF  # orphaned settings reset
             logged = client.get("/api/v1/events", params={"action": "vf_drift_corrected"}).json()["items"]
             assert [(e["actor"], e["detail"]["vrnic_id"]) for e in logged] == [("daemon", vrnic["id"])]
+            [reset] = client.get("/api/v1/events", params={"action": "vf_reset"}).json()["items"]
+            assert (reset["actor"], reset["subject"], reset["detail"]["vlan"]) == ("daemon", f"vf/{PF}/2", "300")
             # the desired state outlived the process: the new one releases it
             assert client.delete(f"/api/v1/vrnics/{vrnic['id']}").json()["state"] == "released"
             assert kernel.vfs[0] == CLEAN_VF
