@@ -204,5 +204,5 @@ def test_a_replayed_allocation_hints_at_new_token_which_prints_a_working_one(  #
     assert f"vrnic vrnics new-token {first['id']}" in err
     code, out, _ = run("vrnics", "new-token", first["id"], token=token)
     fake = backend.driver(VrnicMode.PARAVIRTUAL)
-    assert code == 0 and isinstance(fake, FakeDriver) and out.strip() == fake.tokens[first["id"]]
+    assert code == 0 and isinstance(fake, FakeDriver) and fake.accepts_token(first["id"], out.strip())
     assert out.strip() != first["attach"]["token"]

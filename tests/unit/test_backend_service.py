@@ -290,7 +290,7 @@ def test_registry_attached_ids_are_the_vrnics_with_a_session() -> None:
 
     registry = Registry()
     for n in (1, 2):
-        registry.add(VirtualRnic(spec=spec(n), device="rxe0", token=f"t{n}", phys_gid="::1", gid_index=1))
+        registry.add(VirtualRnic(spec=spec(n), device="rxe0", token_hash=f"t{n}", phys_gid="::1", gid_index=1))
     assert registry.attached_ids() == set()
     registry.by_token("t2").session = object()  # type: ignore[assignment]
     assert registry.attached_ids() == {"v2"}

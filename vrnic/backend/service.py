@@ -78,6 +78,19 @@ class BackendService:
         with self._lock:
             self._placement.pop(vrnic_id, None)
 
+    def restore_vrnic(self, spec: VrnicSpec, device: str, token_hash: str) -> None:
+        """Hold again a vRNIC that an earlier vrnicd held (crash recovery), on the device it was on."""
+        with self._lock:
+            if spec.id in self._placement:
+                raise Conflict(f"vRNIC {spec.id} already exists in the backend (mode {self._placement[spec.id]})")
+            self._placement[spec.id] = spec.mode
+        try:
+            self.driver(spec.mode).restore_vrnic(spec, device, token_hash)
+        except BaseException:
+            with self._lock:
+                self._placement.pop(spec.id, None)
+            raise
+
     def reissue_token(self, vrnic_id: str) -> str:
         """A new attach token for a vRNIC of this host; the old one stops working."""
         with self._lock:
