@@ -324,18 +324,20 @@ def test_tenants_tokens_devices_hosts(client: TestClient, make_tenant: Callable[
         "tenant/acme"
 
 
-def test_after_a_restart_vrnics_whose_guests_went_with_the_old_process_are_detached(
+def test_after_a_restart_vrnics_whose_guests_went_with_the_old_process_are_lost(
         client: TestClient, backend: BackendService, make_tenant: Callable[..., Tenant], migrated: Engine,
         settings: DaemonSettings) -> None:
     acme = make_tenant("acme")
     vid = _allocate(client, acme)["id"]
     _fake(backend).guest_attached(vid)
     assert client.get(f"/api/v1/vrnics/{vid}").json()["state"] == "attached"  # recorded
+    _fake(backend).guest_detached(vid)  # the old process dies (its app, still running here, must not see it)
     restarted = BackendService({VrnicMode.PARAVIRTUAL: load_driver("fake")})  # a new process holds nothing
     try:
         app = create_app(settings, restarted, engine=migrated)
         with TestClient(app, headers=dict(client.headers)) as again:
-            assert _history(again, vid)[-1] == ("vrnic.detach", "daemon")  # at startup, before any read
+            assert _history(again, vid)[-1] == ("vrnic.lost", "daemon")  # at startup, before any read
+            assert again.get(f"/api/v1/vrnics/{vid}").json()["state"] == "lost"
             released = again.delete(f"/api/v1/vrnics/{vid}", headers=_as(acme))  # no force needed
             assert released.status_code == 200 and released.json()["state"] == "released"
     finally:

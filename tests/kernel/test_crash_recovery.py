@@ -19,7 +19,9 @@ pytestmark = pytest.mark.kernel
 def test_kill_storm_leaves_database_kernel_and_netlink_in_agreement(device_pair: tuple[str, str],
                                                                     tmp_path: Path) -> None:
     kills = int(os.environ.get("VRNIC_KILL_STORM_KILLS", "8"))
-    storm = KillStorm(tmp_path, device_pair, pf=os.environ.get("VRNIC_LAB_NETDEVSIM_PF") or None, seed=15,
+    workdir = Path(os.environ.get("VRNIC_KILL_STORM_DIR") or tmp_path)  # a dir in the project: logs kept
+    workdir.mkdir(parents=True, exist_ok=True)
+    storm = KillStorm(workdir, device_pair, pf=os.environ.get("VRNIC_LAB_NETDEVSIM_PF") or None, seed=15,
                       say=print)
     try:
         result = storm.run(kills)

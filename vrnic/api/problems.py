@@ -18,7 +18,6 @@ from starlette.routing import compile_path
 from vrnic.api.schemas import Problem
 from vrnic.db.migrate import SchemaOutOfDate
 from vrnic.errors import (
-    ChannelLost,
     Conflict,
     DeviceError,
     InvalidArgument,
@@ -47,7 +46,6 @@ STATUS: dict[type[VrnicError], int] = {
     DeviceError: 502,  # the kernel or device below us refused
     SchemaOutOfDate: 503,  # someone migrated the database under a running daemon
     Unavailable: 503,  # another host's agent is down or unreachable
-    ChannelLost: 503,  # a guest's channel (frontend side; never raised by the API)
 }
 
 # Documented on every route, so clients (and schemathesis) know the possible problem answers.

@@ -200,7 +200,7 @@ class KillStorm:
                 found = self.check(guest_attached=True)
                 self.result.disagreements += [f"kill {round_ + 1} ({point}): {d}" for d in found]
                 self.say(f"kill {round_ + 1}/{kills} during {point}: back in {answered - killed:.2f} s, "
-                         f"{len(found)} disagreement(s)")
+                         f"{len(found)} disagreement(s)" + "".join(f"\n  - {d}" for d in found))
             if guest.error:
                 self.result.disagreements.append(guest.error)
         finally:
