@@ -17,9 +17,11 @@ import json
 import os
 import random
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -110,12 +112,14 @@ class KillStorm:
         self.rng = random.Random(seed)
         self.token = secrets.token_urlsafe(24)
         self.url = f"http://127.0.0.1:{port}"
-        self.state = workdir / "state"
+        # the database and the socket on a local filesystem (SQLite over the lab's 9p share gives I/O errors);
+        # workdir keeps the daemon's log
+        self.state = Path(tempfile.mkdtemp(prefix="vrnic-storm-"))
         self.env = {**os.environ, "VRNIC_STATE_DIR": str(self.state), "VRNIC_OPERATOR_TOKEN": self.token,
                     "VRNIC_LISTEN_PORT": str(port), "VRNIC_SRIOV_DRIVER": "sriov" if pf else "",
                     "VRNIC_SRIOV_RECONCILE_INTERVAL": "0", "VRNIC_QOS_RECONCILE_INTERVAL": "0",
                     "VRNIC_HEARTBEAT_INTERVAL_S": "3600", "PYTHONPATH": str(PROJECT),
-                    "VRNIC_PARAVIRTUAL_DRIVER_OPTIONS": json.dumps({"socket_path": str(workdir / "vrnicd.sock"),
+                    "VRNIC_PARAVIRTUAL_DRIVER_OPTIONS": json.dumps({"socket_path": str(self.state / "vrnicd.sock"),
                                                                     "devices": list(devices)})}
         auth = {"Authorization": f"Bearer {self.token}"}
         self.api = httpx.Client(base_url=f"{self.url}/api/v1", headers=auth, timeout=60)
@@ -166,6 +170,7 @@ class KillStorm:
         self.agent.close()
         if self.tenant is not None:
             self.tenant.close()
+        shutil.rmtree(self.state, ignore_errors=True)
 
     # ----- the storm ---------------------------------------------------------------------------
     def run(self, kills: int) -> StormResult:
