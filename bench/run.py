@@ -20,6 +20,7 @@ from bench.harness import RESULTS, Record, load, write
 
 GUEST_PART = RESULTS / "guest.json"
 MULTIHOST_PART = RESULTS / "multihost.json"  # written by bench.two_hosts (multihost, qos_two_hosts) on host a
+RECOVERY_PART = RESULTS / "recovery.json"  # the kill storm, in its own lab run (with netdevsim VFs)
 
 
 def guest_suites() -> list[Record]:
@@ -51,9 +52,15 @@ def show(records: list[Record]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--in-guest", action="store_true", help="run the kernel suites (inside the lab)")
+    parser.add_argument("--recovery", action="store_true", help="run the kill storm (inside the lab)")
     args = parser.parse_args()
     if args.in_guest:
         write(guest_suites(), GUEST_PART)
+        return 0
+    if args.recovery:
+        from bench import recovery
+
+        write(recovery.run(), RECOVERY_PART)
         return 0
     records = host_suites()
     GUEST_PART.unlink(missing_ok=True)
@@ -65,6 +72,14 @@ def main() -> int:
         return 1
     records += load(GUEST_PART)
     GUEST_PART.unlink()
+    RECOVERY_PART.unlink(missing_ok=True)
+    storm = [*lab[:5], "--netdevsim", *lab[5:], sys.executable, "-m", "bench.run", "--recovery"]
+    rc = subprocess.run(storm, cwd=Path(__file__).parents[1], check=False).returncode
+    if rc != 0 or not RECOVERY_PART.exists():
+        print(f"bench: the kill storm failed in the lab (exit {rc})", file=sys.stderr)
+        return 1
+    records += load(RECOVERY_PART)
+    RECOVERY_PART.unlink()
     MULTIHOST_PART.unlink(missing_ok=True)
     two_hosts = [*lab[:5], "--topology", "two-hosts", *lab[5:], sys.executable, "-m", "vrnic.lab.two_hosts", "--",
                  sys.executable, "-m", "bench.two_hosts", "--out", str(MULTIHOST_PART)]

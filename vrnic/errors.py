@@ -75,6 +75,13 @@ class Unavailable(VrnicError):
     code = "unavailable"
 
 
+class ChannelLost(Unavailable):
+    """A guest's channel to vrnicd is gone (vrnicd restarted, was stopped, or released the vRNIC): every object
+    of that attachment died with it. Attach again with the same token and rebuild them."""
+
+    code = "channel_lost"
+
+
 class DeviceError(VrnicError):
     """The kernel or device refused an operation; carries the errno."""
 

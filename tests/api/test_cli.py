@@ -174,3 +174,35 @@ def test_security_rules_add_list_delete(run) -> None:  # type: ignore[no-untyped
     assert code == 0 and json.loads(out)["virtual_ip"] == "10.8.0.20"
     code, out, _ = run("vrnics", "list")
     assert code == 0 and "10.8.0.20" in out
+
+
+def test_the_operator_token_file_is_read_from_the_daemons_state_dir(api_url: str, operator_token: str, tmp_path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`vrnic daemon` writes its generated token into VRNIC_STATE_DIR; the CLI looks for it there too."""
+    state = tmp_path / "custom-state"
+    state.mkdir()
+    monkeypatch.delenv("VRNIC_API_TOKEN", raising=False)
+    monkeypatch.setenv("VRNIC_API_URL", api_url)
+    monkeypatch.setenv("VRNIC_STATE_DIR", str(state))
+    runner = CliRunner()
+    refused = runner.invoke(cli, ["hosts", "list"])
+    assert refused.exit_code == 1 and "401" in refused.stderr  # no token file there yet
+    (state / "operator-token").write_text(operator_token + "\n")
+    listed = runner.invoke(cli, ["hosts", "list", "--json"])
+    assert listed.exit_code == 0, listed.stderr
+    assert [h["name"] for h in json.loads(listed.stdout)] == ["test-host"]
+
+
+def test_a_replayed_allocation_hints_at_new_token_which_prints_a_working_one(  # type: ignore[no-untyped-def]
+        run, backend: BackendService) -> None:
+    code, out, _ = run("tenants", "create", "acme", "--json")
+    token = json.loads(out)["token"]
+    code, out, _ = run("vrnics", "allocate", "--idempotency-key", "k1", "--json", token=token)
+    first = json.loads(out)
+    code, out, err = run("vrnics", "allocate", "--idempotency-key", "k1", "--json", token=token)
+    assert code == 0 and json.loads(out)["attach"]["token"] is None
+    assert f"vrnic vrnics new-token {first['id']}" in err
+    code, out, _ = run("vrnics", "new-token", first["id"], token=token)
+    fake = backend.driver(VrnicMode.PARAVIRTUAL)
+    assert code == 0 and isinstance(fake, FakeDriver) and fake.accepts_token(first["id"], out.strip())
+    assert out.strip() != first["attach"]["token"]

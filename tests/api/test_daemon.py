@@ -76,10 +76,12 @@ def test_daemon_refuses_an_old_schema_then_serves_after_upgrade(tmp_path: Path, 
     assert "mode paravirtual: driver fake" in text
     assert "stopped; released the backend state of 1 vRNIC(s)" in text  # torn down, not leaked
 
-    # Restarted, the daemon finds the vRNIC it held before without backend state, and still releases it.
+    # Restarted (SIGTERM tore the backend state down), the daemon holds the vRNIC again (crash recovery), with
+    # the same attach token, and releases it.
     process = _start(env, log)
     try:
-        assert "1 live vRNIC(s) in the database have no backend state" in log.read_text()
+        assert "recovery: 1 vRNIC(s) held again (0 lost), 0 orphan(s) released" in log.read_text()
+        assert httpx.get(f"{base}/vrnics/{vrnic.json()['id']}", headers=auth).json()["state"] == "allocated"
         released = httpx.delete(f"{base}/vrnics/{vrnic.json()['id']}", headers=auth)
         assert released.status_code == 200 and released.json()["state"] == "released"
         hosts = httpx.get(f"{base}/hosts", headers=auth).json()["items"]

@@ -301,12 +301,17 @@ def test_a_remote_vrnic_lives_released_and_shaped_through_its_hosts_agent(
     counters = httpx.get(f"{a.api}/vrnics/{vrnic['id']}/counters", headers=acme)
     assert counters.status_code == 200 and counters.json()["shaped"] is False
 
+    reissued = httpx.post(f"{a.api}/vrnics/{vrnic['id']}/token", headers=acme)
+    assert reissued.status_code == 200 and b.fake.accepts_token(vrnic["id"], reissued.json()["attach"]["token"])
+    assert reissued.json()["attach"]["token"] != vrnic["attach"]["token"]
+
     released = httpx.delete(f"{a.api}/vrnics/{vrnic['id']}", headers=acme)
     assert released.status_code == 200 and released.json()["state"] == "released"
     assert b.backend.vrnic_ids() == set()
     actions = [e["action"] for e in httpx.get(f"{a.api}/events", params={"subject": f"vrnic/{vrnic['id']}"},
                                               headers=AUTH).json()["items"]]
-    assert actions == ["vrnic.allocate", "vrnic.attach", "vrnic.detach", "vrnic.qos", "vrnic.release"]
+    assert actions == ["vrnic.allocate", "vrnic.attach", "vrnic.detach", "vrnic.qos", "vrnic.token_reissue",
+                       "vrnic.release"]
     attach = [e for e in _events(a, "vrnic.attach") if e["subject"] == f"vrnic/{vrnic['id']}"]
     assert attach[0]["actor"] == "daemon"
 

@@ -239,6 +239,40 @@ def test_a_vf_moved_into_a_container_is_observed_as_attached(api: TestClient, te
     assert api.delete(url, headers=red).json()["state"] == "released" and kernel.vfs[0] == CLEAN_VF
 
 
+def test_operator_moves_a_vf_into_a_container_over_rest_and_back(api: TestClient, tenant: Any,
+                                                                 kernel: MemoryKernel) -> None:
+    red = tenant("red", 100)
+    vid = api.post("/api/v1/vrnics", headers=red, json={"mode": "sriov"}).json()["id"]
+    url = f"/api/v1/vrnics/{vid}/container"
+    # a tenant may not pick a host namespace to move a device into
+    assert api.put(url, headers=red, json={"netns": "ctr1"}).status_code == 403
+    assert api.put(url, json={"netns": "../etc"}).json()["code"] == "invalid_request"
+    assert api.put(url, json={"netns": "ctr1", "require_rdma": 0}).json()["code"] == "invalid_request"  # strict
+    refused = api.put(url, json={"netns": "ctr1"})  # these VFs have no RDMA device: nothing moves
+    assert refused.status_code == 422 and "no RDMA device" in refused.json()["detail"] and kernel.netns == {}
+    moved = api.put(url, json={"netns": "ctr1", "require_rdma": False})
+    assert moved.status_code == 200, moved.text
+    body = moved.json()
+    assert (body["netns"], body["netdev"], body["rdma_device"]) == ("ctr1", f"{PF}v0", None) and body["notes"]
+    assert kernel.netns == {f"{PF}v0": "ctr1"}
+    assert api.get(f"/api/v1/vrnics/{vid}", headers=red).json()["state"] == "attached"
+    assert api.get(f"/api/v1/vrnics/{vid}/vf", headers=red).json()["allocation"]["netns"] == "ctr1"
+    again = api.put(url, json={"netns": "ctr2", "require_rdma": False})
+    assert again.status_code == 409 and again.json()["current_state"] == "attached"
+    back = api.delete(url)
+    assert back.status_code == 200 and back.json()["allocation"]["netns"] is None and kernel.netns == {}
+    assert api.get(f"/api/v1/vrnics/{vid}", headers=red).json()["state"] == "detached"
+    actions = [(e["action"], e["actor"]) for e in api.get("/api/v1/events").json()["items"]
+               if e["subject"] in (f"vrnic/{vid}", f"vf/{PF}/0")]
+    assert actions == [("vf_allocated", "tenant:red"), ("vrnic.allocate", "tenant:red"),
+                       ("vf_netns_moved", "operator"), ("vrnic.attach", "daemon"),
+                       ("vf_netns_returned", "operator"), ("vrnic.detach", "daemon")]
+    no_token = api.post(f"/api/v1/vrnics/{vid}/token", headers=red)
+    assert no_token.status_code == 422 and "no attach token" in no_token.json()["detail"]
+    paravirtual = api.post("/api/v1/vrnics", headers=red, json={}).json()["id"]
+    assert api.put(f"/api/v1/vrnics/{paravirtual}/container", json={"netns": "ctr1"}).status_code == 422
+
+
 def test_operator_lists_pfs_and_vfs_and_the_count_change_is_refused_while_allocated(
         api: TestClient, tenant: Any, kernel: MemoryKernel) -> None:
     red = tenant("red", 100)
@@ -301,13 +335,18 @@ def test_restart_reconciles_the_database_with_the_kernel(migrated: Engine, sriov
     vrnic = api.post("/api/v1/vrnics", headers=red, json={"mode": "sriov", "qos": {"rate_cap_mbps": 300}}).json()
     desired = kernel.vfs[0]
     kernel.tamper(0, max_tx_rate=0, mac="02:66:66:66:66:66")  # while "the daemon is down"
+    # VF 2: configured for an allocation whose commit never happened (the daemon was killed in between)
+    kernel.tamper(2, mac="02:77:77:77:77:77", vlan=300)
     restarted = BackendService({VrnicMode.SRIOV: sriov_driver(migrated, HOST, kernel)})  # a fresh process's state
     try:
         app = create_app(sriov_settings, restarted, engine=migrated)
         with TestClient(app, headers=dict(api.headers)) as client:
             assert kernel.vfs[0] == desired  # at startup, before any request
+            assert kernel.vfs[2] == CLEAN_VF  # orphaned settings reset
             logged = client.get("/api/v1/events", params={"action": "vf_drift_corrected"}).json()["items"]
             assert [(e["actor"], e["detail"]["vrnic_id"]) for e in logged] == [("daemon", vrnic["id"])]
+            [reset] = client.get("/api/v1/events", params={"action": "vf_reset"}).json()["items"]
+            assert (reset["actor"], reset["subject"], reset["detail"]["vlan"]) == ("daemon", f"vf/{PF}/2", "300")
             # the desired state outlived the process: the new one releases it
             assert client.delete(f"/api/v1/vrnics/{vrnic['id']}").json()["state"] == "released"
             assert kernel.vfs[0] == CLEAN_VF
@@ -394,6 +433,20 @@ def test_cli_lists_pfs_and_vfs_sets_the_count_and_reconciles(run: Any, kernel: M
     assert code == 0 and json.loads(out)["steps"] == []
     code, _, err = run("sriov", "vfs", "nope0")
     assert code == 1 and err.strip() == "vrnic: 404 not_found: no SR-IOV PF 'nope0' on this host (known: ens1f0)"
+
+
+def test_cli_moves_a_vf_into_a_container_and_back(run: Any, kernel: MemoryKernel) -> None:
+    run("tenants", "create", "red", "--vpc-id", "100")
+    vid = json.loads(run("vrnics", "allocate", "--tenant", "red", "--mode", "sriov", "--json")[1])["id"]
+    code, _, err = run("sriov", "attach-container", vid, "ctr1")
+    assert code == 1 and "422" in err and "no RDMA device" in err and kernel.netns == {}
+    code, out, err = run("sriov", "attach-container", vid, "ctr1", "--ethernet-only")
+    assert code == 0 and f"moved {PF}v0 (Ethernet only) of {vid} into netns ctr1" in out and "no RDMA" in err
+    assert kernel.netns == {f"{PF}v0": "ctr1"}
+    code, out, _ = run("vrnics", "show", vid, "--json")
+    assert code == 0 and json.loads(out)["state"] == "attached"
+    code, out, _ = run("sriov", "detach-container", vid)
+    assert code == 0 and f"VF {PF}/vf0 is back" in out and kernel.netns == {}
 
 
 def test_daemon_builds_the_sriov_driver_on_the_database(settings: DaemonSettings, caplog: Any) -> None:

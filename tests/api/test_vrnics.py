@@ -162,6 +162,35 @@ def test_idempotency_key_makes_retries_safe(client: TestClient, backend: Backend
     assert theirs.status_code == 201 and theirs.json()["id"] != first.json()["id"]
 
 
+def test_a_replayed_allocation_points_at_the_token_reissue_which_retires_the_old_token(
+        client: TestClient, backend: BackendService, make_tenant: Callable[..., Tenant]) -> None:
+    acme, other = make_tenant("acme"), make_tenant("other")
+    key = {"Idempotency-Key": str(uuid.uuid4()), **_as(acme)}
+    first = client.post("/api/v1/vrnics", json={}, headers=key).json()
+    retry = client.post("/api/v1/vrnics", json={}, headers=key)
+    vid = first["id"]
+    assert retry.status_code == 200 and retry.json()["attach"]["token"] is None
+    assert retry.headers["link"] == f'</api/v1/vrnics/{vid}/token>; rel="token"'
+    fake = backend.driver(VrnicMode.PARAVIRTUAL)
+    assert isinstance(fake, FakeDriver) and fake.accepts_token(vid, first["attach"]["token"])
+    # another tenant's vRNIC looks like none
+    assert client.post(f"/api/v1/vrnics/{vid}/token", headers=_as(other)).status_code == 404
+    reissued = client.post(f"/api/v1/vrnics/{vid}/token", headers=_as(acme))
+    assert reissued.status_code == 200, reissued.text
+    token = reissued.json()["attach"]["token"]
+    assert token and fake.accepts_token(vid, token) and not fake.accepts_token(vid, first["attach"]["token"])
+    by_operator = client.post(f"/api/v1/vrnics/{vid}/token").json()["attach"]["token"]
+    assert by_operator and fake.accepts_token(vid, by_operator) and not fake.accepts_token(vid, token)
+    assert client.get(f"/api/v1/vrnics/{vid}", headers=_as(acme)).json()["attach"]["token"] is None
+    events = client.get("/api/v1/events", params={"subject": f"vrnic/{vid}"}).json()["items"]
+    assert [(e["action"], e["actor"]) for e in events] == [
+        ("vrnic.allocate", "tenant:acme"), ("vrnic.token_reissue", "tenant:acme"), ("vrnic.token_reissue", "operator")]
+    assert all(token not in str(e["detail"]) for e in events)
+    client.delete(f"/api/v1/vrnics/{vid}", headers=_as(acme))
+    gone = client.post(f"/api/v1/vrnics/{vid}/token", headers=_as(acme))
+    assert gone.status_code == 409 and gone.json()["current_state"] == "released"
+
+
 def test_quota_and_defaults(client: TestClient, backend: BackendService,
                             make_tenant: Callable[..., Tenant]) -> None:
     small = make_tenant("small", max_vrnics=2, default_quota={"max_qps": 3, "max_mrs": 9})
@@ -295,19 +324,38 @@ def test_tenants_tokens_devices_hosts(client: TestClient, make_tenant: Callable[
         "tenant/acme"
 
 
-def test_after_a_restart_vrnics_whose_guests_went_with_the_old_process_are_detached(
+def test_after_a_restart_vrnics_whose_guests_went_with_the_old_process_are_lost(
         client: TestClient, backend: BackendService, make_tenant: Callable[..., Tenant], migrated: Engine,
         settings: DaemonSettings) -> None:
     acme = make_tenant("acme")
     vid = _allocate(client, acme)["id"]
     _fake(backend).guest_attached(vid)
     assert client.get(f"/api/v1/vrnics/{vid}").json()["state"] == "attached"  # recorded
+    _fake(backend).guest_detached(vid)  # the old process dies (its app, still running here, must not see it)
     restarted = BackendService({VrnicMode.PARAVIRTUAL: load_driver("fake")})  # a new process holds nothing
     try:
         app = create_app(settings, restarted, engine=migrated)
         with TestClient(app, headers=dict(client.headers)) as again:
-            assert _history(again, vid)[-1] == ("vrnic.detach", "daemon")  # at startup, before any read
+            assert _history(again, vid)[-1] == ("vrnic.lost", "daemon")  # at startup, before any read
+            assert again.get(f"/api/v1/vrnics/{vid}").json()["state"] == "lost"
             released = again.delete(f"/api/v1/vrnics/{vid}", headers=_as(acme))  # no force needed
             assert released.status_code == 200 and released.json()["state"] == "released"
     finally:
         restarted.close()
+
+
+def test_requests_are_strict_booleans_integers_query_names_and_405s_name_the_allowed_methods(
+        client: TestClient, make_tenant: Callable[..., Tenant]) -> None:
+    make_tenant("acme")
+    as_int = client.patch("/api/v1/tenants/acme", json={"unlimited": 0})
+    assert as_int.status_code == 422 and "boolean" in as_int.json()["detail"]
+    as_bool = client.patch("/api/v1/tenants/acme", json={"max_vrnics": False})
+    assert as_bool.status_code == 422 and "not a boolean" in as_bool.json()["detail"]
+    quota = client.post("/api/v1/vrnics", json={"tenant": "acme", "quota": {"max_qps": True}})
+    assert quota.status_code == 422
+    typo = client.get("/api/v1/vrnics", params={"stat": "attached"})
+    assert typo.status_code == 400 and "'stat'" in typo.json()["detail"]
+    assert client.get("/api/v1/vrnics", params={"state": "attached"}).status_code == 200
+    refused = client.put("/api/v1/tenants/acme")
+    assert refused.status_code == 405 and refused.headers["allow"] == "DELETE, GET, PATCH"
+    assert client.request("TRACE", "/metrics").headers["allow"] == "GET"

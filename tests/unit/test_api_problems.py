@@ -30,6 +30,7 @@ EXPECTED = {
     errors.BootFailure: 500,
     SchemaOutOfDate: 503,
     errors.Unavailable: 503,
+    errors.ChannelLost: 503,  # a guest's (frontend) error; as Unavailable should one reach the API
 }
 
 

@@ -18,9 +18,10 @@ from vrnic.backend.drivers.paravirtual import VerbsDriver
 from vrnic.backend.fake_edge import FakeEdge
 from vrnic.backend.session import GuestSession
 from vrnic.core.proto import HEADER, MAGIC, VERSION, FrameDecoder, encode
+from vrnic.core.recovery import token_digest
 from vrnic.core.specs import AttachInfo, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
-from vrnic.frontend import CQ, MR, PD, Context, InvalidArgument, NotFound, VrnicError
+from vrnic.frontend import CQ, MR, PD, ChannelLost, Context, InvalidArgument, NotFound, VrnicError
 
 ARENA = 1 << 20
 
@@ -261,3 +262,41 @@ def test_the_socket_group_is_a_name_or_a_number() -> None:
     assert group_id("root") == 0
     with pytest.raises(InvalidArgument, match="no group 'no-such-group-xyz'"):
         group_id("no-such-group-xyz")
+
+
+def test_a_reissued_token_attaches_and_the_old_one_no_longer_does(
+        serve: Callable[..., tuple[VerbsDriver, AttachInfo]]) -> None:
+    drv, info = serve()
+    new = drv.reissue_token(info.vrnic_id)
+    assert new != info.token
+    with pytest.raises(NotFound):
+        Context.attach(info, ARENA)
+    with Context.attach(info.model_copy(update={"token": new}), ARENA) as ctx:
+        assert ctx.query_device() is not None
+    with pytest.raises(NotFound):
+        drv.reissue_token("no-such-vrnic")
+
+
+def test_a_restarted_vrnicd_takes_the_same_token_and_the_old_guest_gets_a_clear_error(tmp_path: Path) -> None:
+    """vrnicd dies under an attached guest: the guest's next call is ChannelLost; a new vrnicd that holds the
+    vRNIC again (crash recovery: same spec, the token's digest from the database) lets it attach and rebuild."""
+    spec = VrnicSpec(id="v1", tenant="t", vpc_id=1, virtual_gid=make_virtual_gid(1, 1))
+    socket_path = tmp_path / "vrnicd.sock"
+    first = VerbsDriver(socket_path=socket_path, edge=FakeEdge())
+    info = first.create_vrnic(spec, "fake0")
+    ctx = Context.attach(info, ARENA)
+    PD(ctx)
+    first.close()  # what the kernel does to a killed vrnicd's sockets
+    with pytest.raises(ChannelLost, match="attach again with the same token"):
+        PD(ctx)
+    ctx.close()
+    second = VerbsDriver(socket_path=socket_path, edge=FakeEdge())
+    try:
+        second.restore_vrnic(spec, "fake0", token_digest(info.token or ""))
+        with Context.attach(info, ARENA) as again:
+            cq = CQ(again, 4)
+            assert cq is not None and second.attached_ids() == {"v1"}
+        with pytest.raises(NotFound):
+            Context.attach(info.model_copy(update={"token": "not the token"}), ARENA)
+    finally:
+        second.close()

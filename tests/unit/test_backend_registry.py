@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from vrnic.backend.registry import Registry, VirtualRnic
+from vrnic.core.recovery import token_digest
 from vrnic.core.rings import Access
 from vrnic.core.specs import VrnicSpec
 from vrnic.core.translate import MrWindow
@@ -21,7 +22,7 @@ class Session:
 
 def vrnic(serial: int, tenant: str = "t", vpc: int = 1, phys_gid: str = "::ffff:10.0.0.1") -> VirtualRnic:
     spec = VrnicSpec(id=f"v{serial}", tenant=tenant, vpc_id=vpc, virtual_gid=make_virtual_gid(vpc, serial))
-    return VirtualRnic(spec=spec, device="d", token=f"tok{serial}", phys_gid=phys_gid, gid_index=1)
+    return VirtualRnic(spec=spec, device="d", token_hash=token_digest(f"tok{serial}"), phys_gid=phys_gid, gid_index=1)
 
 
 def attached(registry: Registry, *vrnics: VirtualRnic) -> None:

@@ -287,10 +287,12 @@ def test_a_driver_that_cannot_observe_reports_nobody_attached() -> None:
 
 def test_registry_attached_ids_are_the_vrnics_with_a_session() -> None:
     from vrnic.backend.registry import Registry, VirtualRnic
+    from vrnic.core.recovery import token_digest
 
     registry = Registry()
     for n in (1, 2):
-        registry.add(VirtualRnic(spec=spec(n), device="rxe0", token=f"t{n}", phys_gid="::1", gid_index=1))
+        registry.add(VirtualRnic(spec=spec(n), device="rxe0", token_hash=token_digest(f"t{n}"), phys_gid="::1",
+                                 gid_index=1))
     assert registry.attached_ids() == set()
     registry.by_token("t2").session = object()  # type: ignore[assignment]
     assert registry.attached_ids() == {"v2"}

@@ -12,6 +12,7 @@ from vrnic.core.rings import RingCorrupt, WcStatus
 from vrnic.core.translate import WrRejected
 from vrnic.errors import (
     BootFailure,
+    ChannelLost,
     Conflict,
     DeviceError,
     InvalidArgument,
@@ -49,6 +50,7 @@ EXAMPLES: list[VrnicError] = [
     Unauthenticated("missing bearer token"),
     PermissionDenied("not yours"),
     Unavailable("the agent of host b is unreachable"),
+    ChannelLost("vrnicd closed the channel"),
     DeviceError("ibv_create_qp failed", errno=12),
     DeviceError("no errno"),
     LabError("qemu missing"),

@@ -25,6 +25,9 @@ LEGAL = {
     (S.ATTACHED, A.DETACH): S.DETACHED,
     (S.ALLOCATED, A.RELEASE): S.RELEASED,
     (S.DETACHED, A.RELEASE): S.RELEASED,
+    (S.ATTACHED, A.LOSE): S.LOST,  # found at vrnicd's start: the guest's kernel objects died
+    (S.LOST, A.ATTACH): S.ATTACHED,
+    (S.LOST, A.RELEASE): S.RELEASED,
 }
 
 

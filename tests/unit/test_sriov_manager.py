@@ -132,13 +132,14 @@ def test_reconcile_restores_drift(parts: tuple[SriovManager, MemorySysfs, Memory
     netlink.vfs[2] = VfConfig(mac="02:99:00:00:00:01")  # someone else's
     events = manager.reconcile()
     assert netlink.vfs[0] == a.config
-    assert [(e.kind, e.vf) for e in events] == [(EventKind.DRIFT_CORRECTED, 0), (EventKind.UNOWNED_DIRTY, 2)]
+    # VF 2: orphaned settings (say, an allocation whose commit died with the daemon) are reset, audited
+    assert [(e.kind, e.vf) for e in events] == [(EventKind.DRIFT_CORRECTED, 0), (EventKind.RESET, 2)]
     assert events[0].detail == {"vlan": "7 -> 100", "trust": "True -> False"}
-    assert manager.reconcile() == []  # the unowned VF is reported once, not on every pass
-    netlink.vfs[2] = CLEAN_VF
+    assert events[1].detail == {"mac": "02:99:00:00:00:01", "reason": "orphaned: no allocation holds it"}
+    assert netlink.vfs[2] == CLEAN_VF
     assert manager.reconcile() == []
     netlink.vfs[2] = VfConfig(mac="02:99:00:00:00:02")
-    assert [(e.kind, e.vf) for e in manager.reconcile()] == [(EventKind.UNOWNED_DIRTY, 2)]
+    assert [(e.kind, e.vf) for e in manager.reconcile()] == [(EventKind.RESET, 2)] and netlink.vfs[2] == CLEAN_VF
 
 
 def test_attach_without_vf_netdev_is_refused_clearly(parts: tuple[SriovManager, MemorySysfs, MemoryNetlink]) -> None:

@@ -67,6 +67,11 @@ def release_vrnic(vrnic_id: str, backend: Backend) -> Response:
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
+@router.post("/vrnics/{vrnic_id}/token")
+def reissue_token(vrnic_id: str, backend: Backend) -> dict[str, str]:
+    return {"token": backend.reissue_token(vrnic_id)}
+
+
 @router.get("/vrnics")
 def vrnic_ids(backend: Backend) -> VrnicIds:
     return VrnicIds(vrnic_ids=sorted(backend.vrnic_ids()))

@@ -82,7 +82,8 @@ def create_app(settings: DaemonSettings, backend: BackendService, *, engine: Eng
         # Off the event loop: drivers may block, and pyroute2 (the SR-IOV driver's netlink) cannot run its own
         # loop inside a thread whose loop is already running.
         await run_in_threadpool(cp.inventory.register_host)
-        # e.g. vRNICs recorded attached before a restart, whose guests are gone with the old process
+        # crash recovery: what the previous vrnicd held is held again (same tokens); attached ones are lost
+        await cp.write(cp.vrnics.recover)
         changed = await cp.write(cp.vrnics.record_observed)
         if changed:
             log.info("attach state of %d vRNIC(s) changed while the daemon was down", changed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from http import HTTPStatus
 from typing import Any
 
@@ -12,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import compile_path
 
 from vrnic.api.schemas import Problem
 from vrnic.db.migrate import SchemaOutOfDate
@@ -52,6 +54,35 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
              "content": {MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}}}
     for status in (400, 401, 403, 404, 409, 422)
 }
+
+
+def _operations(app: FastAPI) -> list[tuple[re.Pattern[str], dict[str, frozenset[str]]]]:
+    """Per schema path: its pattern, and per method the query parameters it declares (built once)."""
+    table: list[tuple[re.Pattern[str], dict[str, frozenset[str]]]] | None = getattr(app.state, "operations", None)
+    if table is None:
+        table = [(compile_path(path)[0],
+                  {method.upper(): frozenset(p["name"] for p in [*operations.get("parameters", []),
+                                                                   *operation.get("parameters", [])]
+                                             if p.get("in") == "query")
+                   for method, operation in operations.items() if method != "parameters"})
+                 for path, operations in app.openapi().get("paths", {}).items()]
+        app.state.operations = table
+    return table
+
+
+def allowed_methods(app: FastAPI, path: str, fallback: str | None) -> str:
+    """Every method the schema has for path (Starlette's own 405 names only the first matching route's);
+    fallback (Starlette's Allow) for routes outside the schema."""
+    methods = {m for pattern, operations in _operations(app) if pattern.match(path) for m in operations}
+    return ", ".join(sorted(methods)) if methods else (fallback or "")
+
+
+def unknown_query_parameters(app: FastAPI, method: str, path: str, given: set[str]) -> list[str]:
+    """Query parameters the schema does not declare for this operation (a typo must not pass silently)."""
+    for pattern, operations in _operations(app):
+        if pattern.match(path) and method in operations:
+            return sorted(given - operations[method])
+    return []
 
 
 def status_for(error_class: type[VrnicError]) -> int:
@@ -96,7 +127,10 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return problem(exc.status_code, code, str(exc.detail), request)
+        answer = problem(exc.status_code, code, str(exc.detail), request)
+        if exc.status_code == 405:  # RFC 9110: a 405 names the methods the resource has (all its routes)
+            answer.headers["Allow"] = allowed_methods(app, request.url.path, (exc.headers or {}).get("Allow"))
+        return answer
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

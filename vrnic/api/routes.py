@@ -13,8 +13,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from vrnic.api.auth import Principal
 from vrnic.api.controlplane import ControlPlane
 from vrnic.api.pagination import MAX_PAGE
-from vrnic.api.problems import RESPONSES
+from vrnic.api.problems import RESPONSES, unknown_query_parameters
 from vrnic.api.schemas import (
+    ContainerAttach,
+    ContainerAttached,
     DeviceOut,
     EventOut,
     HostOut,
@@ -46,6 +48,7 @@ from vrnic.api.schemas import (
 )
 from vrnic.core.lifecycle import VrnicState
 from vrnic.core.specs import VmBinding
+from vrnic.errors import InvalidArgument
 
 bearer = HTTPBearer(auto_error=False, description="the operator token, or a tenant's token")
 
@@ -79,7 +82,16 @@ DomainPath = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$", 
 PfPath = Annotated[str, Path(pattern=r"^[A-Za-z0-9_.:@-]{1,15}$", description="the PF's netdev name",
                              examples=["eth0"])]
 
-router = APIRouter(prefix="/api/v1", responses=RESPONSES)
+async def known_query_only(request: Request) -> None:
+    """Refuse query parameters the operation does not have (`?forse=true` must not be ignored)."""
+    if request.query_params:
+        unknown = unknown_query_parameters(request.app, request.method, request.url.path,
+                                           set(request.query_params.keys()))
+        if unknown:
+            raise InvalidArgument(f"unknown query parameter(s): {', '.join(map(repr, unknown))}")
+
+
+router = APIRouter(prefix="/api/v1", responses=RESPONSES, dependencies=[Depends(known_query_only)])
 
 
 @router.get("/health", tags=["meta"])
@@ -138,21 +150,34 @@ async def revoke_token(name: TenantPath, token_id: BigId, cp: CP, who: Caller) -
 
 @router.post("/vrnics", status_code=status.HTTP_201_CREATED, tags=["vrnics"],
              responses={200: {"model": VrnicOut, "description": "a replay: Idempotency-Key matched an earlier "
-                                                                 "allocation (the attach token is not shown again)"}})
+                                                                 "allocation. The attach token is not shown again: "
+                                                                 "POST /vrnics/{id}/token issues a new one",
+                              "headers": {"Idempotent-Replayed": {"schema": {"type": "string", "enum": ["true"]}},
+                                          "Link": {"description": "rel=\"token\": where to get a new attach token",
+                                                   "schema": {"type": "string"}}}}})
 async def allocate_vrnic(body: VrnicCreate, cp: CP, who: Caller, response: Response,
                          idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255,
                                                                        pattern=Printable)] = None) -> VrnicOut:
     """Allocate a vRNIC: pick a device, create it in the backend, return what a frontend needs to attach.
 
     The attach token is in this response only. Retrying with the same Idempotency-Key returns the
-    same vRNIC (status 200, header Idempotent-Replayed: true) instead of allocating another.
+    same vRNIC (status 200, header Idempotent-Replayed: true) instead of allocating another, without its
+    token: the header `Link: </api/v1/vrnics/{id}/token>; rel="token"` says where to get a new one.
     """
     out, replayed = await cp.write(cp.vrnics.allocate, who, body, idempotency_key)
     response.headers["Location"] = f"/api/v1/vrnics/{out.id}"
     if replayed:
         response.status_code = status.HTTP_200_OK
         response.headers["Idempotent-Replayed"] = "true"
+        response.headers["Link"] = f'</api/v1/vrnics/{out.id}/token>; rel="token"'
     return out
+
+
+@router.post("/vrnics/{vrnic_id}/token", tags=["vrnics"])
+async def reissue_vrnic_token(vrnic_id: VrnicPath, cp: CP, who: Caller) -> VrnicOut:
+    """A new attach token for a paravirtual vRNIC (its tenant or the operator), shown in this response only;
+    the old token stops working at once (a guest attached now stays attached). Audited."""
+    return await cp.write(cp.vrnics.reissue_token, who, vrnic_id)
 
 
 @router.get("/vrnics", tags=["vrnics"])
@@ -360,7 +385,27 @@ def get_vrnic_hostdev(vrnic_id: VrnicPath, cp: CP, who: Caller,
     return Response(cp.sriov.vrnic_hostdev_xml(who, vrnic_id, alias), media_type="application/xml")
 
 
-metrics_router = APIRouter(responses=RESPONSES)
+@router.put("/vrnics/{vrnic_id}/container", tags=["vrnics", "sriov"])
+async def attach_vrnic_to_container(vrnic_id: VrnicPath, body: ContainerAttach, cp: CP, who: Caller
+                                    ) -> ContainerAttached:
+    """Operator (the container runtime): move the vRNIC's VF netdev, and its RDMA device, into a container's
+    named network namespace. Refused (422) for a VF without a netdev of its own, or, with require_rdma,
+    without an RDMA device that can move; 409 when it is in a namespace already."""
+    attached = await cp.write(cp.sriov.attach_container, who, vrnic_id, body)
+    await cp.write(cp.vrnics.record_observed)  # vrnicd now observes it attached
+    return attached
+
+
+@router.delete("/vrnics/{vrnic_id}/container", tags=["vrnics", "sriov"])
+async def detach_vrnic_from_container(vrnic_id: VrnicPath, cp: CP, who: Caller) -> SriovVfOut:
+    """Operator: bring the VF back from the container's namespace into the host's (a namespace that is
+    gone already gave it back)."""
+    vf = await cp.write(cp.sriov.detach_container, who, vrnic_id)
+    await cp.write(cp.vrnics.record_observed)
+    return vf
+
+
+metrics_router = APIRouter(responses=RESPONSES, dependencies=[Depends(known_query_only)])
 
 
 @metrics_router.get("/metrics", tags=["metrics"], response_class=PlainTextResponse)

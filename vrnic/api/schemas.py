@@ -5,11 +5,11 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from vrnic.core.lifecycle import VrnicState
 from vrnic.core.peering import RuleAction
-from vrnic.core.specs import AttachInfo, DataEngine, PortInfo, QosPolicy, Quota, VrnicMode, check_engine
+from vrnic.core.specs import AttachInfo, DataEngine, Integer, PortInfo, QosPolicy, Quota, VrnicMode, check_engine
 from vrnic.core.vaddr import DEFAULT_VPC_CIDR, vpc_network
 from vrnic.errors import InvalidArgument
 
@@ -44,9 +44,9 @@ class TenantCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: TenantName
-    vpc_id: int | None = Field(None, ge=1, lt=1 << 32, description="default: the next free VPC id")
+    vpc_id: Integer | None = Field(None, ge=1, lt=1 << 32, description="default: the next free VPC id")
     default_quota: Quota = Quota()
-    max_vrnics: int | None = Field(None, ge=0, le=1 << 20, description="live vRNICs at most (null: no limit)")
+    max_vrnics: Integer | None = Field(None, ge=0, le=1 << 20, description="live vRNICs at most (null: no limit)")
     vpc_cidr: str = Field(DEFAULT_VPC_CIDR, max_length=43, pattern=r"^[0-9./]+$", examples=["10.0.0.0/16"],
                           description="the IPv4 range its vRNICs' virtual IPs come from")
 
@@ -63,8 +63,8 @@ class TenantUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     default_quota: Quota | None = None
-    max_vrnics: int | None = Field(None, ge=0, le=1 << 20)
-    unlimited: bool = Field(False, description="true: remove the max_vrnics limit")
+    max_vrnics: Integer | None = Field(None, ge=0, le=1 << 20)
+    unlimited: StrictBool = Field(False, description="true: remove the max_vrnics limit")
 
 
 class TenantOut(BaseModel):
@@ -302,6 +302,24 @@ class SriovVfOut(BaseModel):
     allocation: VfAllocationOut | None = None
 
 
+class ContainerAttach(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    netns: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$", examples=["ctr1"],
+                       description="a named network namespace of this host (`ip netns add NAME`)")
+    require_rdma: StrictBool = Field(True, description="refuse unless the VF's RDMA device moves along (needs "
+                                                       "`rdma system set netns exclusive`); false: Ethernet only "
+                                                       "is fine, the reason is in notes")
+
+
+class ContainerAttached(BaseModel):
+    vrnic_id: str
+    netns: str
+    netdev: str = Field(description="the VF netdev, now inside netns")
+    rdma_device: str | None = Field(description="the VF's RDMA device, moved along (null: Ethernet only)")
+    notes: list[str] = Field(description="why the RDMA device did not move, when require_rdma was false")
+
+
 class SriovPfOut(BaseModel):
     name: str
     kind: str = Field(examples=["pci", "netdevsim"])
@@ -319,8 +337,8 @@ class SriovPfOut(BaseModel):
 class NumVfsChange(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    num_vfs: int = Field(ge=0, le=4096)
-    force: bool = Field(False, description="change it even though VFs are allocated (goes through zero; "
+    num_vfs: Integer = Field(ge=0, le=4096)
+    force: StrictBool = Field(False, description="change it even though VFs are allocated (goes through zero; "
                                            "surviving VFs are re-configured, vanished ones are marked)")
 
 

@@ -12,7 +12,16 @@ from sqlalchemy import Engine
 from vrnic.api.auth import Principal
 from vrnic.api.converters import pf_out, sriov_event_out, vf_out
 from vrnic.api.pagination import PageRequest
-from vrnic.api.schemas import NumVfsChange, NumVfsChanged, Page, ReconcileOut, SriovPfOut, SriovVfOut
+from vrnic.api.schemas import (
+    ContainerAttach,
+    ContainerAttached,
+    NumVfsChange,
+    NumVfsChanged,
+    Page,
+    ReconcileOut,
+    SriovPfOut,
+    SriovVfOut,
+)
 from vrnic.api.transactions import Transactions
 from vrnic.api.vrnics import find_vrnic
 from vrnic.backend.service import BackendService
@@ -88,6 +97,23 @@ class Sriov:
         address = allocation.address
         vf = None if allocation.vanished else self._inventory(address.pf).pf.vf(address.index)
         return vf_out(address.pf, address.index, vf, allocation)
+
+    def attach_container(self, principal: Principal, vrnic_id: str, body: ContainerAttach) -> ContainerAttached:
+        """Operator (the container runtime): move the vRNIC's VF netdev, and its RDMA device, into a named
+        network namespace. vrnicd then observes the vRNIC attached; the move is an audit event."""
+        principal.require_operator()
+        self._check_holds_a_vf(principal, vrnic_id)
+        moved = self._write(principal.actor, lambda: self.backend.sriov_attach_container(vrnic_id, body.netns,
+                                                                                          body.require_rdma))
+        return ContainerAttached(vrnic_id=moved.vrnic_id, netns=moved.netns, netdev=moved.netdev,
+                                 rdma_device=moved.rdma_device, notes=list(moved.notes))
+
+    def detach_container(self, principal: Principal, vrnic_id: str) -> SriovVfOut:
+        """Operator: bring the VF back from the container's namespace (a no-op when it is in none)."""
+        principal.require_operator()
+        self._check_holds_a_vf(principal, vrnic_id)
+        self._write(principal.actor, lambda: self.backend.sriov_detach_container(vrnic_id))
+        return self.vrnic_vf(principal, vrnic_id)
 
     def vrnic_hostdev_xml(self, principal: Principal, vrnic_id: str, alias: str | None) -> str:
         """libvirt <interface type='hostdev'> for giving the vRNIC's VF to a VM."""

@@ -36,6 +36,7 @@ from vrnic.backend.service import BackendService
 from vrnic.core.lifecycle import VrnicAction, VrnicState, check_vrnic_count, next_state, observed_state
 from vrnic.core.placement import Candidate, choose
 from vrnic.core.qos import RateMeter
+from vrnic.core.recovery import RecoveryPlan, plan_recovery, token_digest
 from vrnic.core.specs import DataEngine, QosPolicy, Quota, VrnicMode, VrnicSpec
 from vrnic.core.vaddr import check_virtual_ip, first_free_virtual_ip, make_virtual_gid, next_virtual_ip
 from vrnic.db.tables import Device, Host, Tenant, Vrnic, utcnow
@@ -48,13 +49,14 @@ from vrnic.errors import (
     PermissionDenied,
     Unauthenticated,
     Unavailable,
+    VrnicError,
 )
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Observed = tuple[T, bool]  # (what a read shows, whether the observed attach state differs from the stored one)
-_ATTACHABLE = [VrnicState.ALLOCATED.value, VrnicState.DETACHED.value]
+_ATTACHABLE = [VrnicState.ALLOCATED.value, VrnicState.DETACHED.value, VrnicState.LOST.value]
 
 
 _IP_RETRIES = 8  # concurrent allocations of one tenant may pick the same next address: the loser picks again
@@ -98,6 +100,7 @@ _FIND_FOR_UPDATE = (select(_VRNICS, _TENANTS.c.name.label("tenant_name"))
                     .join(_TENANTS, _TENANTS.c.id == _VRNICS.c.tenant_id)
                     .where(_VRNICS.c.public_id == bindparam("b_id")).with_for_update(of=_VRNICS))
 _LIVE = _VRNICS.c.state != VrnicState.RELEASED.value
+_LIVE_ORM = Vrnic.state != VrnicState.RELEASED.value
 _CANDIDATES = (select(Device.id, Device.name, Device.max_vrnics, Device.driver, Host.id.label("host_id"),
                       Host.name.label("host_name"), Host.api_url, Host.state)
                .join(Host, Host.id == Device.host_id).where(Device.present, Host.state == UP))
@@ -181,8 +184,8 @@ class Vrnics:
                 state=VrnicState.ALLOCATED.value,
                 host_id=place.host.id, device_id=place.device_id, device_name="", quota=quota.model_dump(),
                 qos=body.qos.model_dump(), virtual_gid=public_id, virtual_ip=virtual_ip, socket_path=None,
-                attach_extra={}, idempotency_key=idempotency_key, request_hash=request_hash, created_at=now,
-                updated_at=now, released_at=None)
+                attach_extra={}, attach_token_hash=None, idempotency_key=idempotency_key, request_hash=request_hash,
+                created_at=now, updated_at=now, released_at=None)
             # The hot path in SQLAlchemy Core (the ORM's flushes cost more than the rest of the request):
             # one INSERT (the serial, and a clash on the idempotency key, come from the database) ...
             serial = int(s.execute(_INSERT_VRNIC, values).scalar_one())
@@ -198,7 +201,8 @@ class Vrnics:
             device_id = place.device_id if place.device_id is not None else \
                 self.inventory.device_id(uow, body.mode, info.device)
             placed = dict(virtual_gid=virtual_gid, device_name=info.device, socket_path=info.socket_path,
-                          attach_extra=dict(info.extra), device_id=device_id, updated_at=now)
+                          attach_extra=dict(info.extra), device_id=device_id, updated_at=now,
+                          attach_token_hash=token_digest(info.token) if info.token else None)
             s.execute(_PLACE_VRNIC, {**placed, "b_serial": serial})
             uow.record("vrnic.allocate", f"vrnic/{public_id}", tenant.id,
                        {"mode": body.mode.value, "engine": body.engine.value, "device": info.device,
@@ -373,6 +377,50 @@ class Vrnics:
             return self.backend
         return self.backends.of(self.inventory.host_ref(s, host_id))
 
+    def recover(self) -> RecoveryPlan:
+        """At start: this host's live vRNICs in the database against what the backend holds (set differences,
+        vrnic.core.recovery). A paravirtual vRNIC the backend lost (the previous vrnicd died or stopped) is held
+        again with the same attach token; one a guest was attached to is marked lost (its kernel objects died
+        with the old process; the guest attaches again and rebuilds). What the backend holds that the database
+        does not (an allocation whose commit never happened) is released. Each change is audited."""
+        held = self.backend.vrnic_ids()
+        with self.tx.write(DAEMON_ACTOR) as uow:
+            s = uow.session
+            rows = {row.public_id: (row, tenant, vpc_id) for row, tenant, vpc_id in s.execute(
+                select(Vrnic, Tenant.name, Tenant.vpc_id).join(Tenant, Tenant.id == Vrnic.tenant_id)
+                .where(Vrnic.host_id == self.inventory.host_id, _LIVE_ORM).order_by(Vrnic.serial)
+                .with_for_update(of=Vrnic)).tuples()}
+            plan = plan_recovery({vid: VrnicState(row.state) for vid, (row, _, _) in rows.items()}, held)
+            for vrnic_id in plan.restore:
+                row, tenant, vpc_id = rows[vrnic_id]
+                if vrnic_id in plan.lose:
+                    row.state, row.updated_at = VrnicState.LOST.value, utcnow()
+                    uow.record("vrnic.lost", f"vrnic/{vrnic_id}", row.tenant_id,
+                               {"from": VrnicState.ATTACHED.value, "reason": "vrnicd restarted: the guest's kernel "
+                                "objects died with the previous process; it attaches again with its token"},
+                               actor=DAEMON_ACTOR)
+                if row.mode != VrnicMode.PARAVIRTUAL.value:
+                    log.error("SR-IOV vRNIC %s has no VF allocation on this host any more", vrnic_id)
+                    continue
+                spec = VrnicSpec(id=vrnic_id, tenant=tenant, mode=VrnicMode.PARAVIRTUAL, device=row.device_name,
+                                 quota=Quota.model_validate(row.quota), qos=QosPolicy.model_validate(row.qos),
+                                 vpc_id=vpc_id, virtual_gid=row.virtual_gid, virtual_ip=row.virtual_ip,
+                                 engine=DataEngine(row.engine))
+                try:
+                    # no digest kept (allocated before 0006): no token attaches; a re-issued one will
+                    self.backend.restore_vrnic(spec, row.device_name, row.attach_token_hash or "")
+                except VrnicError as exc:
+                    log.error("could not hold vRNIC %s again on %s: %s", vrnic_id, row.device_name, exc)
+                    uow.record("vrnic.restore_failed", f"vrnic/{vrnic_id}", row.tenant_id, {"error": str(exc)},
+                               actor=DAEMON_ACTOR)
+            for vrnic_id in plan.orphans:
+                self._release_backend(vrnic_id, self.backend)
+                uow.record("vrnic.orphan_released", f"vrnic/{vrnic_id}", None, {}, actor=DAEMON_ACTOR)
+        if not plan.in_sync:
+            log.info("recovery: %d vRNIC(s) held again (%d lost), %d orphan(s) released", len(plan.restore),
+                     len(plan.lose), len(plan.orphans))
+        return plan
+
     def orphaned(self) -> list[str]:
         """Live vRNICs of this host in the database that the backend does not hold (e.g. after a restart)."""
         held = self.backend.vrnic_ids()
@@ -409,6 +457,23 @@ class Vrnics:
                              tx_packets=counted.get("tx_packets", 0), tx_rate_bps=self.meter.read(vrnic_id, tx, now),
                              rx_bytes=rx, rx_packets=counted.get("rx_packets", 0),
                              rx_rate_bps=self.meter.read(f"rx:{vrnic_id}", rx, now))
+
+    # -- attach token -----------------------------------------------------------------------------
+
+    def reissue_token(self, principal: Principal, vrnic_id: str) -> VrnicOut:
+        """A new attach token (in this response only); the old one stops working at once. For a client whose
+        allocation response was lost (an Idempotency-Key replay does not show the token again)."""
+        with self.tx.write(principal.actor) as uow:
+            row, tenant = find_vrnic(uow.session, principal, vrnic_id, for_update=True)
+            if row.state == VrnicState.RELEASED.value:
+                raise Conflict(f"vRNIC {vrnic_id} was released", current_state="released")
+            if row.mode != VrnicMode.PARAVIRTUAL.value:
+                raise NotSupported(f"vRNIC {vrnic_id} is an SR-IOV VF: it has no attach token")
+            token = self._backend_of(uow.session, row.host_id).reissue_token(vrnic_id)
+            row.attach_token_hash, row.updated_at = token_digest(token), utcnow()
+            uow.record("vrnic.token_reissue", f"vrnic/{vrnic_id}", row.tenant_id, {})
+            out = self._out(uow.session, row, tenant)
+        return out.model_copy(update={"attach": out.attach.model_copy(update={"token": token})})
 
     # -- release ----------------------------------------------------------------------------------
 

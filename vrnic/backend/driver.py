@@ -37,6 +37,16 @@ class RnicDriver(ABC):
     def vrnic_ids(self) -> set[str]:
         """The vRNICs that exist in the backend now (observed state, for reconciliation)."""
 
+    def restore_vrnic(self, spec: VrnicSpec, device: str, token_hash: str) -> None:
+        """Hold again a vRNIC the database holds and this backend lost (vrnicd restarted): same spec, same
+        device, and the attach token with this digest attaches. Drivers whose state outlives vrnicd (SR-IOV:
+        the VF and the database store) never lose one."""
+        raise NotSupported(f"the {self.name} driver cannot restore vRNICs")
+
+    def reissue_token(self, vrnic_id: str) -> str:
+        """A new attach token for the vRNIC; the old one stops working (NotFound if unknown)."""
+        raise NotSupported(f"the {self.name} driver's vRNICs have no attach token")
+
     def attached_ids(self) -> set[str]:
         """The vRNICs a guest is attached to now, as the backend observes it (none, if it cannot tell)."""
         return set()

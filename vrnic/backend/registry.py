@@ -17,6 +17,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -26,6 +27,7 @@ from typing import Protocol, TypeVar
 from vrnic.backend.peer_directory import Locator, PeerDirectory, RemotePeer
 from vrnic.core.migration import DirtyLog
 from vrnic.core.peering import Decision, Identity, SecurityRule, decide
+from vrnic.core.recovery import token_digest
 from vrnic.core.specs import VrnicSpec
 from vrnic.core.translate import MrWindow
 from vrnic.core.vaddr import parse_virtual_gid
@@ -49,7 +51,7 @@ class Closeable(Protocol):
 class VirtualRnic:
     spec: VrnicSpec
     device: str
-    token: str
+    token_hash: str  # vrnic.core.recovery.token_digest of the attach token (the token itself is not kept)
     phys_gid: str  # the device's RoCE v2 GID: programmed into peers' QPs, never shown to guests
     gid_index: int
     session: Closeable | None = field(default=None, repr=False)  # the attached guest's session
@@ -164,10 +166,21 @@ class Registry:
     def by_token(self, token: str) -> VirtualRnic:
         with self._lock:
             candidates = list(self._by_id.values())
+        digest = token_digest(token)
         for vrnic in candidates:
-            if hmac.compare_digest(vrnic.token.encode(), token.encode()):
+            if hmac.compare_digest(vrnic.token_hash, digest):
                 return vrnic
         raise NotFound("invalid attach token")
+
+    def reissue_token(self, vrnic_id: str) -> str:
+        """A new attach token for the vRNIC; the old one stops working now (an attached guest stays)."""
+        token = secrets.token_urlsafe(24)
+        with self._lock:
+            vrnic = self._by_id.get(vrnic_id)
+            if vrnic is None:
+                raise NotFound(f"no vRNIC {vrnic_id} in the backend")
+            vrnic.token_hash = token_digest(token)
+        return token
 
     def get(self, vrnic_id: str) -> VirtualRnic:
         with self._lock:

@@ -40,6 +40,9 @@ class RemoteBackend:
     def release_vrnic(self, vrnic_id: str) -> None:
         self._call("DELETE", f"/vrnics/{vrnic_id}")
 
+    def reissue_token(self, vrnic_id: str) -> str:
+        return str(self._call("POST", f"/vrnics/{vrnic_id}/token")["token"])
+
     def vrnic_ids(self) -> set[str]:
         return set(self._call("GET", "/vrnics")["vrnic_ids"])
 

@@ -17,7 +17,7 @@ from vrnic.errors import Conflict, InvalidArgument, NotFound, NotSupported
 if TYPE_CHECKING:
     from vrnic.backend.peer_service import PeerService
     from vrnic.sriov.libvirt_xml import HostdevInterface
-    from vrnic.sriov.manager import CountChangeResult, PfInventory, SriovManager
+    from vrnic.sriov.manager import ContainerAttachment, CountChangeResult, PfInventory, SriovManager
     from vrnic.sriov.vf_types import Allocation, VfEvent
 
 
@@ -77,6 +77,29 @@ class BackendService:
         self._drivers[mode].release_vrnic(vrnic_id)
         with self._lock:
             self._placement.pop(vrnic_id, None)
+
+    def restore_vrnic(self, spec: VrnicSpec, device: str, token_hash: str) -> None:
+        """Hold again a vRNIC that an earlier vrnicd held (crash recovery), on the device it was on."""
+        with self._lock:
+            if spec.id in self._placement:
+                raise Conflict(f"vRNIC {spec.id} already exists in the backend (mode {self._placement[spec.id]})")
+            self._placement[spec.id] = spec.mode
+        try:
+            self.driver(spec.mode).restore_vrnic(spec, device, token_hash)
+        except BaseException:
+            with self._lock:
+                self._placement.pop(spec.id, None)
+            raise
+
+    def reissue_token(self, vrnic_id: str) -> str:
+        """A new attach token for a vRNIC of this host; the old one stops working."""
+        with self._lock:
+            mode = self._placement.get(vrnic_id)
+        if mode is None:
+            mode = next((m for m, d in self._drivers.items() if vrnic_id in d.vrnic_ids()), None)
+        if mode is None:
+            raise NotFound(f"no vRNIC {vrnic_id} in the backend")
+        return self._drivers[mode].reissue_token(vrnic_id)
 
     def vrnic_ids(self) -> set[str]:
         return {i for d in self._drivers.values() for i in d.vrnic_ids()}
@@ -153,3 +176,9 @@ class BackendService:
 
     def sriov_vm_interface(self, vrnic_id: str, alias: str | None = None) -> HostdevInterface:
         return self._sriov().vm_interface(vrnic_id, alias)
+
+    def sriov_attach_container(self, vrnic_id: str, netns: str, require_rdma: bool = True) -> ContainerAttachment:
+        return self._sriov().attach_container(vrnic_id, netns, require_rdma)
+
+    def sriov_detach_container(self, vrnic_id: str) -> None:
+        self._sriov().detach_container(vrnic_id)

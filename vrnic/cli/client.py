@@ -15,10 +15,20 @@ from typing import Annotated, Any
 
 import httpx
 import typer
-from pydantic import SecretStr
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from rich.console import Console
 from rich.table import Table
+
+from vrnic.config import DaemonSettings
+
+
+class _DaemonStateDir(BaseSettings):
+    """The daemon's state dir as the daemon reads it (VRNIC_STATE_DIR, or state_dir in VRNIC_CONFIG)."""
+
+    model_config = SettingsConfigDict(env_prefix="VRNIC_", env_file=os.environ.get("VRNIC_CONFIG"), extra="ignore")
+
+    state_dir: Path = DaemonSettings.model_fields["state_dir"].default
 
 
 class ClientSettings(BaseSettings):
@@ -29,7 +39,8 @@ class ClientSettings(BaseSettings):
 
     url: str = "http://127.0.0.1:8470"
     token: SecretStr | None = None
-    token_file: Path = Path("/var/lib/vrnic/operator-token")  # written by `vrnic daemon` when none is set
+    # written by `vrnic daemon` when none is set, in its state dir (VRNIC_STATE_DIR, as the daemon reads it)
+    token_file: Path = Field(default_factory=lambda: _DaemonStateDir().state_dir / "operator-token")
     timeout: float = 30.0
 
 

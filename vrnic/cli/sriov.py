@@ -88,3 +88,31 @@ def _print_events(events: list[dict[str, Any]]) -> None:
         who = f" ({event['vrnic_id']})" if event.get("vrnic_id") else ""
         detail = ", ".join(f"{k}={v}" for k, v in sorted(event["detail"].items()))
         typer.echo(f"{event['kind']} {where}{who}" + (f": {detail}" if detail else ""))
+
+
+@app.command("attach-container")
+def attach_container(vrnic_id: Annotated[str, typer.Argument(help="The SR-IOV vRNIC.")],
+                     netns: Annotated[str, typer.Argument(help="A named network namespace (`ip netns add`).")],
+                     ethernet_only: Annotated[bool, typer.Option(
+                         "--ethernet-only", help="Move the netdev even when its RDMA device cannot move along.")
+                     ] = False,
+                     as_json: JsonFlag = False) -> None:
+    """Move a vRNIC's VF netdev (and its RDMA device) into a container's network namespace."""
+    with api() as client:
+        moved = client.request("PUT", f"/vrnics/{vrnic_id}/container",
+                               json_body={"netns": netns, "require_rdma": not ethernet_only})
+    if as_json:
+        show(moved, True, [])
+        return
+    rdma = f" and {moved['rdma_device']}" if moved["rdma_device"] else " (Ethernet only)"
+    typer.echo(f"moved {moved['netdev']}{rdma} of {vrnic_id} into netns {moved['netns']}")
+    for note in moved["notes"]:
+        typer.secho(f"note: {note}", err=True, dim=True)
+
+
+@app.command("detach-container")
+def detach_container(vrnic_id: Annotated[str, typer.Argument(help="The SR-IOV vRNIC.")]) -> None:
+    """Bring a vRNIC's VF back from the container's network namespace."""
+    with api() as client:
+        vf = client.request("DELETE", f"/vrnics/{vrnic_id}/container")
+    typer.echo(f"{vrnic_id}: VF {vf['pf']}/vf{vf['index']} is back in the host's namespace")

@@ -62,6 +62,9 @@ def allocate(
     with api() as client:
         vrnic = client.request("POST", "/vrnics", json_body=body, headers=headers)
     show_fields(vrnic if as_json else _flat(vrnic), as_json)
+    if idempotency_key and vrnic["mode"] == "paravirtual" and not vrnic["attach"].get("token"):
+        typer.secho(f"(a replay of an earlier allocation: its attach token is not shown again; "
+                    f"`vrnic vrnics new-token {vrnic['id']}` issues a new one)", err=True, dim=True)
 
 
 @app.command("list")
@@ -109,3 +112,15 @@ def release(vrnic_id: str,
     else:
         typer.echo(f"released {vrnic['id']} (was on {vrnic['device']})")
 
+
+
+@app.command("new-token")
+def new_token(vrnic_id: str, as_json: JsonFlag = False) -> None:
+    """Issue a new attach token for a paravirtual vRNIC; the old one stops working (e.g. when the allocation's
+    answer was lost and a retry with the same --idempotency-key got the vRNIC without its token)."""
+    with api() as client:
+        vrnic = client.request("POST", f"/vrnics/{vrnic_id}/token")
+    if as_json:
+        show_fields(vrnic, True)
+    else:
+        typer.echo(vrnic["attach"]["token"])

@@ -1,4 +1,5 @@
-"""The vRNIC state machine: allocated -> attached -> detached -> released, as pure functions.
+"""The vRNIC state machine: allocated -> attached -> detached -> released (and attached -> lost -> attached
+when vrnicd restarts under an attached guest), as pure functions.
 
 Attach and detach are what vrnicd observes (a guest connected, or went away), never what a client says;
 release is the one action a client asks for. The control plane asks these functions for the next state
@@ -17,6 +18,7 @@ class VrnicState(StrEnum):
     ALLOCATED = "allocated"  # backend state exists, no frontend attached yet
     ATTACHED = "attached"  # a guest frontend is using it
     DETACHED = "detached"  # the frontend went away; may attach again
+    LOST = "lost"  # vrnicd stopped while a guest was attached: its kernel objects died; the guest re-attaches
     RELEASED = "released"  # backend state torn down; terminal
 
 
@@ -24,6 +26,7 @@ class VrnicAction(StrEnum):
     ATTACH = "attach"  # observed: a guest frontend connected
     DETACH = "detach"  # observed: the frontend went away
     RELEASE = "release"  # asked for by a client
+    LOSE = "lose"  # found at vrnicd's start: the guest's kernel objects died with the previous vrnicd
 
 
 _TRANSITIONS: dict[tuple[VrnicState, VrnicAction], VrnicState] = {
@@ -32,6 +35,9 @@ _TRANSITIONS: dict[tuple[VrnicState, VrnicAction], VrnicState] = {
     (VrnicState.ATTACHED, VrnicAction.DETACH): VrnicState.DETACHED,
     (VrnicState.ALLOCATED, VrnicAction.RELEASE): VrnicState.RELEASED,
     (VrnicState.DETACHED, VrnicAction.RELEASE): VrnicState.RELEASED,
+    (VrnicState.ATTACHED, VrnicAction.LOSE): VrnicState.LOST,
+    (VrnicState.LOST, VrnicAction.ATTACH): VrnicState.ATTACHED,  # the guest attached again (same token)
+    (VrnicState.LOST, VrnicAction.RELEASE): VrnicState.RELEASED,
 }
 
 # Why each refused request is refused, so the 409 tells the caller what to do instead.
@@ -41,6 +47,7 @@ _HINTS: dict[tuple[VrnicState, VrnicAction], str] = {
                                                "operator release with force",
     (VrnicState.ALLOCATED, VrnicAction.DETACH): "it was never attached",
     (VrnicState.DETACHED, VrnicAction.DETACH): "it is already detached",
+    (VrnicState.LOST, VrnicAction.DETACH): "its guest's objects are gone already",
 }
 
 
@@ -72,7 +79,7 @@ def observed_state(state: VrnicState, attached: bool) -> VrnicState:
         return state
     if attached:
         return state if state is VrnicState.ATTACHED else next_state(state, VrnicAction.ATTACH)
-    return next_state(state, VrnicAction.DETACH) if state is VrnicState.ATTACHED else state
+    return next_state(state, VrnicAction.DETACH) if state is VrnicState.ATTACHED else state  # lost stays lost
 
 
 def holds_backend_state(state: VrnicState) -> bool:

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import ipaddress
 from enum import StrEnum
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from vrnic.errors import DeviceError, NotFound
 
 MiB = 1 << 20
+
+
+def _not_a_bool(value: object) -> object:
+    # JSON true/false are not numbers: without this, pydantic's lax mode reads them as 1 and 0.
+    if isinstance(value, bool):
+        raise ValueError("expected an integer, not a boolean")
+    return value
+
+
+Integer = Annotated[int, BeforeValidator(_not_a_bool)]  # an int of a request: a JSON boolean is refused
 
 
 class VrnicMode(StrEnum):
@@ -29,13 +40,13 @@ class Quota(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_pds: int = Field(16, ge=0, le=1 << 16)
-    max_cqs: int = Field(64, ge=0, le=1 << 16)
-    max_qps: int = Field(64, ge=0, le=1 << 16)
-    max_mrs: int = Field(256, ge=0, le=1 << 20)
-    max_cqe: int = Field(4096, ge=1, le=1 << 22)  # per CQ
-    max_wr: int = Field(1024, ge=1, le=1 << 16)  # per queue
-    max_pinned_bytes: int = Field(256 * MiB, ge=0, le=1 << 44)
+    max_pds: Integer = Field(16, ge=0, le=1 << 16)
+    max_cqs: Integer = Field(64, ge=0, le=1 << 16)
+    max_qps: Integer = Field(64, ge=0, le=1 << 16)
+    max_mrs: Integer = Field(256, ge=0, le=1 << 20)
+    max_cqe: Integer = Field(4096, ge=1, le=1 << 22)  # per CQ
+    max_wr: Integer = Field(1024, ge=1, le=1 << 16)  # per queue
+    max_pinned_bytes: Integer = Field(256 * MiB, ge=0, le=1 << 44)
 
 
 class QosPolicy(BaseModel):
@@ -44,9 +55,9 @@ class QosPolicy(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    rate_cap_mbps: int | None = Field(None, ge=1, le=10_000_000)
-    guarantee_mbps: int | None = Field(None, ge=1, le=10_000_000)
-    weight: int = Field(1, ge=1, le=1000)
+    rate_cap_mbps: Integer | None = Field(None, ge=1, le=10_000_000)
+    guarantee_mbps: Integer | None = Field(None, ge=1, le=10_000_000)
+    weight: Integer = Field(1, ge=1, le=1000)
 
     @property
     def limits(self) -> bool:

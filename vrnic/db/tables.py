@@ -157,6 +157,8 @@ class Vrnic(Base):
     virtual_ip: Mapped[str | None] = mapped_column(String(45))  # in its tenant's vpc_cidr
     socket_path: Mapped[str | None] = mapped_column(String(255))
     attach_extra: Mapped[dict[str, Any]] = mapped_column(default=dict)  # AttachInfo.extra; the token is never kept
+    # sha256 of the attach token (vrnic.core.recovery.token_digest): a restarted vrnicd accepts the same token
+    attach_token_hash: Mapped[str | None] = mapped_column(String(64))
     vm_domain: Mapped[str | None] = mapped_column(String(64))  # the libvirt domain it is attached to (`vm attach`)
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     request_hash: Mapped[str | None] = mapped_column(String(64))  # the request the idempotency key first carried

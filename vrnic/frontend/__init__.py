@@ -16,6 +16,7 @@ needs only python3 and the vrnic sources.
 
 from vrnic.core.rings import Access, Completion, RecvRequest, SendRequest, Sge, WcOpcode, WcStatus, WrOpcode
 from vrnic.errors import (
+    ChannelLost,
     Conflict,
     DeviceError,
     InvalidArgument,
@@ -26,6 +27,6 @@ from vrnic.errors import (
 )
 from vrnic.frontend.guest_library import CQ, MR, PD, QP, Buffer, Context
 
-__all__ = ["CQ", "MR", "PD", "QP", "Access", "Buffer", "Completion", "Conflict", "Context", "DeviceError",
-           "InvalidArgument", "NotFound", "NotSupported", "QuotaExceeded", "RecvRequest", "SendRequest", "Sge",
-           "VrnicError", "WcOpcode", "WcStatus", "WrOpcode"]
+__all__ = ["CQ", "MR", "PD", "QP", "Access", "Buffer", "ChannelLost", "Completion", "Conflict", "Context",
+           "DeviceError", "InvalidArgument", "NotFound", "NotSupported", "QuotaExceeded", "RecvRequest", "SendRequest",
+           "Sge", "VrnicError", "WcOpcode", "WcStatus", "WrOpcode"]

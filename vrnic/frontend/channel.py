@@ -17,12 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from vrnic.core.framing import FrameDecoder, encode, fds_of
-from vrnic.errors import NotFound, VrnicError, error_from_dict
+from vrnic.errors import ChannelLost, NotFound, VrnicError, error_from_dict
 
 VIRTIO_PORTS = Path("/sys/class/virtio-ports")
 DEFAULT_PORT = "org.vrnic.0"
 RECV_BYTES = 65536
 _FDS_SPACE = socket.CMSG_SPACE(4 * 4)  # room for four descriptors
+# What a guest does when vrnicd goes away (restart, upgrade, OOM kill): its objects died with that vrnicd.
+_REATTACH = ("; every object of this attachment is gone (vrnicd restarted or stopped): attach again with the "
+             "same token and rebuild them")
 
 
 class Channel(ABC):
@@ -46,7 +49,7 @@ class Channel(ABC):
                 self._send(data, fds)
                 reply = self._read_reply(request_id)
             except OSError as exc:
-                raise VrnicError(f"lost the channel to vrnicd: {exc.strerror or exc}") from exc
+                raise ChannelLost(f"lost the channel to vrnicd: {exc.strerror or exc}{_REATTACH}") from exc
         if not reply.get("ok"):
             raise error_from_dict(reply.get("error") or {})
         result: dict[str, Any] = reply.get("result") or {}
@@ -59,13 +62,13 @@ class Channel(ABC):
             try:
                 self._send(data, None)
             except OSError as exc:
-                raise VrnicError(f"lost the channel to vrnicd: {exc.strerror or exc}") from exc
+                raise ChannelLost(f"lost the channel to vrnicd: {exc.strerror or exc}{_REATTACH}") from exc
 
     def _read_reply(self, request_id: int) -> dict[str, Any]:
         while True:
             chunk = self._recv()
             if not chunk:
-                raise VrnicError("vrnicd closed the channel")
+                raise ChannelLost(f"vrnicd closed the channel{_REATTACH}")
             for message in self._decoder.feed(chunk):
                 if message.get("id") in (request_id, 0):  # 0: vrnicd could not read the request at all
                     return message

@@ -91,7 +91,7 @@ class SriovManager:
         self._eswitch_mode = eswitch_mode or devlink.eswitch_mode
         self._rdma: RdmaNetns = rdma or _RdmaTool()
         self._lock = threading.RLock()
-        self._reported_dirty: set[VfAddress] = set()  # unowned dirty VFs are reported once, not every pass
+        self._reported_dirty: set[VfAddress] = set()  # orphaned VFs that failed to reset: reported once
 
     def close(self) -> None:
         self.netlink.close()
@@ -191,8 +191,10 @@ class SriovManager:
         return observed
 
     def reconcile(self) -> list[VfEvent]:
-        """Desired (store) minus observed (netlink): re-apply drift, mark vanished VFs. Returns the events."""
+        """Desired (store) minus observed (netlink): re-apply drift, mark vanished VFs, reset the settings of VFs
+        no allocation holds (orphaned). Returns the events."""
         events: list[VfEvent] = []
+        failed: set[VfAddress] = set()  # orphaned settings that would not reset: reported once, not every pass
         with self._lock:
             plan = plan_reconcile(self.store.list(), self.observe())
             for drift in plan.drifts:
@@ -210,10 +212,23 @@ class SriovManager:
                                                  drift.allocation.vrnic_id, detail)))
             for allocation in plan.vanished:
                 events.append(self._mark_vanished(allocation, "the VF no longer exists"))
+            observed = self.observe() if plan.unowned_dirty else {}
             for address in plan.unowned_dirty:
-                if address not in self._reported_dirty:
-                    events.append(self._emit(VfEvent(EventKind.UNOWNED_DIRTY, address.pf, address.index)))
-            self._reported_dirty = set(plan.unowned_dirty)
+                # Tenant settings on a VF nobody holds: an allocation whose commit never happened (the daemon
+                # died in between) or a release cut short. Reset, or the next tenant inherits them.
+                before = observed[address]
+                detail = {name: str(getattr(before, name)) for name in sorted(differing_fields(CLEAN_VF, before))}
+                try:
+                    self._apply_and_confirm(address, CLEAN_VF, before)
+                except VrnicError as e:
+                    if address not in self._reported_dirty:
+                        events.append(self._emit(VfEvent(EventKind.UNOWNED_DIRTY, address.pf, address.index,
+                                                         detail=detail | {"error": str(e)})))
+                    failed.add(address)
+                    continue
+                events.append(self._emit(VfEvent(EventKind.RESET, address.pf, address.index,
+                                                 detail=detail | {"reason": "orphaned: no allocation holds it"})))
+            self._reported_dirty = failed
         return events
 
     # VF count ------------------------------------------------------------------------------------------

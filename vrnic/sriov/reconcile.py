@@ -22,7 +22,7 @@ class Drift:
 class ReconcilePlan:
     drifts: tuple[Drift, ...] = ()
     vanished: tuple[Allocation, ...] = ()  # desired VFs the kernel no longer has
-    unowned_dirty: tuple[VfAddress, ...] = ()  # VFs nobody owns that are not clean: reported, not touched
+    unowned_dirty: tuple[VfAddress, ...] = ()  # VFs nobody owns that are not clean: reset (orphaned settings)
 
     @property
     def in_sync(self) -> bool:

@@ -134,7 +134,7 @@ class EventKind(StrEnum):
     NETNS_MOVED = "vf_netns_moved"
     NETNS_RETURNED = "vf_netns_returned"
     RECONCILE_FAILED = "vf_reconcile_failed"
-    UNOWNED_DIRTY = "vf_unowned_dirty"  # a VF nobody allocated carries tenant state: reported, not touched
+    UNOWNED_DIRTY = "vf_unowned_dirty"  # a VF nobody allocated carries tenant state and would not reset
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from typing import ClassVar
 
 from vrnic.backend.driver import RnicDriver
 from vrnic.core.migration import MigrationPhase, SwitchoverReport
+from vrnic.core.recovery import token_digest, token_matches
 from vrnic.core.specs import AttachInfo, DeviceInfo, PortInfo, QosPolicy, VmBinding, VrnicMode, VrnicSpec
 from vrnic.errors import Conflict, InvalidArgument, NotFound
 
@@ -30,6 +31,7 @@ class FakeDriver(RnicDriver):
         ]
         self._socket_path = socket_path
         self._vrnics: dict[str, str] = {}  # vrnic id -> device
+        self.token_hashes: dict[str, str] = {}  # vrnic id -> the digest of its attach token now
         self._attached: set[str] = set()  # what a real driver would observe: a guest holding a session
         self._vms: dict[str, VmBinding] = {}
         self._migrating: dict[str, VmBinding] = {}  # domain -> its destination binding
@@ -46,13 +48,37 @@ class FakeDriver(RnicDriver):
             if spec.id in self._vrnics:
                 raise Conflict(f"vRNIC {spec.id} already exists in the backend")
             self._vrnics[spec.id] = device
+            token = secrets.token_urlsafe(24)
+            self.token_hashes[spec.id] = token_digest(token)
         return AttachInfo(vrnic_id=spec.id, mode=spec.mode, device=device, virtual_gid=spec.virtual_gid,
-                          socket_path=self._socket_path, token=secrets.token_urlsafe(24))
+                          socket_path=self._socket_path, token=token)
+
+    def reissue_token(self, vrnic_id: str) -> str:
+        with self._lock:
+            if vrnic_id not in self._vrnics:
+                raise NotFound(f"no vRNIC {vrnic_id} in the backend")
+            token = secrets.token_urlsafe(24)
+            self.token_hashes[vrnic_id] = token_digest(token)
+        return token
+
+    def restore_vrnic(self, spec: VrnicSpec, device: str, token_hash: str) -> None:
+        with self._lock:
+            if spec.id in self._vrnics:
+                raise Conflict(f"vRNIC {spec.id} already exists in the backend")
+            self._vrnics[spec.id] = device
+            self.token_hashes[spec.id] = token_hash
+
+    def accepts_token(self, vrnic_id: str, token: str) -> bool:
+        """Tests: would a guest presenting token attach to vrnic_id (what the verbs driver checks)."""
+        with self._lock:
+            digest = self.token_hashes.get(vrnic_id)
+        return digest is not None and token_matches(token, digest)
 
     def release_vrnic(self, vrnic_id: str) -> None:
         with self._lock:
             if self._vrnics.pop(vrnic_id, None) is None:
                 raise NotFound(f"no vRNIC {vrnic_id} in the backend")
+            self.token_hashes.pop(vrnic_id, None)
             self._attached.discard(vrnic_id)
             for domain, binding in list(self._vms.items()):
                 if any(v.vrnic_id == vrnic_id for v in binding.vrnics):

@@ -43,6 +43,7 @@ from vrnic.backend.session import GuestSession
 from vrnic.backend.vm_link import VmLink, connect_channel
 from vrnic.core.migration import MigrationPhase
 from vrnic.core.qos import admit, drain_kbit
+from vrnic.core.recovery import token_digest
 from vrnic.core.specs import (
     AttachInfo,
     DataEngine,
@@ -116,13 +117,23 @@ class VerbsDriver(RnicDriver):
         return [self.edge.describe(n) for n in names]
 
     def create_vrnic(self, spec: VrnicSpec, device: str) -> AttachInfo:
+        token = secrets.token_urlsafe(24)
+        self._add(spec, device, token_digest(token))
+        return AttachInfo(vrnic_id=spec.id, mode=spec.mode, device=device, virtual_gid=spec.virtual_gid,
+                          socket_path=str(self.socket_path), token=token)
+
+    def restore_vrnic(self, spec: VrnicSpec, device: str, token_hash: str) -> None:
+        """Hold again a vRNIC an earlier vrnicd held (crash recovery): the guest's token still attaches."""
+        self._add(spec, device, token_hash)
+
+    def _add(self, spec: VrnicSpec, device: str, token_hash: str) -> None:
         info = self.edge.describe(device)  # NotFound for an unknown device
         gid_index, phys_gid = active_roce_v2_gid(info)
         if spec.engine is DataEngine.DIRECT:
             self._check_direct(spec, info)
         if self.guard is not None:
             self.guard.guard_address(phys_gid)
-        vrnic = VirtualRnic(spec=spec, device=device, token=secrets.token_urlsafe(24), phys_gid=phys_gid,
+        vrnic = VirtualRnic(spec=spec, device=device, token_hash=token_hash, phys_gid=phys_gid,
                             gid_index=gid_index)
         with self._qos_lock:
             self._admit_qos(spec.id, device, info, spec.qos)
@@ -133,9 +144,7 @@ class VerbsDriver(RnicDriver):
                 self.registry.remove(spec.id)
                 self._qos_refresh(device)
                 raise
-        log.info("vRNIC %s (tenant %s) created on %s", spec.id, spec.tenant, device)
-        return AttachInfo(vrnic_id=spec.id, mode=spec.mode, device=device, virtual_gid=spec.virtual_gid,
-                          socket_path=str(self.socket_path), token=vrnic.token)
+        log.info("vRNIC %s (tenant %s) on %s", spec.id, spec.tenant, device)
 
     def _check_direct(self, spec: VrnicSpec, info: DeviceInfo) -> None:
         if not info.caps.get("direct_engine"):
@@ -429,6 +438,9 @@ class VerbsDriver(RnicDriver):
     def vm_bindings(self) -> dict[str, VmBinding]:
         with self._vm_lock:
             return {name: state.binding for name, state in self._vms.items()}
+
+    def reissue_token(self, vrnic_id: str) -> str:
+        return self.registry.reissue_token(vrnic_id)
 
     def release_vrnic(self, vrnic_id: str) -> None:
         with self._vm_lock:  # a VM using it loses its vRNIC service now; the hook's unbind finds nothing
