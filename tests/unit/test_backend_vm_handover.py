@@ -239,6 +239,24 @@ def test_a_peer_that_died_during_the_handover_breaks_only_its_qp(scene: Scene) -
     assert struct.unpack("<Q", scene.g_mr.read(8, 8192 + 24))[0] == 3
 
 
+def test_a_control_plane_that_cannot_record_the_move_calls_the_handover_off(scene: Scene, edge: FakeEdge) -> None:
+    live = set(edge.live)
+    scene.prepare()
+
+    def database_down() -> None:
+        raise Unavailable("the database is unreachable")
+
+    with pytest.raises(Unavailable):
+        scene.a.complete_vm_handover("vm1", database_down)
+    assert edge.live == live and scene.vm_id not in scene.b.registry.ids()  # the destination took nothing
+    for seq, host in ((1, "a"), (2, "b")):  # the peers were let go towards the source, which serves on
+        scene.write(host, seq)
+        assert [c.status for c in scene.p_cq[host].wait(1)] == [WcStatus.SUCCESS]
+    assert struct.unpack("<Q", scene.g_mr.read(8, 16384 + 16))[0] == 2
+    scene.prepare()  # and it can be tried again
+    assert scene.a.complete_vm_handover("vm1", scene.record_move)["peers_repointed"] == 2
+
+
 # ----- the pure parts (vrnic.core.handover) ----------------------------------------------------------------
 
 def test_phases_only_move_forward_and_not_back_past_the_handover() -> None:

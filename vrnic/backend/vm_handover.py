@@ -229,10 +229,9 @@ def _vm_side(m: Leaving) -> tuple[dict[int, int], dict[int, tuple[int, bool]]]:
 def switchover(handover: Handover, source_memory: GuestMemory, registry: Registry,
                record_move: Callable[[], None], leave: Callable[[], None],
                drain_timeout: float = DRAIN_TIMEOUT_S) -> HandoverReport:
-    """Hold, drain, copy, hand the state over; then record the move (the control plane), leave (the source's
-    objects go), re-point the peers and let the destination serve. An error before the state is handed over
-    calls everything off (the source serves on; the caller resumes the VM there); after it, it is raised with
-    the destination serving whatever could be moved."""
+    """Hold, drain, copy, hand the state over, record the move (the control plane); then leave (the source's
+    objects go), re-point the peers and let the destination serve. An error up to the recorded move calls
+    everything off (the source serves on; the caller resumes the VM there); after it there is no way back."""
     handover.phase = advance(handover.phase, HandoverPhase.SWITCHING)
     report = HandoverReport(vrnics=[m.vrnic.spec.id for m in handover.leaving], peer_hosts=len(handover.peer_hosts))
     started = time.perf_counter()
@@ -277,16 +276,21 @@ def switchover(handover: Handover, source_memory: GuestMemory, registry: Registr
         taken = handover.destination.take_over(handover.domain, snapshots, carried)
         for key in ("qps", "recvs_reposted", "sends_carried", "broken_qps", "mrs_presetup", "mrs_registered"):
             setattr(report, key, int(taken.get(key, 0)))
-        report.take_over_ms = (time.perf_counter() - t_copy) * 1000
+        t0 = time.perf_counter()
+        report.take_over_ms = (t0 - t_copy) * 1000
+        # Until the control plane says where the vRNIC lives, no peer was re-pointed and the source's QPs are
+        # intact: a failure here is still called off like any before it.
+        record_move()
     except BaseException:
         handover.phase = advance(handover.phase, HandoverPhase.ABORTED)
         _call_off(handover, registry, destination_too=True)
         raise
     handover.phase = advance(handover.phase, HandoverPhase.HANDED_OVER)
-    t0 = time.perf_counter()
-    record_move()
     t1 = time.perf_counter()
-    leave()
+    try:
+        leave()
+    except Exception:  # the destination serves the VM either way; what is left here is logged for the operator
+        log.exception("VM %s: the source's objects were not all released after the hand-over", handover.domain)
     t2 = time.perf_counter()
     for m in handover.leaving:
         for host in handover.peer_hosts:
