@@ -3,8 +3,9 @@ from host a to host b over the lab link, and a cancelled migration leaves it run
 
 What is checked: every byte of guest RAM on b equals a's once the migration completed (the ROM window aside),
 the destination runs after `cont`, the source stays in postmigrate; QEMU's total time and downtime are written
-to .lab/two-hosts/cross-host-qemu-migration.json. No vRNIC moves here: the vRNIC hand-over between the agents is
-not built yet (see vrnic.core.handover for its plan and what is proven).
+to .lab/two-hosts/cross-host-qemu-migration.json. No vRNIC moves here: the vRNIC hand-over between the agents
+(vrnic.backend.vm_handover) is proven on the in-memory fabric (tests/unit/test_backend_vm_handover.py,
+tests/api/test_vm_handover_*.py), not yet with a VM program on rxe in this lab.
 
 Run: vrnic lab run --topology two-hosts --timeout 600 -- python -m vrnic.lab.two_hosts -- \
      env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest -m two_hosts -p no:cacheprovider -s \
