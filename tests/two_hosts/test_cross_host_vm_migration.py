@@ -16,20 +16,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import sys
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
 from vrnic.config import PROJECT_DIR
-from vrnic.errors import LabError
 from vrnic.lab.kernel import kernel_image
 from vrnic.lab.two_hosts.control import ControlClient
 from vrnic.lab.two_hosts.rig import lab_addrs
-from vrnic.lab.two_hosts.vm_target import VmTarget
+from vrnic.lab.two_hosts.vm_target import RemoteVm, VmTarget
 from vrnic.lab.vm_guest import busybox_initramfs
 
 SHARED = PROJECT_DIR / ".lab" / "two-hosts" / "xvm"  # both hosts see the project dir: the boot image lives here
@@ -44,28 +40,6 @@ BUSY_INIT = """#!/bin/busybox sh
 i=0
 while true; do i=$((i+1)); /bin/busybox dd if=/dev/urandom of=/newroot/junk bs=64k count=64 2>/dev/null; done
 """
-
-
-class RemoteVm:
-    """vrnic.lab.two_hosts.vm_target on host b, through b's control server."""
-
-    def __init__(self, control: ControlClient) -> None:
-        self.control = control
-        self.id = int(control.call("spawn", argv=[sys.executable, "-m", "vrnic.lab.two_hosts.vm_target"],
-                                   stdin=True)["id"])
-
-    def call(self, op: str, timeout: float = 120.0, **args: Any) -> dict[str, Any]:
-        self.control.call("write", id=self.id, text=json.dumps({"op": op, **args}) + "\n")
-        answer = self.control.call("readline", id=self.id, timeout=timeout)
-        if answer["line"] is None:
-            raise LabError(f"vm_target on b ended or timed out: {answer.get('stderr', '')}")
-        result: dict[str, Any] = json.loads(answer["line"])
-        assert "error" not in result, result
-        return result
-
-    def close(self) -> None:
-        self.control.call("signal", id=self.id, signal=int(signal.SIGTERM))
-        self.control.call("wait", id=self.id, timeout=20)
 
 
 @pytest.fixture(scope="module")

@@ -2,16 +2,21 @@
 
     python -m vrnic.lab.two_hosts.vm_target      # reads JSON commands on stdin, answers one JSON line each
 
-Commands: start {name, workdir, kernel, initrd, memory_mib, incoming, run} -> pid; status -> QEMU's
-query-status; digest -> sha256 of the RAM file (the ROM window 0xc0000-0xfffff left out: QEMU migrates
-the ROM, not what lies under it in the file); migrate {uri, timeout} -> QEMU's numbers (this VM is the
-source); cont; stop; quit. Host a's side is tests/two_hosts/test_cross_host_vm_migration.py.
+Commands: start {name, workdir, kernel, initrd, memory_mib, incoming, run} -> pid; start_migratable {name,
+workdir, image, accel, incoming, memory_mib} -> pid and the VM's RAM file and vRNIC channel socket (the
+migratable image of vrnic.lab.vm_guest); status -> QEMU's query-status; digest -> sha256 of the RAM file
+(the ROM window 0xc0000-0xfffff left out: QEMU migrates the ROM, not what lies under it in the file);
+migrate {uri, timeout} -> QEMU's numbers (this VM is the source); cont; pmemsave {address, size, path};
+control {op, args} -> the VM program's reply on its control port; stop; quit. Host a's side:
+tests/two_hosts/test_cross_host_vm_migration.py and test_vm_handover_rxe.py.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import mmap
+import signal
 import sys
 import time
 from pathlib import Path
@@ -20,6 +25,8 @@ from typing import Any
 from vrnic.errors import LabError, VrnicError
 from vrnic.lab.qemu_vm import QemuVm, QemuVmSpec
 from vrnic.lab.two_hosts.guest import serve_lines
+from vrnic.lab.vm_guest import CONTROL_PORT, ControlPort, channel_socket, migratable_vm_spec
+from vrnic.vm.domain_xml import DEFAULT_CHANNEL
 
 ROM_WINDOW = (0xC0000, 0x100000)
 CMDLINE = "console=ttyS0 loglevel=4 panic=-1 mitigations=off"
@@ -37,6 +44,7 @@ def ram_digest(path: Path) -> str:
 class VmTarget:
     def __init__(self) -> None:
         self.vm: QemuVm | None = None
+        self.port: ControlPort | None = None
 
     def _vm(self) -> QemuVm:
         if self.vm is None:
@@ -55,6 +63,25 @@ class VmTarget:
         if run and incoming is None:
             self.vm.qmp.execute("cont")  # started without -S it runs already; harmless then
         return {"pid": self.vm.pid}
+
+    def do_start_migratable(self, name: str, workdir: str, image: str, accel: str = "kvm",
+                            incoming: str | None = None, memory_mib: int = 256) -> dict[str, Any]:
+        work = Path(workdir)
+        work.mkdir(parents=True, exist_ok=True)
+        spec = migratable_vm_spec(name, work, Path(image), incoming=incoming, memory_mib=memory_mib,
+                                  accel="kvm" if accel == "kvm" else "tcg")
+        self.vm = QemuVm(spec).start()
+        return {"pid": self.vm.pid, "ram_path": str(spec.ram_path),
+                "channel_socket": str(channel_socket(spec, DEFAULT_CHANNEL))}
+
+    def do_control(self, op: str, args: dict[str, Any] | None = None, timeout: float = 60.0) -> dict[str, Any]:
+        if self.port is None:
+            self.port = ControlPort(channel_socket(self._vm().spec, CONTROL_PORT), timeout=timeout)
+        return self.port.call(op, **(args or {}))
+
+    def do_pmemsave(self, address: int, size: int, path: str) -> dict[str, Any]:
+        self._vm().qmp.execute("pmemsave", val=address, size=size, filename=path)
+        return {}
 
     def do_status(self) -> dict[str, Any]:
         status: dict[str, Any] = self._vm().qmp.execute("query-status")
@@ -75,6 +102,9 @@ class VmTarget:
         return {"text": self._vm().console(2000)}
 
     def do_stop(self) -> dict[str, Any]:
+        if self.port is not None:
+            self.port.close()
+            self.port = None
         if self.vm is not None:
             self.vm.stop()
             self.vm = None
@@ -102,6 +132,30 @@ def migrate_source_only(vm: QemuVm, uri: str, timeout: float) -> dict[str, Any]:
     return {"total_ms": float(info["total-time"]), "downtime_ms": float(info.get("downtime", 0)),
             "setup_ms": float(info.get("setup-time", 0)), "transferred": int(ram.get("transferred", 0)),
             "wall_ms": (time.monotonic() - issued) * 1000, "mbps": float(ram.get("mbps", 0))}
+
+
+class RemoteVm:
+    """This program on host b, through b's control server (vrnic.lab.two_hosts.control)."""
+
+    def __init__(self, control: Any) -> None:
+        self.control = control
+        self.id = int(control.call("spawn", argv=[sys.executable, "-m", "vrnic.lab.two_hosts.vm_target"],
+                                   stdin=True)["id"])
+
+    def call(self, op: str, timeout: float = 120.0, **args: Any) -> dict[str, Any]:
+        """Its answer; LabError if it ended or answered with an error."""
+        self.control.call("write", id=self.id, text=json.dumps({"op": op, **args}) + "\n")
+        answer = self.control.call("readline", id=self.id, timeout=timeout)
+        if answer["line"] is None:
+            raise LabError(f"vm_target on b ended or timed out: {answer.get('stderr', '')}")
+        result: dict[str, Any] = json.loads(answer["line"])
+        if "error" in result:
+            raise LabError(f"vm_target on b: {op}: {result['error']}: {result.get('message')}")
+        return result
+
+    def close(self) -> None:
+        self.control.call("signal", id=self.id, signal=int(signal.SIGTERM))
+        self.control.call("wait", id=self.id, timeout=20)
 
 
 def main() -> int:
