@@ -7,7 +7,7 @@ workdir, image, accel, incoming, memory_mib} -> pid and the VM's RAM file and vR
 migratable image of vrnic.lab.vm_guest); status -> QEMU's query-status; digest -> sha256 of the RAM file
 (the ROM window 0xc0000-0xfffff left out: QEMU migrates the ROM, not what lies under it in the file);
 migrate {uri, timeout} -> QEMU's numbers (this VM is the source); cont; pmemsave {address, size, path};
-control {op, args} -> the VM program's reply on its control port; stop; quit. Host a's side:
+control {verb, args} -> the VM program's reply on its control port; stop; quit. Host a's side:
 tests/two_hosts/test_cross_host_vm_migration.py and test_vm_handover_rxe.py.
 """
 
@@ -74,10 +74,10 @@ class VmTarget:
         return {"pid": self.vm.pid, "ram_path": str(spec.ram_path),
                 "channel_socket": str(channel_socket(spec, DEFAULT_CHANNEL))}
 
-    def do_control(self, op: str, args: dict[str, Any] | None = None, timeout: float = 60.0) -> dict[str, Any]:
+    def do_control(self, verb: str, args: dict[str, Any] | None = None, timeout: float = 60.0) -> dict[str, Any]:
         if self.port is None:
             self.port = ControlPort(channel_socket(self._vm().spec, CONTROL_PORT), timeout=timeout)
-        return self.port.call(op, **(args or {}))
+        return self.port.call(verb, **(args or {}))
 
     def do_pmemsave(self, address: int, size: int, path: str) -> dict[str, Any]:
         self._vm().qmp.execute("pmemsave", val=address, size=size, filename=path)
