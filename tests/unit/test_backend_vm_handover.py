@@ -53,6 +53,11 @@ def _wire(value: Any) -> Any:
     return json.loads(json.dumps(value))
 
 
+def _wire_keys(wanted: dict[int, tuple[str, int]]) -> dict[int, tuple[str, int]]:
+    """A dict with int keys and (str, int) values, through JSON (keys become strings, tuples lists)."""
+    return {int(k): (str(v[0]), int(v[1])) for k, v in _wire({str(k): v for k, v in wanted.items()}).items()}
+
+
 class WireDestination:
     """The destination's driver behind its JSON forms (what /agent/v1 would carry), in-process."""
 
@@ -66,6 +71,9 @@ class WireDestination:
         binding = VmBinding.model_validate(_wire(binding.model_dump(mode="json")))
         snaps = {k: SessionSnapshot.from_dict(_wire(v.to_dict())) for k, v in snapshots.items()}
         return self.driver.accept_handover(domain, specs, binding, snaps)
+
+    def preconnect(self, domain: str, vrnic_id: str, wires: list[dict[str, Any]]) -> int:
+        return self.driver.handover_preconnect(domain, vrnic_id, _wire(wires))
 
     def pages(self, domain: str, runs: list[tuple[int, bytes]]) -> None:
         self.pages_sent += len(runs)
@@ -92,6 +100,10 @@ class WirePeerHost:
 
     def track(self, vrnic_id: str) -> None:
         self.service.track(vrnic_id)
+
+    def shadows(self, vrnic_id: str, wanted: dict[int, tuple[str, int]]) -> dict[int, dict[str, Any]]:
+        made = _wire({str(k): v for k, v in self.service.shadows(vrnic_id, _wire_keys(wanted)).items()})
+        return {int(k): v for k, v in made.items()}
 
     def hold(self, vrnic_id: str) -> list[PeerQpStatus]:
         return [PeerQpStatus.from_dict(_wire(s.to_dict())) for s in self.service.hold(vrnic_id)]

@@ -47,6 +47,15 @@ class AcceptBody(BaseModel):
     device: str | None = None
 
 
+class PreconnectBody(BaseModel):
+    vrnic_id: str
+    wires: list[dict[str, Any]]
+
+
+class ShadowsBody(BaseModel):
+    wanted: dict[int, tuple[str, int]]
+
+
 class PagesBody(BaseModel):
     runs: list[dict[str, Any]]
 
@@ -76,6 +85,14 @@ def accept(domain: str, body: AcceptBody, driver: Driver) -> dict[str, Any]:
     return driver.accept_handover(domain, body.specs, body.binding, _snapshots(body.snapshots), body.device)
 
 
+@router.post("/handover/{domain}/preconnect")
+def preconnect(domain: str, body: PreconnectBody, driver: Driver) -> dict[str, int]:
+    try:
+        return {"preconnected": driver.handover_preconnect(domain, body.vrnic_id, body.wires)}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidArgument(f"not a pre-connection: {exc}") from None
+
+
 @router.post("/handover/{domain}/pages")
 def pages(domain: str, body: PagesBody, driver: Driver) -> dict[str, int]:
     return {"written": driver.handover_pages(domain, pages_from_wire(body.runs))}
@@ -103,6 +120,11 @@ def abort(domain: str, driver: Driver) -> Response:
 def track(vrnic_id: str, peers: Peers) -> Response:
     peers.track(vrnic_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.post("/moving/{vrnic_id}/shadows")
+def shadows(vrnic_id: str, body: ShadowsBody, peers: Peers) -> dict[str, Any]:
+    return {"shadows": {str(k): v for k, v in peers.shadows(vrnic_id, body.wanted).items()}}
 
 
 @router.post("/moving/{vrnic_id}/hold")

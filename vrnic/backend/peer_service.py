@@ -39,6 +39,19 @@ class _Moving:
     log: DirtyLog
     own_log: bool  # started here (False: the source's own migration log, on the source's host)
     held: list[tuple[GuestSession, list[QpEntry]]] = field(default_factory=list)
+    shadows: dict[int, _Shadow] = field(default_factory=dict)  # by the peer QP's id()
+
+
+@dataclass
+class _Shadow:
+    """A second physical QP of one of our QPs, connected ahead to the moving vRNIC's QP at its destination."""
+
+    session: GuestSession
+    qp: QpEntry
+    obj: object
+    phys_qpn: int
+    dgid: str  # the destination's device GID
+    dest_qpn: int  # the moving QP's physical QPN there
 
 
 class PeerService:
@@ -95,6 +108,33 @@ class PeerService:
                 self.registry.log_writes(vrnic_id, moving.log)
             self._moving[vrnic_id] = moving
 
+    def shadows(self, vrnic_id: str, wanted: dict[int, tuple[str, int]]) -> dict[int, dict[str, object]]:
+        """MigrRDMA's pre-setup across hosts: for each of our RC QPs connected to vrnic_id's QP vqpn (a key of
+        `wanted`), a second physical QP connected to (GID, QPN), where that QP will live after the move. At
+        `moved` our QP continues on it: a used rxe QP is never reset (rxe 6.1 loses its send queue's place then).
+        Returns, by the moving QP's vqpn: our vRNIC, its virtual GID and QPN, its device GID, the new QPN."""
+        moving = self._tracked(vrnic_id)
+        made: dict[int, dict[str, object]] = {}
+        for other in self.registry.connected_to(vrnic_id):
+            session = other.session
+            if not isinstance(session, GuestSession) or not isinstance(session.engine, SharedRingEngine):
+                continue
+            for qp in session.qps_connected_to(vrnic_id):
+                target = wanted.get(qp.peer_vqpn if qp.peer_vqpn is not None else -1)
+                if target is None or qp.qp_type != "rc" or qp.state != "rts" or id(qp) in moving.shadows:
+                    continue
+                try:
+                    obj, phys_qpn = session.shadow(qp, target[0], target[1])
+                except VrnicError as exc:  # that QP connects the slow way at `moved`
+                    log.warning("vRNIC %s QP %d: no second QP towards %s's destination: %s", session.vrnic_id,
+                                qp.vqpn, vrnic_id, exc)
+                    continue
+                moving.shadows[id(qp)] = _Shadow(session, qp, obj, phys_qpn, target[0], target[1])
+                made[qp.peer_vqpn or 0] = {"peer_id": session.vrnic_id, "peer_gid": session.vrnic.spec.virtual_gid,
+                                           "peer_vqpn": qp.vqpn, "peer_phys_gid": session.vrnic.phys_gid,
+                                           "shadow_qpn": phys_qpn}
+        return made
+
     def _tracked(self, vrnic_id: str) -> _Moving:
         moving = self._moving.get(vrnic_id)
         if moving is None:
@@ -144,10 +184,16 @@ class PeerService:
         repointed = 0
         for session, qps in moving.held:
             for qp in qps:
+                shadow = moving.shadows.pop(id(qp), None)
                 try:
                     assert qp.peer_vqpn is not None
                     resolved = self.registry.peer_qp(session.vrnic, virtual_gid, qp.peer_vqpn, via="migration")
-                    session.reconnect(qp, resolved)
+                    peer, phys_qpn = resolved
+                    if shadow is not None and (peer.phys_gid, phys_qpn) == (shadow.dgid, shadow.dest_qpn):
+                        session.adopt_shadow(qp, shadow.obj, shadow.phys_qpn, shadow.dgid, shadow.dest_qpn)
+                        shadow = None
+                    else:
+                        session.reconnect(qp, resolved)
                     repointed += 1
                 except VrnicError as exc:
                     log.warning("vRNIC %s QP %d: its peer %s moved and cannot be reached (%s); the QP goes to ERR",
@@ -155,8 +201,19 @@ class PeerService:
                     with session.lock:
                         session.device.qp_to_state(qp.obj, "err")
                         qp.state = "err"
+                if shadow is not None:
+                    self._drop(shadow)
             session.release(qps)
+        for shadow in moving.shadows.values():
+            self._drop(shadow)
         return repointed
+
+    @staticmethod
+    def _drop(shadow: _Shadow) -> None:
+        try:
+            shadow.session.drop_shadow(shadow.obj)
+        except Exception as exc:  # a session that closed took its shadows with its context
+            log.debug("vRNIC %s: shadow QP already gone: %s", shadow.session.vrnic_id, exc)
 
     def release(self, vrnic_id: str) -> None:
         """The hand-over was called off: our QPs go on with the peer where it was."""
@@ -166,5 +223,7 @@ class PeerService:
             return
         if moving.own_log:
             self.registry.log_writes(vrnic_id, None)
+        for shadow in moving.shadows.values():
+            self._drop(shadow)
         for session, qps in moving.held:
             session.release(qps)

@@ -56,6 +56,10 @@ class AgentDestination:
             "snapshots": {k: v.to_dict() for k, v in snapshots.items()}, "device": self.device})
         return answer
 
+    def preconnect(self, domain: str, vrnic_id: str, wires: list[dict[str, Any]]) -> int:
+        return int(self.client.call("POST", f"/handover/{domain}/preconnect",
+                                    {"vrnic_id": vrnic_id, "wires": wires})["preconnected"])
+
     def pages(self, domain: str, runs: list[tuple[int, bytes]]) -> None:
         self.client.call("POST", f"/handover/{domain}/pages", {"runs": pages_to_wire(runs)})
 
@@ -81,6 +85,11 @@ class AgentPeerHost:
 
     def track(self, vrnic_id: str) -> None:
         self.client.call("POST", f"/moving/{vrnic_id}")
+
+    def shadows(self, vrnic_id: str, wanted: dict[int, tuple[str, int]]) -> dict[int, dict[str, Any]]:
+        answer = self.client.call("POST", f"/moving/{vrnic_id}/shadows",
+                                  {"wanted": {str(k): list(v) for k, v in wanted.items()}})
+        return {int(k): v for k, v in answer["shadows"].items()}
 
     def hold(self, vrnic_id: str) -> list[PeerQpStatus]:
         answer = self.client.call("POST", f"/moving/{vrnic_id}/hold")

@@ -51,6 +51,8 @@ class HandoverDestination(Protocol):
     def accept(self, domain: str, specs: list[VrnicSpec], binding: VmBinding,
                snapshots: dict[str, SessionSnapshot]) -> dict[str, Any]: ...
 
+    def preconnect(self, domain: str, vrnic_id: str, wires: list[dict[str, Any]]) -> int: ...
+
     def pages(self, domain: str, runs: list[tuple[int, bytes]]) -> None: ...
 
     def take_over(self, domain: str, snapshots: dict[str, SessionSnapshot],
@@ -65,6 +67,8 @@ class PeerHost(Protocol):
     """A host with peer QPs connected to a moving vRNIC (vrnic.backend.peer_service.PeerService)."""
 
     def track(self, vrnic_id: str) -> None: ...
+
+    def shadows(self, vrnic_id: str, wanted: dict[int, tuple[str, int]]) -> dict[int, dict[str, Any]]: ...
 
     def hold(self, vrnic_id: str) -> list[PeerQpStatus]: ...
 
@@ -83,6 +87,7 @@ class HandoverReport:
     peer_hosts: int = 0
     qps: int = 0
     peers_repointed: int = 0
+    preconnected: int = 0  # of the VM's QPs, connected at prepare to their peers' second QPs
     dirty_pages: int = 0  # logged on every host
     copied_bytes: int = 0
     recvs_reposted: int = 0
@@ -182,11 +187,37 @@ def prepare(domain: str, target: VmBinding, vrnics: list[VirtualRnic], registry:
                 host.track(m.vrnic.spec.id)
         snapshots = {m.vrnic.spec.id: m.source.snapshot_state() for m in leaving}
         handover.accepted = destination.accept(domain, [m.vrnic.spec for m in leaving], target, snapshots)
+        handover.accepted["preconnected"] = sum(_preconnect(handover, m) for m in leaving)
     except BaseException:
         _call_off(handover, registry, destination_too=True)
         raise
     handover.prepare_ms = (time.perf_counter() - t0) * 1000
     return handover
+
+
+def _preconnect(handover: Handover, m: Leaving) -> int:
+    """Each connected RC QP's destination twin gets a second physical QP on its peer's host, connected both
+    ways ahead of the switchover (MigrRDMA's pre-setup); QPs left out connect the slow way at the switchover."""
+    vrnic_id = m.vrnic.spec.id
+    dgid = str(handover.accepted["phys_gid"][vrnic_id])
+    phys = {int(v): int(q) for v, q in handover.accepted["qpns"][vrnic_id].items()}
+    with m.source.lock:
+        connected = {q.vqpn: (h, q.peer_gid, q.peer_vqpn, q.access, q.qkey, dict(q.link))
+                     for h, q in m.source.state.qps.items()
+                     if q.qp_type == "rc" and q.state == "rts" and q.peer_gid and q.peer_vqpn is not None}
+    wanted = {vqpn: (dgid, phys[vqpn]) for vqpn in connected if vqpn in phys}
+    if not wanted:
+        return 0
+    wires = []
+    for host in handover.peer_hosts:
+        for vqpn, made in host.shadows(vrnic_id, wanted).items():
+            handle, peer_gid, peer_vqpn, access, qkey, link = connected[int(vqpn)]
+            if (made["peer_gid"], made["peer_vqpn"]) != (peer_gid, peer_vqpn):
+                continue  # not the pair the guest made (it reconnected meanwhile): the slow way
+            wires.append({"handle": handle, "peer_id": made["peer_id"], "peer_gid": peer_gid, "peer_vqpn": peer_vqpn,
+                          "peer_phys_gid": made["peer_phys_gid"], "dest_qpn": made["shadow_qpn"], "access": access,
+                          "qkey": qkey, "link": link})
+    return handover.destination.preconnect(handover.domain, vrnic_id, wires) if wires else 0
 
 
 def _call_off(handover: Handover, registry: Registry, destination_too: bool) -> None:
@@ -274,7 +305,8 @@ def switchover(handover: Handover, source_memory: GuestMemory, registry: Registr
         snapshots = {m.vrnic.spec.id: m.source.snapshot_state() for m in handover.leaving}
         carried = {m.vrnic.spec.id: m.source.carry_out() for m in handover.leaving}
         taken = handover.destination.take_over(handover.domain, snapshots, carried)
-        for key in ("qps", "recvs_reposted", "sends_carried", "broken_qps", "mrs_presetup", "mrs_registered"):
+        for key in ("qps", "recvs_reposted", "sends_carried", "broken_qps", "mrs_presetup", "mrs_registered",
+                    "preconnected"):
             setattr(report, key, int(taken.get(key, 0)))
         t0 = time.perf_counter()
         report.take_over_ms = (t0 - t_copy) * 1000

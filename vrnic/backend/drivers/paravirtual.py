@@ -550,7 +550,28 @@ class VerbsDriver(RnicDriver):
                 incoming.close()
                 raise
             self._incoming[domain] = incoming
-        return {"device": name, "presetup_mrs": sum(len(s.state.mrs) for s in incoming.staged)}
+        return {"device": name, "presetup_mrs": sum(len(s.state.mrs) for s in incoming.staged),
+                "phys_gid": {v.spec.id: v.phys_gid for v in incoming.vrnics},
+                "qpns": {v.spec.id: {str(q.vqpn): q.phys_qpn for _, q in s.state.qps.items()}
+                         for v, s in zip(incoming.vrnics, incoming.staged, strict=True)}}
+
+    def handover_preconnect(self, domain: str, vrnic_id: str, wires: list[dict[str, Any]]) -> int:
+        """Connect staged QPs ahead to their peers' second QPs (vrnic.backend.peer_service.PeerService.shadows);
+        at the take-over those only get their work requests. Returns how many were connected."""
+        with self._vm_lock:
+            incoming = self._incoming_vm(domain)
+            staged = next((s for v, s in zip(incoming.vrnics, incoming.staged, strict=True) if v.spec.id == vrnic_id),
+                          None)
+            if staged is None:
+                raise NotFound(f"no vRNIC {vrnic_id} is coming with VM {domain}")
+            ready = incoming.ready.setdefault(vrnic_id, {})
+            for w in wires:
+                handle = int(w["handle"])
+                staged.preconnect(handle, str(w["peer_id"]), str(w["peer_gid"]), int(w["peer_vqpn"]),
+                                  str(w["peer_phys_gid"]), int(w["dest_qpn"]), int(w["access"]), int(w["qkey"]),
+                                  {str(k): int(v) for k, v in dict(w["link"]).items()})
+                ready[handle] = (str(w["peer_gid"]), int(w["peer_vqpn"]))
+            return len(wires)
 
     def _incoming_vm(self, domain: str) -> _Incoming:
         incoming = self._incoming.get(domain)
@@ -567,12 +588,18 @@ class VerbsDriver(RnicDriver):
         """The source stopped: its objects as they are now, connected to the peers' physical QPs, the carried
         receives posted and sends queued; then the vRNICs are published here. Their QPs stay held."""
         result = {"qps": 0, "recvs_reposted": 0, "sends_carried": 0, "broken_qps": 0, "mrs_presetup": 0,
-                  "mrs_registered": 0}
+                  "mrs_registered": 0, "preconnected": 0}
         with self._vm_lock:
             incoming = self._incoming_vm(domain)
             for vrnic, staged in zip(incoming.vrnics, incoming.staged, strict=True):
                 kept, added = staged.converge(snapshots[vrnic.spec.id])
-                reposted, sends, broken = staged.continue_qps(carried[vrnic.spec.id])
+                wired = incoming.ready.get(vrnic.spec.id, {})
+                ready = frozenset(c.handle for c in carried[vrnic.spec.id]
+                                  if c.state == "rts" and wired.get(c.handle) == (c.peer_gid, c.peer_vqpn)
+                                  and staged.state.qps.get(c.handle).state == "rts"
+                                  and self._peer_alive(vrnic, c.peer_gid, c.peer_vqpn))
+                reposted, sends, broken = staged.continue_qps(carried[vrnic.spec.id], ready)
+                result["preconnected"] += len(ready)
                 result["qps"] += len(staged.state.qps)
                 result["mrs_presetup"] += kept
                 result["mrs_registered"] += added
@@ -585,6 +612,16 @@ class VerbsDriver(RnicDriver):
                 qpns, mrs = staged.publications()
                 self.registry.adopt(vrnic, staged, domain, qpns, mrs)
         return result
+
+    def _peer_alive(self, vrnic: VirtualRnic, gid: str | None, vqpn: int | None) -> bool:
+        """Is a pre-connected QP's peer still there (a peer gone since prepare leaves the QP to break)?"""
+        if gid is None or vqpn is None:
+            return False
+        try:
+            self.registry.peer_qp(vrnic, gid, vqpn, via="migration")
+        except VrnicError:
+            return False
+        return True
 
     def handover_release(self, domain: str) -> None:
         """The peers point at this host's QPs now: serve the VM here."""
@@ -778,6 +815,7 @@ class _Incoming:
     links: list[VmLink] = field(default_factory=list)
     staged: list[GuestSession] = field(default_factory=list)
     admitted: list[VirtualRnic] = field(default_factory=list)
+    ready: dict[str, dict[int, tuple[str, int]]] = field(default_factory=dict)  # pre-connected QPs: their peer
 
     def close(self) -> None:
         for session in self.staged:
