@@ -3,7 +3,7 @@ VENV ?= /opt/vrnic/venv
 BIN := $(VENV)/bin
 KERNEL_TIMEOUT ?= 2400
 
-.PHONY: setup test test-host test-kernel test-two-hosts test-qos-two-hosts test-sriov-nic lint demo demo-vm demo-migrate demo-qos demo-two-hosts bench
+.PHONY: setup test test-host test-kernel test-two-hosts test-qos-two-hosts test-migrate-two-hosts test-sriov-nic lint demo demo-vm demo-migrate demo-qos demo-two-hosts bench
 
 setup:
 	@./scripts/setup.sh
@@ -27,13 +27,20 @@ test-kernel:
 test-two-hosts:
 	$(BIN)/vrnic lab run --topology two-hosts --timeout 540 -- \
 		python -m vrnic.lab.two_hosts --smoke -- env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest -m two_hosts -p no:cacheprovider \
-		--ignore=tests/two_hosts/test_qos.py tests/two_hosts
+		--ignore=tests/two_hosts/test_qos.py --ignore=tests/two_hosts/test_vm_handover_rxe.py tests/two_hosts
 
 # QoS across the two hosts (a cap and a live PATCH, tc read back). Not in `make test`: shaped RC streams across
 # the emulated link sometimes end with IBV_WC_REM_INV_REQ_ERR in rxe (README, QoS: Open), 1 run in 3 so far.
 test-qos-two-hosts:
 	$(BIN)/vrnic lab run --topology two-hosts --timeout 540 -- \
 		python -m vrnic.lab.two_hosts -- env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest -m two_hosts -p no:cacheprovider tests/two_hosts/test_qos.py
+
+# A VM under RDMA traffic live-migrated from host a to host b with its vRNIC handed over between the agents (issue
+# 11 across hosts). Not in `make test`: 10-15 min on a loaded machine (nested VM boot, 256 MiB over the slow link).
+test-migrate-two-hosts:
+	$(BIN)/vrnic lab run --topology two-hosts --timeout 1900 -- \
+		python -m vrnic.lab.two_hosts -- env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest -m two_hosts -p no:cacheprovider -s \
+		tests/two_hosts/test_vm_handover_rxe.py
 
 # Real SR-IOV VFs (PCI functions with netdevs) on an emulated igb NIC; runs QEMU 10 (see make setup).
 test-sriov-nic:

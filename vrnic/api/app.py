@@ -17,6 +17,7 @@ from sqlalchemy import Engine
 
 from vrnic import __version__
 from vrnic.api import agent, problems
+from vrnic.api.agent_handover import router as agent_handover_router
 from vrnic.api.agent_peers import router as agent_peers_router
 from vrnic.api.controlplane import ControlPlane
 from vrnic.api.routes import metrics_router, router
@@ -121,4 +122,5 @@ def create_app(settings: DaemonSettings, backend: BackendService, *, engine: Eng
     app.include_router(metrics_router)
     app.include_router(agent.router)
     app.include_router(agent_peers_router)
+    app.include_router(agent_handover_router)
     return app

@@ -42,7 +42,7 @@ class ControlPlane:
         self.vrnics = Vrnics(self.tx, backend, self.inventory, self.backends)
         self.security_rules = SecurityRules(db)
         self.sriov = Sriov(self.tx, backend)
-        self.vms = Vms(self.tx, backend, self.inventory)
+        self.vms = Vms(self.tx, backend, self.inventory, agent_token or operator_token)
 
     async def write(self, operation: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a state-changing operation off the event loop (on SQLite: queued for the one writer thread)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
@@ -37,6 +37,7 @@ from vrnic.api.schemas import (
     VmAdmission,
     VmAdmitted,
     VmAttach,
+    VmHandoverRequest,
     VmMigrationAborted,
     VmMigrationPrepared,
     VmMigrationSwitched,
@@ -281,6 +282,28 @@ async def switch_vm_migration(domain: DomainPath, cp: CP, who: Caller) -> VmMigr
 async def abort_vm_migration(domain: DomainPath, cp: CP, who: Caller) -> VmMigrationAborted:
     """Operator: QEMU's migration failed or was cancelled; drop the destination's pre-setup."""
     return await cp.write(cp.vms.migration_abort, who, domain)
+
+
+@router.post("/vms/{domain}/handover", tags=["vms"])
+async def prepare_vm_handover(domain: DomainPath, body: VmHandoverRequest, cp: CP, who: Caller) -> dict[str, Any]:
+    """Operator: the bound VM's destination QEMU runs on another host, paused and incoming (body: the host and
+    the VM's binding there). That host's vrnicd pre-sets-up the vRNICs over its RAM; this host and every host with
+    a peer of the VM start logging what the NIC writes into it."""
+    return await cp.write(cp.vms.handover_prepare, who, domain, body.host, body.binding)
+
+
+@router.post("/vms/{domain}/handover/switchover", tags=["vms"])
+async def switch_vm_handover(domain: DomainPath, cp: CP, who: Caller) -> dict[str, Any]:
+    """Operator: QEMU's migration completed and the destination has not run yet. The VM's QPs and its peers' are
+    held and drained on every host, the NIC's writes copied, the state handed over; the database records the
+    vRNICs' new host, then every peer host re-points its QPs. On an error (409) this host still serves the VM."""
+    return await cp.write(cp.vms.handover_complete, who, domain)
+
+
+@router.delete("/vms/{domain}/handover", tags=["vms"])
+async def abort_vm_handover(domain: DomainPath, cp: CP, who: Caller) -> VmMigrationAborted:
+    """Operator: QEMU's migration to the other host failed or was cancelled; drop the pre-setup everywhere."""
+    return await cp.write(cp.vms.handover_abort, who, domain)
 
 
 # -- devices, hosts (operator only), events -------------------------------------------------------

@@ -9,7 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, 
 
 from vrnic.core.lifecycle import VrnicState
 from vrnic.core.peering import RuleAction
-from vrnic.core.specs import AttachInfo, DataEngine, Integer, PortInfo, QosPolicy, Quota, VrnicMode, check_engine
+from vrnic.core.specs import (AttachInfo, DataEngine, Integer, PortInfo, QosPolicy, Quota, VmBinding, VrnicMode,
+                              check_engine)
 from vrnic.core.vaddr import DEFAULT_VPC_CIDR, vpc_network
 from vrnic.errors import InvalidArgument
 
@@ -210,6 +211,15 @@ class VmMigrationSwitched(BaseModel):
     connect_ms: float
     release_ms: float
     total_ms: float
+
+
+class VmHandoverRequest(BaseModel):
+    """Where a bound VM goes: another host, and the VM's binding there (its destination QEMU's RAM and channels)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field(min_length=1, max_length=255)
+    binding: VmBinding
 
 
 class VmMigrationAborted(BaseModel):

@@ -9,12 +9,16 @@ is observed from the backend; the database keeps which domain a vRNIC belongs to
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from vrnic.api.auth import Principal
 from vrnic.api.converters import vrnic_out
-from vrnic.api.inventory import Inventory
+from vrnic.api.inventory import HostRef, Inventory
 from vrnic.api.schemas import (
     VmAdmitted,
     VmMigrationAborted,
@@ -25,18 +29,38 @@ from vrnic.api.schemas import (
 )
 from vrnic.api.transactions import Transactions
 from vrnic.api.vrnics import find_vrnic
+from vrnic.backend.peer_directory import AgentRef
+from vrnic.backend.remote_handover import AgentClient, AgentDestination, AgentPeerHost
 from vrnic.backend.service import BackendService
 from vrnic.core.lifecycle import VrnicState
 from vrnic.core.specs import DataEngine, VmBinding, VrnicMode
-from vrnic.db.tables import Vrnic
-from vrnic.errors import Conflict, InvalidArgument, NotFound
+from vrnic.db.tables import Device, Vrnic
+from vrnic.errors import Conflict, InvalidArgument, NotFound, Unavailable
+
+
+@dataclass
+class _Leaving:
+    """A VM this host hands to another host: where to, and the agent connections the hand-over uses."""
+
+    host: HostRef
+    device: str
+    moving: list[str]
+    clients: list[AgentClient] = field(default_factory=list)
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
 
 
 class Vms:
-    def __init__(self, tx: Transactions, backend: BackendService, inventory: Inventory) -> None:
+    def __init__(self, tx: Transactions, backend: BackendService, inventory: Inventory,
+                 agent_token: str | None = None) -> None:
         self.tx = tx
         self.backend = backend
         self.inventory = inventory
+        self.agent_token = agent_token
+        self._leaving: dict[str, _Leaving] = {}
+        self._leaving_lock = threading.Lock()
 
     # -- vrnic vm attach / detach ------------------------------------------------------------------
     def attach(self, principal: Principal, vrnic_id: str, domain: str) -> VrnicOut:
@@ -118,6 +142,95 @@ class Vms:
         if aborted:
             with self.tx.write(principal.actor) as uow:
                 uow.record("vm.migration_abort", f"vm/{domain}", None, {})
+        return VmMigrationAborted(domain=domain, aborted=aborted)
+
+    # -- live migration to another host (operator; vrnic.backend.vm_handover) -------------------------------
+    def handover_prepare(self, principal: Principal, domain: str, host: str, target: VmBinding) -> dict[str, Any]:
+        """The VM's destination QEMU runs on `host` (paused, incoming; target: its binding there). That host's
+        vrnicd pre-sets-up the vRNICs; this one and every peer host start logging what the NIC writes."""
+        principal.require_operator()
+        with self.tx.read() as uow:
+            dest = self.inventory.find_host(uow.session, host)
+        if dest.name == self.inventory.host_name:
+            raise InvalidArgument(f"{host} is this host: migrate within it with POST /vms/{domain}/migration")
+        if not dest.up or not dest.api_url:
+            raise Unavailable(f"host {dest.name} is down or has no agent URL")
+        if self.agent_token is None:
+            raise Unavailable("no agent token on this host (set VRNIC_AGENT_TOKEN)")
+        token = self.agent_token
+        with self._leaving_lock:
+            if domain in self._leaving:
+                raise Conflict(f"VM {domain} is already moving to host {self._leaving[domain].host.name}",
+                               current_state="migrating")
+            leaving = self._leaving[domain] = _Leaving(dest, "", [])
+
+        def client(agent: AgentRef) -> AgentClient:
+            leaving.clients.append(AgentClient(agent, token))
+            return leaving.clients[-1]
+
+        try:
+            result = self.backend.handover().prepare_vm_handover(
+                domain, target, AgentDestination(client(AgentRef(dest.name, dest.api_url))),
+                lambda agent: AgentPeerHost(client(agent)))
+            moving = result["moving"]
+            assert isinstance(moving, list)
+            leaving.device, leaving.moving = str(result["device"]), [str(v) for v in moving]
+            with self.tx.write(principal.actor) as uow:
+                uow.record("vm.handover_prepare", f"vm/{domain}", None, {"host": dest.name, "moving": leaving.moving,
+                                                                         "ram_path": target.ram_path})
+        except BaseException:
+            with self._leaving_lock:
+                self._leaving.pop(domain, None)
+            leaving.close()
+            raise
+        return result
+
+    def handover_complete(self, principal: Principal, domain: str) -> dict[str, Any]:
+        """QEMU's migration completed, the destination has not run: hand the vRNICs over. The vRNICs' host in the
+        database changes before any peer asks where they are. On an error (409) this host still serves the VM."""
+        principal.require_operator()
+        with self._leaving_lock:
+            leaving = self._leaving.get(domain)
+        if leaving is None:
+            raise Conflict(f"VM {domain} has no hand-over to another host prepared", current_state="bound")
+
+        def record_move() -> None:
+            with self.tx.write(principal.actor) as uow:
+                device_id = uow.session.scalar(select(Device.id).where(Device.host_id == leaving.host.id,
+                                                                       Device.name == leaving.device))
+                for vrnic_id in leaving.moving:
+                    row = uow.session.scalar(select(Vrnic).where(Vrnic.public_id == vrnic_id).with_for_update())
+                    if row is None:
+                        continue
+                    row.host_id, row.device_id, row.device_name = leaving.host.id, device_id, leaving.device
+                    uow.record("vrnic.moved", f"vrnic/{vrnic_id}", row.tenant_id,
+                               {"domain": domain, "host": leaving.host.name, "device": leaving.device})
+
+        try:
+            result = self.backend.handover().complete_vm_handover(domain, record_move)
+        except Conflict:
+            with self._leaving_lock:  # called off (the source serves on), or never prepared
+                if self.backend.handover().vm_bindings().get(domain) is not None:
+                    self._leaving.pop(domain, None)
+                    leaving.close()
+            raise
+        with self._leaving_lock:
+            self._leaving.pop(domain, None)
+        leaving.close()
+        with self.tx.write(principal.actor) as uow:
+            uow.record("vm.handover_switchover", f"vm/{domain}", None, {"host": leaving.host.name, **result})
+        return result
+
+    def handover_abort(self, principal: Principal, domain: str) -> VmMigrationAborted:
+        principal.require_operator()
+        with self._leaving_lock:
+            leaving = self._leaving.pop(domain, None)
+        aborted = self.backend.handover().abort_vm_handover(domain)
+        if leaving is not None:
+            leaving.close()
+        if aborted:
+            with self.tx.write(principal.actor) as uow:
+                uow.record("vm.handover_abort", f"vm/{domain}", None, {})
         return VmMigrationAborted(domain=domain, aborted=aborted)
 
     def bindings(self, principal: Principal) -> list[VmBinding]:

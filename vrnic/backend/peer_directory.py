@@ -127,7 +127,7 @@ class AgentDirectory:
                 return answer.model_validate_json(reply.content)
             except ValidationError as exc:
                 raise Unavailable(f"the agent of host {agent.host} sent an unreadable answer to {path}") from exc
-        raise _problem(agent, reply)
+        raise agent_problem(agent, reply)
 
     def peer_qp(self, asker: Identity, virtual_gid: str, vqpn: int) -> tuple[RemotePeer, int]:
         agent = self._agent(virtual_gid)
@@ -161,7 +161,7 @@ class AgentDirectory:
         return found.vqpn, bytes.fromhex(found.private_data)
 
 
-def _problem(agent: AgentRef, reply: httpx.Response) -> VrnicError:
+def agent_problem(agent: AgentRef, reply: httpx.Response) -> VrnicError:
     """The owner agent's problem+json as the VrnicError it was there (401/403: our token, a setup fault)."""
     if reply.status_code in (401, 403):
         return Unavailable(f"the agent of host {agent.host} refused this agent's token ({reply.status_code})")

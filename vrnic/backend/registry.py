@@ -250,6 +250,37 @@ class Registry:
             for vqpn, phys_qpn in qpns.items():
                 self._by_phys[(vrnic.phys_gid, phys_qpn)] = (vrnic.spec.id, vqpn)
 
+    def adopt(self, vrnic: VirtualRnic, session: Closeable, domain: str, qpns: dict[int, int],
+              mrs: dict[int, MrWindow]) -> None:
+        """A vRNIC handed over from another host: its VM's session here, its QPs and MRs published in one step."""
+        with self._lock:
+            if vrnic.session is not None:
+                raise Conflict(f"vRNIC {vrnic.spec.id} already has a guest attached", current_state="attached")
+            vrnic.session, vrnic.vm_domain = session, domain
+            published = self._published[vrnic.spec.id] = _Published()
+            published.qpn_by_vqpn = dict(qpns)
+            published.mrs = dict(mrs)
+            for vqpn, phys_qpn in qpns.items():
+                self._by_phys[(vrnic.phys_gid, phys_qpn)] = (vrnic.spec.id, vqpn)
+
+    def remote_peer(self, vrnic_id: str) -> RemotePeer | None:
+        """A peer on another host that a session here connected to (None if none, or if it is held here)."""
+        with self._lock:
+            return None if vrnic_id in self._by_id else self._remote.get(vrnic_id)
+
+    def forget_remote(self, vrnic_id: str, virtual_gid: str) -> None:
+        """A peer moved to another host: nothing cached about it (its agent, QPs, MR windows) is true any more."""
+        with self._lock:
+            self._remote.pop(vrnic_id, None)
+            for pair in [k for k in self._mr_cache if k[1] == vrnic_id]:
+                del self._mr_cache[pair]
+            for key in [k for k in self._remote_cache if virtual_gid in k]:
+                del self._remote_cache[key]
+
+    def dirty_log(self, vrnic_id: str) -> DirtyLog | None:
+        with self._lock:
+            return self._dirty.get(vrnic_id)
+
     def move_qp(self, vrnic: VirtualRnic, vqpn: int, old_qpn: int, new_qpn: int) -> None:
         """A QP continues on another physical QP (its peer migrated and it took its pre-set-up one)."""
         with self._lock:

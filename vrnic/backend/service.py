@@ -15,6 +15,7 @@ from vrnic.core.specs import AttachInfo, DeviceInfo, QosPolicy, VmBinding, Vrnic
 from vrnic.errors import Conflict, InvalidArgument, NotFound, NotSupported
 
 if TYPE_CHECKING:
+    from vrnic.backend.drivers.paravirtual import VerbsDriver
     from vrnic.backend.peer_service import PeerService
     from vrnic.sriov.libvirt_xml import HostdevInterface
     from vrnic.sriov.manager import ContainerAttachment, CountChangeResult, PfInventory, SriovManager
@@ -133,6 +134,15 @@ class BackendService:
         if not isinstance(service, PeerService):
             raise NotSupported("the paravirtual driver of this host does not serve peers to other hosts")
         return service
+
+    def handover(self) -> VerbsDriver:
+        """The driver that hands VMs' vRNICs to and from other hosts (vrnic.backend.vm_handover)."""
+        from vrnic.backend.drivers.paravirtual import VerbsDriver
+
+        driver = self.driver(VrnicMode.PARAVIRTUAL)
+        if not isinstance(driver, VerbsDriver):
+            raise NotSupported("the paravirtual driver of this host does not hand VMs over to other hosts")
+        return driver
 
     def set_qos(self, vrnic_id: str, mode: VrnicMode, policy: QosPolicy) -> None:
         self.driver(mode).set_qos(vrnic_id, policy)

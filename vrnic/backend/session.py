@@ -28,6 +28,7 @@ from vrnic.backend.qos_shaper import QosMechanism
 from vrnic.backend.registry import Peer, Registry, VirtualRnic
 from vrnic.backend.rnic_edge import PORT, DeviceContext, QpCaps, RtrParams, RtsParams
 from vrnic.core import verb_args
+from vrnic.core.handover import QpCarry
 from vrnic.core.migration import DirtyLog
 from vrnic.core.qos import rc_timeout, rc_timeout_floor
 from vrnic.core.quota import Resource
@@ -718,7 +719,7 @@ class GuestSession:
         with self.lock:
             return [q for _, q in self.state.qps.items() if q.peer_id == vrnic_id]
 
-    def reconnect(self, qp: QpEntry) -> tuple[int, int]:
+    def reconnect(self, qp: QpEntry, resolved: tuple[Peer, int] | None = None) -> tuple[int, int]:
         """Point a held RC QP at its peer's current physical QP (the peer migrated): reset, connect again with
         the same parameters, post again the receives the reset dropped and queue again the sends it dropped.
         Returns how many of each."""
@@ -732,16 +733,17 @@ class GuestSession:
             qp.pending = dropped + qp.pending
             qp.send_fifo.clear()
             self.device.qp_to_state(qp.obj, "reset")
-            self._connect(qp, qp.peer_gid, qp.peer_vqpn)
+            self._connect(qp, qp.peer_gid, qp.peer_vqpn, resolved=resolved)
             return self.engine.repost_recvs(qp, recvs), len(dropped)
 
-    def _connect(self, qp: QpEntry, remote_gid: str | None, remote_qpn: int | None, steps: int = 3) -> None:
+    def _connect(self, qp: QpEntry, remote_gid: str | None, remote_qpn: int | None, steps: int = 3,
+                 resolved: tuple[Peer, int] | None = None) -> None:
         """INIT, RTR, RTS (the first `steps` of them) with the parameters the guest chose when it connected."""
         link = dict(qp.link)
         for state in ("init", "rtr", "rts")[:steps]:
             self.op_modify_qp(verb_args.ModifyQp.model_validate(
                 {"qp": qp.handle, "state": state, "access": qp.access, "qkey": qp.qkey, "remote_gid": remote_gid,
-                 "remote_qpn": remote_qpn, **link}))
+                 "remote_qpn": remote_qpn, **link}), resolved=resolved if state == "rtr" else None)
 
     def snapshot_state(self) -> SessionSnapshot:
         with self.lock:
@@ -876,13 +878,30 @@ class GuestSession:
             return qp
 
     def take_over(self, source: GuestSession, ready: frozenset[int] = frozenset()) -> tuple[int, int, int]:
-        """Bring this session's QPs to the states the source's were in, connected to the same peers (their
-        physical QPs as the registry has them now), with the source's unposted WRs and posted receives.
-        QPs in `ready` were pre-connected and only get their WRs. A QP whose peer is gone goes to ERR: its
-        WRs flush with an error. Returns (receives posted again, sends carried, QPs broken)."""
-        reposted = carried = broken = 0
+        """Bring this session's QPs to the states the source's were in (see continue_qps)."""
+        return self.continue_qps(source.carry_out(), ready)
+
+    def carry_out(self) -> list[QpCarry]:
+        """Each QP as another session must continue it: its connection, the receives the NIC holds and the sends
+        the NIC has not completed or not taken (the caller made sure none will complete any more)."""
         with self.lock:
-            for handle, old in source.state.qps.items():
+            self.engine.settle()
+            return [QpCarry(handle, qp.state, qp.qp_type, qp.access, qp.qkey, qp.peer_gid, qp.peer_vqpn,
+                            dict(qp.link), list(qp.recv_fifo), [wr for _, wr in qp.send_fifo] + list(qp.pending))
+                    for handle, qp in self.state.qps.items()]
+
+    def continue_qps(self, carried: list[QpCarry], ready: frozenset[int] = frozenset(),
+                     resolved: Mapping[int, tuple[Peer, int]] | None = None) -> tuple[int, int, int]:
+        """Bring this session's QPs to the states the carried ones were in, connected to the same peers (their
+        physical QPs as the registry has them now, or as `resolved` gives them by handle), with the carried
+        unposted WRs and posted receives. QPs in `ready` were pre-connected and only get their WRs. A QP whose
+        peer is gone goes to ERR: its WRs flush with an error. Returns (receives posted again, sends carried,
+        QPs broken)."""
+        reposted = carried_sends = broken = 0
+        resolved = resolved or {}
+        with self.lock:
+            for old in carried:
+                handle = old.handle
                 qp = self.state.qps.get(handle)
                 gone = old.state == "err"
                 if handle not in ready:
@@ -896,7 +915,7 @@ class GuestSession:
                     steps = {"init": 1, "rtr": 2, "rts": 3}.get(old.state, 0)
                     try:
                         if old.qp_type == "rc" and steps >= 2 and old.peer_gid is not None:
-                            self._connect(qp, old.peer_gid, old.peer_vqpn, steps)
+                            self._connect(qp, old.peer_gid, old.peer_vqpn, steps, resolved.get(handle))
                         else:
                             for state in ("init", "rtr", "rts")[:steps]:
                                 self.op_modify_qp(verb_args.ModifyQp.model_validate(
@@ -909,13 +928,13 @@ class GuestSession:
                         if qp.state == "reset":  # receives can be posted from INIT on
                             self.device.qp_to_init(qp.obj, qp.qp_type, qp.access, qp.qkey)
                             qp.state = "init"
-                reposted += self.engine.repost_recvs(qp, list(old.recv_fifo))
-                qp.pending = [wr for _, wr in old.send_fifo] + list(old.pending)  # never taken by the peer
-                carried += len(qp.pending)
+                reposted += self.engine.repost_recvs(qp, list(old.recvs))
+                qp.pending = list(old.sends)  # never taken by the peer
+                carried_sends += len(qp.pending)
                 if gone:  # after the receives are on it: the move to ERR flushes them (rxe flushes only then)
                     self.device.qp_to_state(qp.obj, "err")
                     qp.state = "err"
-        return reposted, carried, broken
+        return reposted, carried_sends, broken
 
     def publications(self) -> tuple[dict[int, int], dict[int, MrWindow]]:
         """What this session would publish: virtual -> physical QPNs, and MR windows by virtual key."""

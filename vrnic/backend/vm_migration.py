@@ -176,7 +176,7 @@ def _still_paired(pair: Preconnected, m: MovingVrnic, registry: Registry) -> boo
             and peer_qp.peer_vqpn == old.vqpn and peer_qp.held)
 
 
-def _ring_ranges(session: GuestSession) -> list[tuple[int, int]]:
+def ring_ranges(session: GuestSession) -> list[tuple[int, int]]:
     """The guest ranges of every ring: vrnicd writes their indices and completions."""
     ranges = []
     for _, cq in session.state.cqs.items():
@@ -299,7 +299,7 @@ def _move(m: MovingVrnic, migration: Migration, source_memory: GuestMemory, regi
     with m.source.lock:
         m.source.engine.settle()
         # 3. copy what QEMU could not see: every page the NIC or vrnicd wrote, and all rings
-        ranges = m.dirty.ranges() + _ring_ranges(m.source)
+        ranges = m.dirty.ranges() + ring_ranges(m.source)
         report.dirty_pages += len(m.dirty)
         t0 = time.perf_counter()
         report.copied_bytes += copy_nic_writes(source_memory, migration.memory, ranges)

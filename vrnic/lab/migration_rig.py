@@ -93,14 +93,14 @@ class Streaming:
 
 
 def stream_into_vm(vrnicd: Binder, domain: str, vm: QemuVm, vm_info: AttachInfo, peer_info: AttachInfo,
-                   send_every: int = 4) -> Streaming:
+                   send_every: int = 4, ready_timeout: float = 180.0) -> Streaming:
     """Bind the VM, wait for its program, connect it to a peer process (all of the VM's QPs, one peer QP each),
     start the VM's receive stream and the peer's writes."""
     t0 = time.monotonic()
     vrnicd.bind_vm(binding(domain, vm, vm_info.vrnic_id))
     control = ControlPort(channel_socket(vm.spec, CONTROL_PORT))
     try:
-        info = control.ready()
+        info = control.ready(ready_timeout)
     except Exception as exc:
         control.close()
         raise RuntimeError(f"{exc}; console:\n{vm.console()}\nqemu:\n{vm.log_tail()}") from exc

@@ -12,9 +12,12 @@ namespace. It asks vrnicd through the REST API (operator token), quickly:
   domain or to none);
 - started, reconnect: vrnicd binds the VM (maps its RAM, connects its channels), all or nothing;
 - stopped, release: vrnicd unbinds it (every kernel object released); never refuses;
-- migrate: refused for a domain with vRNICs. libvirt migrates between hosts, and handing a vRNIC to another
-  host's vrnicd needs the multi-host control plane; live migration between two QEMU processes on one
-  host is vrnicd's POST /vms/{domain}/migration (vrnic.backend.vm_migration).
+- migrate: refused for a domain with vRNICs. The hand-over must run at QEMU's switchover, before the
+  destination's vCPUs run, and libvirt has no hook there (at the destination `started` runs at Prepare,
+  before the RAM arrives); a libvirt flow needs `virsh migrate --live --suspend` plus an orchestrator that
+  resumes the destination, which is not built. What is: the operator's REST calls next to QEMU's own
+  migration, POST /vms/{domain}/migration within a host (vrnic.backend.vm_migration) and
+  POST /vms/{domain}/handover to another host (vrnic.backend.vm_handover).
 
 Pure: `parse_hook_call(args, xml) -> HookEvent`, `check_xml`, `binding_for`, `hook_wrapper_script`.
 Edge: `run_hook` (the REST calls) and `main()`.
@@ -187,8 +190,9 @@ def run_hook(event: HookEvent, api: HookApi, memory_backing_dir: Path) -> tuple[
     if not event.vrnics:
         return "passed", None
     if event.op is HookOp.MIGRATE:
-        return "refused", (f"vrnic: libvirt migration of a VM with a vRNIC to another host is not supported yet "
-                           f"(vrnicd hands a vRNIC over only between QEMU processes on one host); {event.domain} "
+        return "refused", (f"vrnic: libvirt migration of a VM with a vRNIC is not supported yet: libvirt gives "
+                           f"no hook at the switchover, where vrnicd must hand the vRNIC over (drive QEMU's "
+                           f"migration next to POST /api/v1/vms/{{domain}}/handover instead); {event.domain} "
                            f"has {', '.join(v.vrnic_id for v in event.vrnics)}")
     try:
         if event.op is HookOp.PREPARE:

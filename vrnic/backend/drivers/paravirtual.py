@@ -20,11 +20,11 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pydantic import SecretStr
 
-from vrnic.backend import vm_migration
+from vrnic.backend import vm_handover, vm_migration
 from vrnic.backend.attachment import Disconnect, PeerCred
 from vrnic.backend.channel import ChannelLimits, ChannelServer
 from vrnic.backend.cm import ConnectionManager
@@ -41,9 +41,11 @@ from vrnic.backend.registry import Registry, VirtualRnic
 from vrnic.backend.rnic_edge import DeviceContext, RnicEdge
 from vrnic.backend.session import GuestSession
 from vrnic.backend.vm_link import VmLink, connect_channel
+from vrnic.core.handover import HandoverPhase, QpCarry
 from vrnic.core.migration import MigrationPhase
 from vrnic.core.qos import admit, drain_kbit
 from vrnic.core.recovery import token_digest
+from vrnic.core.session_state import SessionSnapshot
 from vrnic.core.specs import (
     AttachInfo,
     DataEngine,
@@ -107,6 +109,7 @@ class VerbsDriver(RnicDriver):
         self.cm = ConnectionManager()  # listeners of every vRNIC here, for local and remote connectors
         self.peers = PeerService(self.registry, self.cm)  # what other hosts' agents may ask about ours
         self._vms: dict[str, _BoundVm] = {}
+        self._incoming: dict[str, _Incoming] = {}  # VMs handed over from another host, until they serve here
         self._vm_lock = threading.Lock()
         self.server = ChannelServer(self.socket_path, self.open_session, channel)
         self.server.start()
@@ -118,23 +121,28 @@ class VerbsDriver(RnicDriver):
 
     def create_vrnic(self, spec: VrnicSpec, device: str) -> AttachInfo:
         token = secrets.token_urlsafe(24)
-        self._add(spec, device, token_digest(token))
+        self._admit(self._make_vrnic(spec, device, token_digest(token)))
         return AttachInfo(vrnic_id=spec.id, mode=spec.mode, device=device, virtual_gid=spec.virtual_gid,
                           socket_path=str(self.socket_path), token=token)
 
     def restore_vrnic(self, spec: VrnicSpec, device: str, token_hash: str) -> None:
         """Hold again a vRNIC an earlier vrnicd held (crash recovery): the guest's token still attaches."""
-        self._add(spec, device, token_hash)
+        self._admit(self._make_vrnic(spec, device, token_hash))
 
-    def _add(self, spec: VrnicSpec, device: str, token_hash: str) -> None:
+    def _make_vrnic(self, spec: VrnicSpec, device: str, token_hash: str) -> VirtualRnic:
         info = self.edge.describe(device)  # NotFound for an unknown device
         gid_index, phys_gid = active_roce_v2_gid(info)
         if spec.engine is DataEngine.DIRECT:
             self._check_direct(spec, info)
         if self.guard is not None:
             self.guard.guard_address(phys_gid)
-        vrnic = VirtualRnic(spec=spec, device=device, token_hash=token_hash, phys_gid=phys_gid,
-                            gid_index=gid_index)
+        return VirtualRnic(spec=spec, device=device, token_hash=token_hash, phys_gid=phys_gid,
+                           gid_index=gid_index)
+
+    def _admit(self, vrnic: VirtualRnic) -> None:
+        """The vRNIC joins the registry (peers can find it) and its device's QoS."""
+        spec, device = vrnic.spec, vrnic.device
+        info = self.edge.describe(device)
         with self._qos_lock:
             self._admit_qos(spec.id, device, info, spec.qos)
             self.registry.add(vrnic)
@@ -435,6 +443,219 @@ class VerbsDriver(RnicDriver):
         log.info("VM %s: migration aborted; the source keeps serving it", domain)
         return True
 
+    # ----- a VM moving to or from another host (vrnic.backend.vm_handover, vrnic.core.handover) -------------
+    def prepare_vm_handover(self, domain: str, target: VmBinding, destination: vm_handover.HandoverDestination,
+                            peer_host_of: Callable[[Any], vm_handover.PeerHost]) -> dict[str, object]:
+        """The VM's destination QEMU runs on another host (paused, incoming): start the dirty logs here and on
+        every host with a peer of it, and have the destination's vrnicd pre-set-up the vRNICs. The VM keeps
+        running here, served as before."""
+        with self._vm_lock:
+            bound = self._vms.get(domain)
+            if bound is None:
+                raise NotFound(f"VM {domain} is not bound to vrnicd here")
+            if bound.migration is not None or bound.handover is not None:
+                raise Conflict(f"VM {domain} is already migrating", current_state="migrating")
+            if target.domain != domain:
+                raise InvalidArgument(f"the destination binding names domain {target.domain}, not {domain}")
+            if [v.vrnic_id for v in target.vrnics] != [v.vrnic_id for v in bound.binding.vrnics]:
+                raise InvalidArgument(f"the destination must carry the same vRNICs as the source "
+                                      f"({', '.join(v.vrnic_id for v in bound.binding.vrnics)})")
+            handover = vm_handover.prepare(domain, target, bound.vrnics, self.registry, destination, self.peers,
+                                           peer_host_of)
+            bound.handover = handover
+        log.info("VM %s: hand-over to another host prepared in %.0f ms (%d peer host(s))", domain,
+                 handover.prepare_ms, len(handover.peer_hosts))
+        return {"domain": domain, "phase": str(handover.phase), "moving": [m.vrnic.spec.id for m in handover.leaving],
+                "peer_hosts": len(handover.peer_hosts), "prepare_ms": handover.prepare_ms, **handover.accepted}
+
+    def complete_vm_handover(self, domain: str, record_move: Callable[[], None]) -> dict[str, object]:
+        """QEMU's last pass is done, the destination has not run yet: hand the vRNICs over. record_move tells the
+        control plane the vRNICs' new host (before any peer asks again). On an error before the hand-over the
+        VM's vRNICs stay served here (the caller resumes it here)."""
+        with self._vm_lock:
+            bound = self._vms.get(domain)
+            if bound is None or bound.handover is None:
+                raise Conflict(f"VM {domain} has no hand-over prepared", current_state="bound")
+            handover = bound.handover
+
+            def leave() -> None:
+                """Nothing of the VM stays here: sessions (kernel objects), links, RAM mapping, the vRNICs."""
+                for m in handover.leaving:
+                    m.source.close()
+                self._vms.pop(domain, None)
+                self._release(bound)
+                for m in handover.leaving:
+                    self._forget_vrnic(m.vrnic.spec.id)
+
+            try:
+                report = vm_handover.switchover(handover, bound.memory, self.registry, record_move, leave)
+            finally:
+                if handover.phase is HandoverPhase.ABORTED:
+                    bound.handover = None
+        result = vm_handover.report_dict(report)
+        log.info("VM %s: handed over to another host in %.1f ms (%s)", domain, report.total_ms, result)
+        return result
+
+    def abort_vm_handover(self, domain: str) -> bool:
+        with self._vm_lock:
+            bound = self._vms.get(domain)
+            if bound is None or bound.handover is None:
+                return False
+            vm_handover.abort(bound.handover, self.registry)
+            bound.handover = None
+        log.info("VM %s: hand-over aborted; this host keeps serving it", domain)
+        return True
+
+    def _forget_vrnic(self, vrnic_id: str) -> None:
+        """A vRNIC that now lives on another host: out of the registry and of its device's QoS."""
+        vrnic = self.registry.remove(vrnic_id)
+        with self._qos_lock:
+            shaper = self._shapers.get(vrnic.device)
+            if shaper is not None:
+                shaper.forget(vrnic_id)
+            self._qos_refresh(vrnic.device)
+
+    # the destination's side
+    def accept_handover(self, domain: str, specs: list[VrnicSpec], binding: VmBinding,
+                        snapshots: dict[str, SessionSnapshot], device: str | None = None) -> dict[str, Any]:
+        """A VM is coming from another host: map its destination RAM, connect its channels, and pre-set-up each
+        vRNIC's session (PDs, MRs over this RAM, CQs, QPs held in RESET, with the same handles and virtual
+        QPNs). The vRNICs join the registry only at take-over: until then peers here still find them remote."""
+        with self._vm_lock:
+            if domain in self._vms or domain in self._incoming:
+                raise Conflict(f"VM {domain} is already served or expected here", current_state="bound")
+            if [s.id for s in specs] != [v.vrnic_id for v in binding.vrnics]:
+                raise InvalidArgument("the binding must carry the handed-over vRNICs, in order")
+            here = [s.id for s in specs if s.id in self.registry.ids()]
+            if here:
+                raise Conflict(f"vRNIC(s) {', '.join(here)} exist here already", current_state="exists")
+            name = device or next((d.name for d in self.devices()), None)
+            if name is None:
+                raise Conflict("this vrnicd serves no device", current_state="no_device")
+            memory = GuestMemory.from_vm_ram(Path(binding.ram_path), binding.machine)
+            incoming = _Incoming(binding, memory)
+            try:
+                for spec, wanted in zip(specs, binding.vrnics, strict=True):
+                    snapshot = snapshots[spec.id]
+                    if snapshot.memory_bytes != memory.size:
+                        raise InvalidArgument(f"the VM has {snapshot.memory_bytes >> 20} MiB of RAM, the "
+                                              f"destination's RAM file {memory.size >> 20} MiB")
+                    vrnic = self._make_vrnic(spec, name, token_digest(secrets.token_urlsafe(24)))  # a VM attaches by channel
+                    vrnic.vm_domain = domain
+                    incoming.vrnics.append(vrnic)
+                    sock = connect_channel(Path(wanted.channel_socket))
+                    cred = PeerCred(*_UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                   _UCRED.size)))
+                    link = VmLink(domain, spec.id, sock, functools.partial(self._open_vm_session, vrnic, binding, cred))
+                    incoming.links.append(link)
+                    staged = self._staged_session(vrnic, binding, cred, link)
+                    staged.staged = True
+                    incoming.staged.append(staged)
+                    staged.converge(snapshot)
+                for link in incoming.links:
+                    link.start()
+            except BaseException:
+                incoming.close()
+                raise
+            self._incoming[domain] = incoming
+        return {"device": name, "presetup_mrs": sum(len(s.state.mrs) for s in incoming.staged),
+                "phys_gid": {v.spec.id: v.phys_gid for v in incoming.vrnics},
+                "qpns": {v.spec.id: {str(q.vqpn): q.phys_qpn for _, q in s.state.qps.items()}
+                         for v, s in zip(incoming.vrnics, incoming.staged, strict=True)}}
+
+    def handover_preconnect(self, domain: str, vrnic_id: str, wires: list[dict[str, Any]]) -> int:
+        """Connect staged QPs ahead to their peers' second QPs (vrnic.backend.peer_service.PeerService.shadows);
+        at the take-over those only get their work requests. Returns how many were connected."""
+        with self._vm_lock:
+            incoming = self._incoming_vm(domain)
+            staged = next((s for v, s in zip(incoming.vrnics, incoming.staged, strict=True) if v.spec.id == vrnic_id),
+                          None)
+            if staged is None:
+                raise NotFound(f"no vRNIC {vrnic_id} is coming with VM {domain}")
+            ready = incoming.ready.setdefault(vrnic_id, {})
+            for w in wires:
+                handle = int(w["handle"])
+                staged.preconnect(handle, str(w["peer_id"]), str(w["peer_gid"]), int(w["peer_vqpn"]),
+                                  str(w["peer_phys_gid"]), int(w["dest_qpn"]), int(w["access"]), int(w["qkey"]),
+                                  {str(k): int(v) for k, v in dict(w["link"]).items()})
+                ready[handle] = (str(w["peer_gid"]), int(w["peer_vqpn"]))
+            return len(wires)
+
+    def _incoming_vm(self, domain: str) -> _Incoming:
+        incoming = self._incoming.get(domain)
+        if incoming is None:
+            raise Conflict(f"no VM {domain} is coming to this host", current_state="idle")
+        return incoming
+
+    def handover_pages(self, domain: str, runs: list[tuple[int, bytes]]) -> int:
+        with self._vm_lock:
+            return vm_handover.write_runs(self._incoming_vm(domain).memory, runs)
+
+    def handover_take_over(self, domain: str, snapshots: dict[str, SessionSnapshot],
+                           carried: dict[str, list[QpCarry]]) -> dict[str, Any]:
+        """The source stopped: its objects as they are now, connected to the peers' physical QPs, the carried
+        receives posted and sends queued; then the vRNICs are published here. Their QPs stay held."""
+        result = {"qps": 0, "recvs_reposted": 0, "sends_carried": 0, "broken_qps": 0, "mrs_presetup": 0,
+                  "mrs_registered": 0, "preconnected": 0}
+        with self._vm_lock:
+            incoming = self._incoming_vm(domain)
+            for vrnic, staged in zip(incoming.vrnics, incoming.staged, strict=True):
+                kept, added = staged.converge(snapshots[vrnic.spec.id])
+                wired = incoming.ready.get(vrnic.spec.id, {})
+                ready = frozenset(c.handle for c in carried[vrnic.spec.id]
+                                  if c.state == "rts" and wired.get(c.handle) == (c.peer_gid, c.peer_vqpn)
+                                  and staged.state.qps.get(c.handle).state == "rts"
+                                  and self._peer_alive(vrnic, c.peer_gid, c.peer_vqpn))
+                reposted, sends, broken = staged.continue_qps(carried[vrnic.spec.id], ready)
+                result["preconnected"] += len(ready)
+                result["qps"] += len(staged.state.qps)
+                result["mrs_presetup"] += kept
+                result["mrs_registered"] += added
+                result["recvs_reposted"] += reposted
+                result["sends_carried"] += sends
+                result["broken_qps"] += broken
+            for vrnic, staged in zip(incoming.vrnics, incoming.staged, strict=True):
+                self._admit(vrnic)
+                incoming.admitted.append(vrnic)
+                qpns, mrs = staged.publications()
+                self.registry.adopt(vrnic, staged, domain, qpns, mrs)
+        return result
+
+    def _peer_alive(self, vrnic: VirtualRnic, gid: str | None, vqpn: int | None) -> bool:
+        """Is a pre-connected QP's peer still there (a peer gone since prepare leaves the QP to break)?"""
+        if gid is None or vqpn is None:
+            return False
+        try:
+            self.registry.peer_qp(vrnic, gid, vqpn, via="migration")
+        except VrnicError:
+            return False
+        return True
+
+    def handover_release(self, domain: str) -> None:
+        """The peers point at this host's QPs now: serve the VM here."""
+        with self._vm_lock:
+            incoming = self._incoming.pop(domain)
+            for link, staged in zip(incoming.links, incoming.staged, strict=True):
+                staged.staged = False
+                link.adopt(staged)
+                staged.start()
+                staged.release()
+            self._vms[domain] = _BoundVm(incoming.binding, incoming.memory, list(incoming.vrnics),
+                                         list(incoming.links))
+        log.info("VM %s: arrived from another host; serving vRNIC(s) %s", domain,
+                 ", ".join(v.spec.id for v in incoming.vrnics))
+
+    def handover_abort(self, domain: str) -> None:
+        with self._vm_lock:
+            incoming = self._incoming.pop(domain, None)
+            if incoming is None:
+                return
+            for vrnic in incoming.admitted:
+                with contextlib.suppress(NotFound):
+                    self._forget_vrnic(vrnic.spec.id)
+            incoming.close()
+        log.info("VM %s: hand-over called off; nothing of it is left here", domain)
+
     def vm_bindings(self) -> dict[str, VmBinding]:
         with self._vm_lock:
             return {name: state.binding for name, state in self._vms.items()}
@@ -570,6 +791,9 @@ class VerbsDriver(RnicDriver):
         with self._vm_lock:
             for domain in list(self._vms):
                 self._unbind(domain)
+            for incoming in self._incoming.values():
+                incoming.close()
+            self._incoming.clear()
         super().close()
         self.server.stop()
         with self._qos_lock:
@@ -607,6 +831,27 @@ class _BoundVm:
     links: list[VmLink] = field(default_factory=list)
     migration: vm_migration.Migration | None = None
     target: VmBinding | None = None  # where the migration goes
+    handover: vm_handover.Handover | None = None  # to another host
+
+
+@dataclass
+class _Incoming:
+    """A VM on its way here from another host: its RAM, channels and staged sessions, not yet serving."""
+
+    binding: VmBinding
+    memory: GuestMemory
+    vrnics: list[VirtualRnic] = field(default_factory=list)
+    links: list[VmLink] = field(default_factory=list)
+    staged: list[GuestSession] = field(default_factory=list)
+    admitted: list[VirtualRnic] = field(default_factory=list)
+    ready: dict[str, dict[int, tuple[str, int]]] = field(default_factory=dict)  # pre-connected QPs: their peer
+
+    def close(self) -> None:
+        for session in self.staged:
+            session.close()
+        for link in self.links:
+            link.close()
+        self.memory.close()
 
 
 def _close_fds(fds: list[int]) -> None:
