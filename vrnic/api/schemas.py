@@ -9,8 +9,17 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, 
 
 from vrnic.core.lifecycle import VrnicState
 from vrnic.core.peering import RuleAction
-from vrnic.core.specs import (AttachInfo, DataEngine, Integer, PortInfo, QosPolicy, Quota, VmBinding, VrnicMode,
-                              check_engine)
+from vrnic.core.specs import (
+    AttachInfo,
+    DataEngine,
+    Integer,
+    PortInfo,
+    QosPolicy,
+    Quota,
+    VmBinding,
+    VrnicMode,
+    check_engine,
+)
 from vrnic.core.vaddr import DEFAULT_VPC_CIDR, vpc_network
 from vrnic.errors import InvalidArgument
 

@@ -540,7 +540,8 @@ class VerbsDriver(RnicDriver):
                     if snapshot.memory_bytes != memory.size:
                         raise InvalidArgument(f"the VM has {snapshot.memory_bytes >> 20} MiB of RAM, the "
                                               f"destination's RAM file {memory.size >> 20} MiB")
-                    vrnic = self._make_vrnic(spec, name, token_digest(secrets.token_urlsafe(24)))  # a VM attaches by channel
+                    # A VM attaches by its channel, never by token: the handed-over vRNIC gets an unusable one.
+                    vrnic = self._make_vrnic(spec, name, token_digest(secrets.token_urlsafe(24)))
                     vrnic.vm_domain = domain
                     incoming.vrnics.append(vrnic)
                     sock = connect_channel(Path(wanted.channel_socket))
