@@ -35,7 +35,7 @@ from vrnic.backend.service import BackendService
 from vrnic.core.lifecycle import VrnicState
 from vrnic.core.specs import DataEngine, VmBinding, VrnicMode
 from vrnic.db.tables import Device, Vrnic
-from vrnic.errors import Conflict, InvalidArgument, NotFound, Unavailable
+from vrnic.errors import Conflict, InvalidArgument, NotFound, NotSupported, Unavailable
 
 
 @dataclass
@@ -225,7 +225,11 @@ class Vms:
         principal.require_operator()
         with self._leaving_lock:
             leaving = self._leaving.pop(domain, None)
-        aborted = self.backend.handover().abort_vm_handover(domain)
+        try:
+            handover = self.backend.handover()
+        except NotSupported:
+            handover = None  # a host without hand-overs has none to call off: nothing aborted, as for a migration
+        aborted = handover.abort_vm_handover(domain) if handover is not None else False
         if leaving is not None:
             leaving.close()
         if aborted:
