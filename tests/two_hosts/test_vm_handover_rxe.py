@@ -103,7 +103,8 @@ def test_a_vm_under_traffic_moves_to_host_b_with_its_vrnic(rig: Rig, tmp_path: P
     try:
         source = start_vm("src", image, tmp_path, accel)  # type: ignore[arg-type]
         stream = stream_into_vm(RestBinder(api), DOMAIN, source, AttachInfo.model_validate(vm_row["attach"]),
-                                AttachInfo.model_validate(peer_row["attach"]))
+                                AttachInfo.model_validate(peer_row["attach"]),
+                                ready_timeout=600)  # a loaded lab: the nested VM reached /init after 97 s once
         timings["boot_to_ready_s"] = stream.ready_s
         who = stream.control.call("whoami")
         time.sleep(1.0)  # traffic before
