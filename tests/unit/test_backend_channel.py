@@ -288,7 +288,7 @@ def test_a_restarted_vrnicd_takes_the_same_token_and_the_old_guest_gets_a_clear_
     PD(ctx)
     first.close()  # what the kernel does to a killed vrnicd's sockets
     with pytest.raises(ChannelLost, match="attach again with the same token"):
-        PD(ctx)
+        CQ(ctx, 4)  # a request (a PD would come from the frontend's pool without one)
     ctx.close()
     second = VerbsDriver(socket_path=socket_path, edge=FakeEdge())
     try:
