@@ -131,7 +131,7 @@ class KillStorm:
         self.result = StormResult()
 
     # ----- the daemon --------------------------------------------------------------------------
-    def start_daemon(self, timeout: float = 240) -> float:
+    def start_daemon(self, timeout: float = 600) -> float:
         """Start `vrnic daemon`; the monotonic time it first answered."""
         log = (self.workdir / "daemon.log").open("ab")
         self.daemon = subprocess.Popen([sys.executable, "-m", "vrnic.cli.main", "daemon"], env=self.env,
