@@ -85,8 +85,9 @@ class _Guest(threading.Thread):
                     qa, qb = QP(pa, cqa, cqa), QP(pb, cqb, cqb)
                     qa.connect(cb.gid, qb.qpn)
                     qb.connect(ca.gid, qa.qpn)
+                    here = 0  # round trips on this attachment: it parks only once traffic flowed again
                     while not self.stop.is_set():
-                        if self.park.is_set():
+                        if self.park.is_set() and here:
                             self.parked.set()
                             time.sleep(0.05)
                             continue
@@ -97,6 +98,7 @@ class _Guest(threading.Thread):
                         if cqa.wait(1)[0].status != 0 or cqb.wait(1)[0].status != 0 or mrb.read(5) != b"storm":
                             self.error = "a round trip completed with an error or wrong bytes"
                         self.round_trips += 1
+                        here += 1
             except VrnicError:
                 self.parked.clear()
                 continue
@@ -131,7 +133,7 @@ class KillStorm:
         self.result = StormResult()
 
     # ----- the daemon --------------------------------------------------------------------------
-    def start_daemon(self, timeout: float = 240) -> float:
+    def start_daemon(self, timeout: float = 600) -> float:
         """Start `vrnic daemon`; the monotonic time it first answered."""
         log = (self.workdir / "daemon.log").open("ab")
         self.daemon = subprocess.Popen([sys.executable, "-m", "vrnic.cli.main", "daemon"], env=self.env,
@@ -298,7 +300,9 @@ class KillStorm:
                 if r["pid"] in self.dead_pids or not Path(f"/proc/{r['pid']}").exists():
                     found.append(f"a {kind} on {r.get('ifname')} is still owned by dead pid {r['pid']}")
             if kind == "qp":
-                ours = sum(1 for r in owned if r["pid"] == self.daemon.pid and r.get("ifname") in self.devices)
+                # `rdma res` names the task that created an object: one of vrnicd's threads, not its pid
+                threads = {int(t.name) for t in Path(f"/proc/{self.daemon.pid}/task").iterdir()}
+                ours = sum(1 for r in owned if r["pid"] in threads and r.get("ifname") in self.devices)
                 wanted = 2 if guest_attached else 0  # the parked guest pair's two QPs, nothing else
                 if ours != wanted:
                     found.append(f"vrnicd (pid {self.daemon.pid}) owns {ours} QP(s) on the storm's devices, "
