@@ -23,14 +23,16 @@ test-kernel:
 	$(BIN)/vrnic lab run --netdevsim --rerun-on-guest-loss --timeout $(KERNEL_TIMEOUT) -- pytest -m kernel tests
 
 # Two guests wired by a QEMU dgram link as two hosts: first a native RDMA WRITE from b into a (the smoke), then
-# PostgreSQL on a, `vrnic daemon` on both, and the two_hosts tests run on a while b serves a's requests.
+# PostgreSQL on a, `vrnic daemon` on both, and the two_hosts tests run on a while b serves a's requests (QoS
+# included: 313 s for the stage on an idle machine, before the raw-QEMU cross-host migration tests joined it;
+# the timeout leaves room for a loaded one). The vRNIC hand-over under traffic has its own target below.
 test-two-hosts:
-	$(BIN)/vrnic lab run --topology two-hosts --timeout 540 -- \
+	$(BIN)/vrnic lab run --topology two-hosts --timeout 1080 -- \
 		python -m vrnic.lab.two_hosts --smoke -- env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest -m two_hosts -p no:cacheprovider \
-		--ignore=tests/two_hosts/test_qos.py --ignore=tests/two_hosts/test_vm_handover_rxe.py tests/two_hosts
+		--ignore=tests/two_hosts/test_vm_handover_rxe.py tests/two_hosts
 
-# QoS across the two hosts (a cap and a live PATCH, tc read back). Not in `make test`: shaped RC streams across
-# the emulated link sometimes end with IBV_WC_REM_INV_REQ_ERR in rxe (README, QoS: Open), 1 run in 3 so far.
+# Only the QoS test of the stage above (a cap and a live PATCH across the hosts, tc and the QP's RC timeout read
+# back). On a heavily loaded machine its stream cannot reach the 16 Mbit/s cap (README, QoS).
 test-qos-two-hosts:
 	$(BIN)/vrnic lab run --topology two-hosts --timeout 540 -- \
 		python -m vrnic.lab.two_hosts -- env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest -m two_hosts -p no:cacheprovider tests/two_hosts/test_qos.py
