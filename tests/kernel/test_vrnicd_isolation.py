@@ -262,7 +262,7 @@ def test_sigterm_releases_everything(device_pair: tuple[str, str], tmp_path: Pat
         assert wait_for_baseline(baseline) == baseline
         assert not sock.exists()
         with pytest.raises(VrnicError):
-            PD(ctx)  # the daemon is gone: a typed error, not a hang
+            CQ(ctx, 4)  # the daemon is gone: a typed error, not a hang (a PD would come from the local pool)
         ctx.closed = True
         ctx._release_local()
     finally:

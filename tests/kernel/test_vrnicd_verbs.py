@@ -68,7 +68,9 @@ def test_guests_see_only_virtual_identities(connected: tuple[Guest, Guest]) -> N
     a, b = connected
     assert a.ctx.query_gid().startswith("fd76:726e:")  # virtual GID, not the device's ::ffff:10.77.1.x
     assert a.ctx.query_gid() == a.ctx.gid and a.ctx.gid != b.ctx.gid
-    assert a.qp.query() == {"qpn": a.qp.qpn, "state": "rts", "qp_type": "rc", "connected_to": b.ctx.gid}
+    # timeout: the NIC's own value, read back; the guest left rxe's 14 and no QoS shapes this device
+    assert a.qp.query() == {"qpn": a.qp.qpn, "state": "rts", "qp_type": "rc", "connected_to": b.ctx.gid,
+                            "timeout": 14}
     device = a.ctx.query_device()
     assert device["max_qp"] <= 64 and device["arena_bytes"] == 1 << 20
     assert a.ctx.query_port()["state"] == 4  # IBV_PORT_ACTIVE
