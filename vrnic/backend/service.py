@@ -7,7 +7,8 @@ The API only talks to this class; another host's BackendService is reached throu
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from vrnic.backend.driver import RnicDriver
@@ -53,54 +54,50 @@ class BackendService:
         if not names:
             raise NotSupported(f"no device available for mode {spec.mode}")
         device = spec.device or min(names, key=lambda n: (driver.load(n), n))
-        # One id lives in one mode: a second create in another mode would overwrite the placement
-        # and leave the first vRNIC unreachable by release_vrnic. Reserve the id before creating.
-        with self._lock:
-            if spec.id in self._placement:
-                raise Conflict(f"vRNIC {spec.id} already exists in the backend (mode {self._placement[spec.id]})")
-            self._placement[spec.id] = spec.mode
-        try:
+        with self._placed(spec):
             return driver.create_vrnic(spec, device)
-        except BaseException:
-            with self._lock:
-                self._placement.pop(spec.id, None)
-            raise
 
     def release_vrnic(self, vrnic_id: str) -> None:
-        with self._lock:
-            mode = self._placement.get(vrnic_id)
-        if mode is None:
-            # Not placed by this instance (e.g. SR-IOV allocations that outlived a daemon restart):
-            # the driver that holds it still has to tear it down.
-            mode = next((m for m, d in self._drivers.items() if vrnic_id in d.vrnic_ids()), None)
-        if mode is None:
-            raise NotFound(f"no vRNIC {vrnic_id} in the backend")
-        self._drivers[mode].release_vrnic(vrnic_id)
+        self._drivers[self._mode_of(vrnic_id)].release_vrnic(vrnic_id)
         with self._lock:
             self._placement.pop(vrnic_id, None)
 
     def restore_vrnic(self, spec: VrnicSpec, device: str, token_hash: str) -> None:
         """Hold again a vRNIC that an earlier vrnicd held (crash recovery), on the device it was on."""
+        with self._placed(spec):
+            self.driver(spec.mode).restore_vrnic(spec, device, token_hash)
+
+    def reissue_token(self, vrnic_id: str) -> str:
+        """A new attach token for a vRNIC of this host; the old one stops working."""
+        return self._drivers[self._mode_of(vrnic_id)].reissue_token(vrnic_id)
+
+    @contextmanager
+    def _placed(self, spec: VrnicSpec) -> Iterator[None]:
+        """Reserve the id for its mode while the driver creates it; drop the reservation if that fails.
+
+        One id lives in one mode: a second create in another mode would overwrite the placement and leave the
+        first vRNIC unreachable by release_vrnic."""
         with self._lock:
             if spec.id in self._placement:
                 raise Conflict(f"vRNIC {spec.id} already exists in the backend (mode {self._placement[spec.id]})")
             self._placement[spec.id] = spec.mode
         try:
-            self.driver(spec.mode).restore_vrnic(spec, device, token_hash)
+            yield
         except BaseException:
             with self._lock:
                 self._placement.pop(spec.id, None)
             raise
 
-    def reissue_token(self, vrnic_id: str) -> str:
-        """A new attach token for a vRNIC of this host; the old one stops working."""
+    def _mode_of(self, vrnic_id: str) -> VrnicMode:
         with self._lock:
             mode = self._placement.get(vrnic_id)
         if mode is None:
+            # Not placed by this instance (e.g. SR-IOV allocations that outlived a daemon restart):
+            # the driver that holds it still answers for it.
             mode = next((m for m, d in self._drivers.items() if vrnic_id in d.vrnic_ids()), None)
         if mode is None:
             raise NotFound(f"no vRNIC {vrnic_id} in the backend")
-        return self._drivers[mode].reissue_token(vrnic_id)
+        return mode
 
     def vrnic_ids(self) -> set[str]:
         return {i for d in self._drivers.values() for i in d.vrnic_ids()}
