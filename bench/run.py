@@ -63,32 +63,23 @@ def main() -> int:
         write(recovery.run(), RECOVERY_PART)
         return 0
     records = host_suites()
-    GUEST_PART.unlink(missing_ok=True)
     lab = [sys.executable, "-m", "vrnic.cli.main", "lab", "run", "--timeout", "1800", "--"]
-    rc = subprocess.run([*lab, sys.executable, "-m", "bench.run", "--in-guest"], cwd=Path(__file__).parents[1],
-                        check=False).returncode
-    if rc != 0 or not GUEST_PART.exists():
-        print(f"bench: kernel suites failed in the lab (exit {rc})", file=sys.stderr)
-        return 1
-    records += load(GUEST_PART)
-    GUEST_PART.unlink()
-    RECOVERY_PART.unlink(missing_ok=True)
-    storm = [*lab[:5], "--netdevsim", *lab[5:], sys.executable, "-m", "bench.run", "--recovery"]
-    rc = subprocess.run(storm, cwd=Path(__file__).parents[1], check=False).returncode
-    if rc != 0 or not RECOVERY_PART.exists():
-        print(f"bench: the kill storm failed in the lab (exit {rc})", file=sys.stderr)
-        return 1
-    records += load(RECOVERY_PART)
-    RECOVERY_PART.unlink()
-    MULTIHOST_PART.unlink(missing_ok=True)
-    two_hosts = [*lab[:5], "--topology", "two-hosts", *lab[5:], sys.executable, "-m", "vrnic.lab.two_hosts", "--",
-                 sys.executable, "-m", "bench.two_hosts", "--out", str(MULTIHOST_PART)]
-    rc = subprocess.run(two_hosts, cwd=Path(__file__).parents[1], check=False).returncode
-    if rc != 0 or not MULTIHOST_PART.exists():
-        print(f"bench: the two-hosts suite failed in the lab (exit {rc})", file=sys.stderr)
-        return 1
-    records += load(MULTIHOST_PART)
-    MULTIHOST_PART.unlink()
+    passes = [
+        ("the kernel suites", lab, [sys.executable, "-m", "bench.run", "--in-guest"], GUEST_PART),
+        ("the kill storm", [*lab[:5], "--netdevsim", *lab[5:]], [sys.executable, "-m", "bench.run", "--recovery"],
+         RECOVERY_PART),
+        ("the two-hosts suite", [*lab[:5], "--topology", "two-hosts", *lab[5:]],
+         [sys.executable, "-m", "vrnic.lab.two_hosts", "--", sys.executable, "-m", "bench.two_hosts", "--out",
+          str(MULTIHOST_PART)], MULTIHOST_PART),
+    ]
+    for what, run_lab, command, part in passes:
+        part.unlink(missing_ok=True)
+        rc = subprocess.run([*run_lab, *command], cwd=Path(__file__).parents[1], check=False).returncode
+        if rc != 0 or not part.exists():
+            print(f"bench: {what} failed in the lab (exit {rc})", file=sys.stderr)
+            return 1
+        records += load(part)
+        part.unlink()
     write(records, RESULTS / "latest.json")
     show(records)
     print(f"wrote {RESULTS / 'latest.json'}")
