@@ -35,7 +35,7 @@ from vrnic.backend.service import BackendService
 from vrnic.core.lifecycle import VrnicState
 from vrnic.core.specs import DataEngine, VmBinding, VrnicMode
 from vrnic.db.tables import Device, Vrnic
-from vrnic.errors import Conflict, InvalidArgument, NotFound, NotSupported, Unavailable
+from vrnic.errors import Conflict, InvalidArgument, NotFound, Unavailable
 
 
 @dataclass
@@ -225,11 +225,7 @@ class Vms:
         principal.require_operator()
         with self._leaving_lock:
             leaving = self._leaving.pop(domain, None)
-        try:
-            handover = self.backend.handover()
-        except NotSupported:
-            handover = None  # a host without hand-overs has none to call off: nothing aborted, as for a migration
-        aborted = handover.abort_vm_handover(domain) if handover is not None else False
+        aborted = self.backend.abort_vm_handover(domain)
         if leaving is not None:
             leaving.close()
         if aborted:

@@ -89,6 +89,10 @@ class RnicDriver(ABC):
         """Drop a prepared migration; the source keeps serving the VM. False if there was none."""
         return False
 
+    def abort_vm_handover(self, domain: str) -> bool:
+        """Drop a prepared hand-over to another host; this host keeps serving the VM. False if there was none."""
+        return False
+
     def load(self, device: str) -> int:
         """How many vRNICs sit on device (for placement)."""
         return 0

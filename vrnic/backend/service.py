@@ -153,6 +153,9 @@ class BackendService:
     def abort_vm_migration(self, domain: str) -> bool:
         return any(d.abort_vm_migration(domain) for d in self._drivers.values())
 
+    def abort_vm_handover(self, domain: str) -> bool:
+        return any(d.abort_vm_handover(domain) for d in self._drivers.values())
+
     def close(self) -> None:
         for driver in self._drivers.values():
             driver.close()
