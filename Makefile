@@ -20,7 +20,7 @@ test-host:
 
 # The kernel tier runs inside the lab: a QEMU guest with Soft-RoCE and netdevsim.
 test-kernel:
-	$(BIN)/vrnic lab run --netdevsim --rerun-on-guest-loss --timeout $(KERNEL_TIMEOUT) -- pytest -m kernel tests
+	$(BIN)/vrnic lab run --netdevsim --rerun-on-guest-loss --timeout $(KERNEL_TIMEOUT) -- pytest -m kernel --durations=25 tests
 
 # Two guests wired by a QEMU dgram link as two hosts: first a native RDMA WRITE from b into a (the smoke), then
 # PostgreSQL on a, `vrnic daemon` on both, and the two_hosts tests run on a while b serves a's requests (QoS
@@ -28,20 +28,20 @@ test-kernel:
 # the timeout leaves room for a loaded one). The vRNIC hand-over under traffic has its own target below.
 test-two-hosts:
 	$(BIN)/vrnic lab run --topology two-hosts --timeout 1080 -- \
-		python -m vrnic.lab.two_hosts --smoke -- env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest -m two_hosts -p no:cacheprovider \
+		python -m vrnic.lab.two_hosts --smoke -- env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest -m two_hosts -p no:cacheprovider -p pytest_timeout \
 		--ignore=tests/two_hosts/test_vm_handover_rxe.py tests/two_hosts
 
 # Only the QoS test of the stage above (a cap and a live PATCH across the hosts, tc and the QP's RC timeout read
 # back). On a heavily loaded machine its stream cannot reach the 16 Mbit/s cap (README, QoS).
 test-qos-two-hosts:
 	$(BIN)/vrnic lab run --topology two-hosts --timeout 540 -- \
-		python -m vrnic.lab.two_hosts -- env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest -m two_hosts -p no:cacheprovider tests/two_hosts/test_qos.py
+		python -m vrnic.lab.two_hosts -- env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest -m two_hosts -p no:cacheprovider -p pytest_timeout tests/two_hosts/test_qos.py
 
 # A VM under RDMA traffic live-migrated from host a to host b with its vRNIC handed over between the agents (issue
 # 11 across hosts). Not in `make test`: 10-15 min on a loaded machine (nested VM boot, 256 MiB over the slow link).
 test-migrate-two-hosts:
 	$(BIN)/vrnic lab run --topology two-hosts --timeout 1900 -- \
-		python -m vrnic.lab.two_hosts -- env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest -m two_hosts -p no:cacheprovider -s \
+		python -m vrnic.lab.two_hosts -- env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest -m two_hosts -p no:cacheprovider -p pytest_timeout -s \
 		tests/two_hosts/test_vm_handover_rxe.py
 
 # Real SR-IOV VFs (PCI functions with netdevs) on an emulated igb NIC; runs QEMU 10 (see make setup).

@@ -7,8 +7,10 @@ import socket
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from vrnic.core.specs import HOST_NAME_PATTERN
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 
@@ -46,7 +48,8 @@ class DaemonSettings(BaseSettings):
     listen_host: str = "127.0.0.1"
     listen_port: int = Field(8470, ge=0, le=65535)
     operator_token: SecretStr | None = None  # unset: generated once into state_dir/operator-token
-    host_name: str = Field(default_factory=socket.gethostname)  # how this host registers itself
+    # how this host registers itself
+    host_name: str = Field(default_factory=socket.gethostname, pattern=HOST_NAME_PATTERN)
     paravirtual_driver: str | None = "verbs"  # RnicDriver entry point; skipped with a log line if absent
     paravirtual_driver_options: dict[str, Any] = {}
     sriov_driver: str | None = "sriov"
@@ -101,3 +104,9 @@ class DaemonSettings(BaseSettings):
     @property
     def operator_token_file(self) -> Path:
         return self.state_dir / "operator-token"
+
+
+def settings_problem(exc: ValidationError) -> str:
+    """A bad setting as an operator reads it: the variable to change, what is wrong, and the value it had."""
+    return "; ".join(f"VRNIC_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']} (got {e['input']!r})"
+                     for e in exc.errors())

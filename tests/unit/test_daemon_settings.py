@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import typer
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
 
 from vrnic.cli.client import ApiError, parse_pairs
 from vrnic.config import DaemonSettings
@@ -118,3 +118,25 @@ def test_the_locator_and_agent_token_go_only_to_a_driver_that_takes_them(tmp_pat
     assert set(options) == {"locator", "agent_token"} and options["agent_token"] == "vro_op"
     assert isinstance(options["locator"], DbLocator)
     options["locator"].db.engine.dispose()
+
+
+@pytest.mark.parametrize("name", ["", "-a", "a%C0", "a/b", "a b", "a?b", "é"])
+def test_a_host_name_that_would_not_survive_a_url_path_is_refused(tmp_path: Path, name: str) -> None:
+    # GET /hosts/{name} takes the same pattern: a name with '%' would arrive decoded as another string.
+    with pytest.raises(ValidationError, match="host_name"):
+        DaemonSettings(state_dir=tmp_path, host_name=name)
+    assert DaemonSettings(state_dir=tmp_path, host_name="lab_a.example-1").host_name == "lab_a.example-1"
+
+
+def test_the_daemon_names_the_variable_of_a_bad_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from vrnic.cli.main import app
+
+    monkeypatch.setenv("VRNIC_STATE_DIR", str(tmp_path))
+    monkeypatch.setenv("VRNIC_HOST_NAME", "(none)")  # what gethostname() gives on a machine never named
+    for command in (["daemon"], ["db", "upgrade"]):
+        result = CliRunner().invoke(app, command)
+        assert result.exit_code == 2, result.output
+        assert "VRNIC_HOST_NAME: String should match pattern" in result.output
+        assert "(got '(none)')" in result.output

@@ -25,6 +25,13 @@ def test_parse_keeps_outcomes_and_the_test_that_was_running() -> None:
     assert p.running == "a.py::t4"
 
 
+def test_summary_names_the_running_test_and_the_failures() -> None:
+    p = progress.Progress.parse("start a.py::t1\nfailed a.py::t1\nstart a.py::t2\n")
+    assert p.summary("when the lab timed out") == (
+        "when the lab timed out, a.py::t2 was running; 1 test(s) had an outcome, 1 failed: a.py::t1")
+    assert progress.Progress().summary("then") == "then, no test was running; 0 test(s) had an outcome, 0 failed"
+
+
 def test_outcome_of_phases() -> None:
     assert progress.outcome_of("setup", "passed") is None
     assert progress.outcome_of("call", "passed") == "passed"

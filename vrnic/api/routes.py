@@ -48,7 +48,7 @@ from vrnic.api.schemas import (
     VrnicQosChange,
 )
 from vrnic.core.lifecycle import VrnicState
-from vrnic.core.specs import VmBinding
+from vrnic.core.specs import HOST_NAME_PATTERN, VmBinding
 from vrnic.errors import InvalidArgument
 
 bearer = HTTPBearer(auto_error=False, description="the operator token, or a tenant's token")
@@ -324,7 +324,7 @@ def list_hosts(cp: CP, who: Caller, cursor: Cursor = None, limit: Limit = 50) ->
 
 
 @router.get("/hosts/{name}", tags=["hosts"])
-def get_host(name: Annotated[str, Path(max_length=255, pattern=Printable)], cp: CP, who: Caller) -> HostOut:
+def get_host(name: Annotated[str, Path(max_length=253, pattern=HOST_NAME_PATTERN)], cp: CP, who: Caller) -> HostOut:
     return cp.inventory.get_host(who, name)
 
 

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, 
 from vrnic.core.lifecycle import VrnicState
 from vrnic.core.peering import RuleAction
 from vrnic.core.specs import (
+    HOST_NAME_PATTERN,
     AttachInfo,
     DataEngine,
     Integer,
@@ -113,7 +114,7 @@ class VrnicCreate(BaseModel):
     engine: DataEngine = Field(DataEngine.RING, description="ring (vrnicd moves posts and completions) or direct "
                                                             "(the guest drives the NIC's queues; mode paravirtual "
                                                             "only, and not for VMs)")
-    host: str | None = Field(None, max_length=255, pattern=r"^[\x21-\x7e]+$",
+    host: str | None = Field(None, max_length=253, pattern=HOST_NAME_PATTERN,
                              description="the host to place it on; default: the least loaded device of the up hosts")
     virtual_ip: str | None = Field(None, max_length=15, pattern=r"^[0-9.]+$", examples=["10.0.0.7"],
                                    description="its address in the tenant's VPC; default: the next free one")
@@ -227,7 +228,7 @@ class VmHandoverRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    host: str = Field(min_length=1, max_length=255)
+    host: str = Field(max_length=253, pattern=HOST_NAME_PATTERN)
     binding: VmBinding
 
 

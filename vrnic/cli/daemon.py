@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 
-from vrnic.config import DaemonSettings
+from vrnic.config import DaemonSettings, settings_problem
 from vrnic.errors import VrnicError
 
 
@@ -25,6 +26,10 @@ def daemon(
     overrides = {k: v for k, v in {"listen_host": listen_host, "listen_port": listen_port}.items() if v is not None}
     try:
         settings = DaemonSettings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:  # e.g. a machine whose host name is the kernel's "(none)"
+        typer.secho(f"vrnic daemon: {settings_problem(exc)}", err=True, fg="red")
+        raise typer.Exit(2) from exc
+    try:
         run(settings)
     except VrnicError as exc:
         typer.secho(f"vrnic daemon: {exc}", err=True, fg="red")

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 from sqlalchemy import Engine
 
-from vrnic.config import DaemonSettings
+from vrnic.config import DaemonSettings, settings_problem
 
 app = typer.Typer(help="The daemon's database schema (VRNIC_DATABASE_URL; default SQLite in VRNIC_STATE_DIR).",
                   no_args_is_help=True)
@@ -18,7 +19,13 @@ UrlOpt = Annotated[str | None, typer.Option("--url", help="Database URL (default
 def _engine(url: str | None) -> Engine:
     from vrnic.db.engine import make_engine
 
-    return make_engine(url or DaemonSettings().database)
+    if url:
+        return make_engine(url)
+    try:
+        return make_engine(DaemonSettings().database)
+    except ValidationError as exc:
+        typer.secho(f"vrnic db: {settings_problem(exc)}", err=True, fg="red")
+        raise typer.Exit(2) from exc
 
 
 @app.command()

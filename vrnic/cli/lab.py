@@ -39,7 +39,7 @@ def run(
     Exit 124 on timeout, 125 if the guest failed to boot, 126 if it died while running the command.
     """
     from vrnic.lab import progress
-    from vrnic.lab.guest import EXIT_GUEST_LOST
+    from vrnic.lab.guest import EXIT_GUEST_LOST, EXIT_TIMEOUT
     from vrnic.lab.runner import LabRequest, LabRunner
 
     pairs = dict(item.split("=", 1) for item in env or [] if "=" in item)
@@ -56,6 +56,9 @@ def run(
         rc = runner.run(request)
         if rc == EXIT_GUEST_LOST and progress_file is not None:
             rc = _rerun(runner, request, progress_file)
+        if rc == EXIT_TIMEOUT and progress_file is not None:
+            # Last, so that a log cut to its tail still names the test that hung.
+            typer.secho(progress.Progress.read(progress_file).summary("when the lab timed out"), err=True, fg="red")
     except VrnicError as exc:
         typer.secho(f"vrnic lab: {exc}", err=True, fg="red")
         raise typer.Exit(125) from exc

@@ -11,6 +11,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 from vrnic.errors import DeviceError, NotFound
 
 MiB = 1 << 20
+# How a host names itself to the control plane: an RFC 1123 host name (underscores allowed, as gethostname()
+# may return them). It excludes '%', '/', '?' and '#', so a name is the same string in a URL path as in JSON.
+HOST_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,252}$"
 
 
 def _not_a_bool(value: object) -> object:

@@ -218,6 +218,7 @@ mount -t tmpfs -o mode=1777 shm /dev/shm
 mount -t cgroup2 cgroup2 /sys/fs/cgroup
 dmesg -n 1
 ip link set lo up
+hostname lab-{plan.role}  # the kernel's default, "(none)", is no host name vrnic accepts
 modprobe rdma_rxe || fail 'modprobe rdma_rxe'
 {body}
 {exports}

@@ -46,6 +46,13 @@ class Progress:
         except FileNotFoundError:
             return cls()
 
+    def summary(self, when: str) -> str:
+        """One line: the test running at that moment and the outcomes so far."""
+        failed = self.failed
+        line = (f"{when}, {self.running} was running" if self.running else f"{when}, no test was running")
+        line += f"; {len(self.outcomes)} test(s) had an outcome, {len(failed)} failed"
+        return line + (": " + ", ".join(failed) if failed else "")
+
     @property
     def failed(self) -> list[str]:
         return [nodeid for nodeid, outcome in self.outcomes.items() if outcome == "failed"]
