@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal, cast
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal, cast
 
 from vrnic.api.schemas import (
     DeviceOut,
@@ -36,7 +38,28 @@ def token_out(token: ApiToken) -> TokenOut:
     return TokenOut(id=token.id, prefix=token.prefix, created_at=token.created_at, revoked_at=token.revoked_at)
 
 
-def vrnic_out(row: Vrnic, *, tenant: str, host: str, state: VrnicState | None = None,
+@dataclass(frozen=True, slots=True)
+class VrnicRecord:
+    """The columns vrnic_out reads, for a row just written with Core (no ORM instance to read them from)."""
+
+    public_id: str
+    mode: str
+    engine: str
+    state: str
+    device_name: str
+    virtual_gid: str
+    virtual_ip: str | None
+    quota: dict[str, Any]
+    qos: dict[str, Any]
+    socket_path: str | None
+    attach_extra: dict[str, Any]
+    created_at: datetime
+    updated_at: datetime
+    released_at: datetime | None
+    vm_domain: str | None = None
+
+
+def vrnic_out(row: Vrnic | VrnicRecord, *, tenant: str, host: str, state: VrnicState | None = None,
               reachable: bool = True) -> VrnicOut:
     """state: the observed state when it differs from the stored one (not persisted yet); reachable: its host
     is up."""

@@ -32,10 +32,16 @@ class UnitOfWork:
         self.session = session
         self.actor = actor
         self._undo: list[Callable[[], None]] = []
+        self._connection: Connection | None = None
 
     @property
     def connection(self) -> Connection:
-        return self.session.connection()
+        """The transaction's connection, for Core statements (asking the session each time costs as much as a
+        small statement); after a rollback the session hands out a new one."""
+        connection = self._connection
+        if connection is None or connection.closed:
+            connection = self._connection = self.session.connection()
+        return connection
 
     def on_failure(self, undo: Callable[[], None]) -> None:
         """Run undo if this unit of work fails (in the block or at commit). It runs after the rollback, in a

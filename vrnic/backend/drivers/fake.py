@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+from collections import Counter
 from dataclasses import asdict
 from typing import ClassVar
 
@@ -31,6 +32,7 @@ class FakeDriver(RnicDriver):
         ]
         self._socket_path = socket_path
         self._vrnics: dict[str, str] = {}  # vrnic id -> device
+        self._load: Counter[str] = Counter()  # device -> its vRNICs (placement asks on every create)
         self.token_hashes: dict[str, str] = {}  # vrnic id -> the digest of its attach token now
         self._attached: set[str] = set()  # what a real driver would observe: a guest holding a session
         self._vms: dict[str, VmBinding] = {}
@@ -48,6 +50,7 @@ class FakeDriver(RnicDriver):
             if spec.id in self._vrnics:
                 raise Conflict(f"vRNIC {spec.id} already exists in the backend")
             self._vrnics[spec.id] = device
+            self._load[device] += 1
             token = secrets.token_urlsafe(24)
             self.token_hashes[spec.id] = token_digest(token)
         return AttachInfo(vrnic_id=spec.id, mode=spec.mode, device=device, virtual_gid=spec.virtual_gid,
@@ -66,6 +69,7 @@ class FakeDriver(RnicDriver):
             if spec.id in self._vrnics:
                 raise Conflict(f"vRNIC {spec.id} already exists in the backend")
             self._vrnics[spec.id] = device
+            self._load[device] += 1
             self.token_hashes[spec.id] = token_hash
 
     def accepts_token(self, vrnic_id: str, token: str) -> bool:
@@ -76,8 +80,10 @@ class FakeDriver(RnicDriver):
 
     def release_vrnic(self, vrnic_id: str) -> None:
         with self._lock:
-            if self._vrnics.pop(vrnic_id, None) is None:
+            device = self._vrnics.pop(vrnic_id, None)
+            if device is None:
                 raise NotFound(f"no vRNIC {vrnic_id} in the backend")
+            self._load[device] -= 1
             self.token_hashes.pop(vrnic_id, None)
             self._attached.discard(vrnic_id)
             for domain, binding in list(self._vms.items()):
@@ -164,4 +170,4 @@ class FakeDriver(RnicDriver):
 
     def load(self, device: str) -> int:
         with self._lock:
-            return sum(1 for d in self._vrnics.values() if d == device)
+            return self._load[device]
