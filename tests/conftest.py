@@ -8,11 +8,13 @@ two-hosts topology (tests/two_hosts/conftest.py).
 from __future__ import annotations
 
 import os
+from collections.abc import Generator
 from pathlib import Path
 
 import pytest
 
 from vrnic.lab import progress
+from vrnic.lab.hang_watch import HangWatch
 
 TIERS = ("unit", "api", "kernel", "libvirt", "two_hosts")
 
@@ -57,6 +59,51 @@ def _resume(config: pytest.Config, items: list[pytest.Item]) -> None:
         if reporter is not None:
             reporter.write_line(f"resuming after the lab guest died: {len(left_out)} test(s) already ran "
                                 f"({len(done.failed)} failed), {done.running or 'none'} was running")
+
+
+_WATCH: HangWatch | None = None  # inside the lab, with a progress file: a test phase that hangs ends the command
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _WATCH
+    path = _progress_file()
+    if path is None or os.environ.get("VRNIC_LAB") != "1":
+        return
+
+    def uncapture() -> str:
+        capture = config.pluginmanager.getplugin("capturemanager")
+        if capture is None:
+            return ""
+        out, err = capture.read_global_capture()
+        capture.suspend_global_capture(in_=False)  # the real stdout and stderr again
+        return out + err
+
+    _WATCH = HangWatch(path, uncapture=uncapture)
+
+
+def _watched(item: pytest.Item, when: str) -> Generator[None, object, object]:
+    if _WATCH is None:
+        return (yield)
+    _WATCH.arm(item.nodeid, when)
+    try:
+        return (yield)
+    finally:
+        _WATCH.disarm()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from _watched(item, "setup"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from _watched(item, "call"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from _watched(item, "teardown"))
 
 
 def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:

@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vrnic.lab import progress
+from vrnic.lab import hang_watch, progress
+from vrnic.lab.guest import EXIT_GUEST_LOST
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,6 +24,8 @@ def test_parse_keeps_outcomes_and_the_test_that_was_running() -> None:
     assert p.outcomes == {"a.py::t1": "passed", "a.py::t2": "failed", "a.py::t3": "skipped"}
     assert p.failed == ["a.py::t2"]
     assert p.running == "a.py::t4"
+    assert p.hung == []
+    assert progress.Progress.parse("start a.py::t1\nhung a.py::t1\n").hung == ["a.py::t1"]
 
 
 def test_summary_names_the_running_test_and_the_failures() -> None:
@@ -73,3 +76,52 @@ def test_a_second_run_skips_what_the_first_decided(tmp_path: Path) -> None:
         assert final.outcomes[after_first.running] == "passed"
     finally:
         tests.unlink(missing_ok=True)
+
+
+def test_a_hung_test_ends_the_command_as_a_lost_guest_and_runs_again(tmp_path: Path) -> None:
+    """The lab's hang watch (vrnic/lab/hang_watch.py) in two real pytest runs: a test that sleeps past the watch
+    gets its stack printed, `hung` recorded and the command ended with the lost-guest status; the next run
+    (as `vrnic lab run --rerun-on-guest-loss` starts it) runs only that test and what came after it."""
+    tests = ROOT / "tests" / "unit" / f"_hang_probe_{os.getpid()}_test.py"
+    marker = tmp_path / "hung-once"
+    tests.write_text(
+        "import time\n"
+        "from pathlib import Path\n"
+        "def test_a(): pass\n"
+        f"def test_stuck_somewhere():\n    m = Path({str(marker)!r})\n"
+        "    if not m.exists():\n        m.write_text('x'); print('about to hang'); time.sleep(60)\n"
+        "def test_after(): pass\n"
+    )
+    progress_file = tmp_path / "progress.txt"
+    env = os.environ | {progress.ENV: str(progress_file), "PYTHONPATH": str(ROOT), "VRNIC_LAB": "1",
+                        "VRNIC_HANG_WATCH_S": "2"}
+    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", str(tests)]
+    try:
+        first = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert first.returncode == EXIT_GUEST_LOST, first.stdout + first.stderr
+        assert "test_stuck_somewhere (call) made no progress for 2 s" in first.stderr
+        assert "in test_stuck_somewhere" in first.stderr  # the stuck thread's Python stack
+        assert "printed before it hung:\nabout to hang" in first.stderr  # what pytest had captured
+        assert "[hang-watch] kernel log" in first.stderr or "[hang-watch] dmesg" in first.stderr
+        after_first = progress.Progress.read(progress_file)
+        assert after_first.running is not None and after_first.running.endswith("::test_stuck_somewhere")
+        assert after_first.hung == [after_first.running]
+        assert list(after_first.outcomes.values()) == ["passed"]  # test_a
+
+        second = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 0, second.stdout + second.stderr
+        assert "2 passed, 1 deselected" in second.stdout
+        assert "[hang-watch]" not in second.stderr  # each phase disarms the watch when it ends
+    finally:
+        tests.unlink(missing_ok=True)
+
+
+def test_blocked_tasks_show_the_kernel_stacks_of_tasks_in_d_state(tmp_path: Path) -> None:
+    for pid, tid, state in ((10, 10, "S"), (10, 11, "D"), (12, 12, "R")):
+        task = tmp_path / str(pid) / "task" / str(tid)
+        task.mkdir(parents=True)
+        (task / "stat").write_text(f"{tid} (qemu (vcpu) x) {state} 1 2 3\n")
+        (task / "stack").write_text(f"[<0>] stack_of_{tid}+0x1/0x2\n")
+    shown = hang_watch.blocked_tasks(tmp_path)
+    assert shown == "[hang-watch] task 11 (qemu (vcpu) x) in D state:\n[<0>] stack_of_11+0x1/0x2\n"
+    assert hang_watch.blocked_tasks(tmp_path / "none") == "[hang-watch] no task in D state\n"

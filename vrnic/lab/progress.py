@@ -6,7 +6,8 @@ command again; with `VRNIC_TEST_PROGRESS` pointing at this file, that second run
 has an outcome. Only the test that was running when the guest died runs twice; a test that failed is never
 run again, and its failure still fails the whole run.
 
-One line per event: `start <nodeid>` or `<outcome> <nodeid>` (passed, failed, skipped).
+One line per event: `start <nodeid>`, `<outcome> <nodeid>` (passed, failed, skipped), or `hung <nodeid>` when the
+lab's hang watch ended the command under it (vrnic/lab/hang_watch.py); a test that hung has no outcome.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ OUTCOMES = ("passed", "failed", "skipped")
 class Progress:
     outcomes: dict[str, str] = field(default_factory=dict)  # nodeid -> its last outcome
     running: str | None = None  # the test started last and not finished: the one the guest died under
+    hung: list[str] = field(default_factory=list)  # tests the hang watch ended the command under
 
     @classmethod
     def parse(cls, text: str) -> Progress:
@@ -31,6 +33,8 @@ class Progress:
             kind, _, nodeid = line.partition(" ")
             if kind == "start":
                 progress.running = nodeid
+            elif kind == "hung":
+                progress.hung.append(nodeid)
             elif kind in OUTCOMES:
                 # A failure in any phase (setup, call, teardown) sticks; a later "passed" does not clear it.
                 if progress.outcomes.get(nodeid) != "failed":
