@@ -9,6 +9,8 @@ VRNIC_LIBVIRT_URI. What moves the vRNIC is the hook and the agents:
   the vRNIC over (hold the peer, drain, copy what the NIC wrote, take-over on b, re-point the peer);
 - b's vrnicd resumes the domain once it serves it.
 
+First a migration cancelled midway (`virsh domjobabort` after b's vrnicd pre-set-up the vRNIC): b's hook at
+stopped calls the hand-over off, the VM runs on a with its vRNIC and the traffic goes on. Then the real one.
 Checked: the domain runs on b and is gone from a; every write the peer saw complete is in b's guest RAM (the
 program's own reading and QMP pmemsave through b's libvirt), the SENDs arrived in order, none lost or duplicated,
 the program never restarted, the vRNIC's host is b, and `rdma res` on a is back to its baseline. Numbers go to
@@ -125,7 +127,7 @@ def hook_ops(host: str) -> list[tuple[str, str]]:
     return [(r["op"], r["outcome"]) for r in map(json.loads, lines) if r["domain"] == DOMAIN]
 
 
-def test_virsh_migrate_moves_a_vm_under_rdma_traffic_to_b_with_its_vrnic(
+def test_virsh_migrate_cancelled_then_done_under_rdma_traffic(
         rig: Rig, hosts: tuple[LibvirtTarget, RemoteLibvirt, bool], tmp_path: Path) -> None:
     local, remote, kvm = hosts
     print(f"\nnested VMs under {'kvm' if kvm else 'tcg'}")
@@ -157,7 +159,35 @@ def test_virsh_migrate_moves_a_vm_under_rdma_traffic_to_b_with_its_vrnic(
         peer = start_stream(control, info, AttachInfo.model_validate(peer_row["attach"]))
         who = control.call("whoami")
         time.sleep(1.0)  # traffic before
-        # the operator's one command
+        # 1. a migration cancelled midway (`virsh domjobabort` once b's vrnicd holds the pre-set-up vRNIC): the VM
+        # runs on a with its vRNIC as before, and b keeps nothing
+        slow = subprocess.Popen(["virsh", "-c", "qemu:///system", "migrate", "--live", "--suspend", "--bandwidth",
+                                 "1", DOMAIN, f"qemu+tcp://{b}/system"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            prepared = eventually(lambda: ("started", "handover_prepared") in hook_ops("b"), timeout=300, every=0.5)
+            assert prepared, (hook_ops("b"), slow.poll())
+            time.sleep(2.0)  # QEMU copying at 1 MiB/s, the dirty logs running
+            abort = local.do_virsh(["domjobabort", DOMAIN])
+            assert abort["rc"] == 0, abort
+            t_abort = time.monotonic()
+            _, cancel_err = slow.communicate(timeout=300)
+        finally:
+            if slow.poll() is None:
+                slow.kill()
+        assert slow.returncode != 0, "the aborted migration succeeded"
+        timings["cancelled"] = cancel_err.strip()[-200:]
+        called_off = eventually(lambda: ("stopped", "handover_called_off") in hook_ops("b"), timeout=120)
+        assert called_off, hook_ops("b")
+        state = eventually(lambda: local.do_virsh(["domstate", DOMAIN])["stdout"].strip() == "running", timeout=60)
+        assert state, local.do_virsh(["domstate", "--reason", DOMAIN])
+        assert DOMAIN not in remote.call("virsh", args=["list", "--name"])["stdout"].split()
+        assert [v["domain"] for v in api.get("/vms").json()["items"]] == [DOMAIN]  # a serves it as before
+        with rig.client("b") as api_b:
+            assert api_b.get("/vms").json()["items"] == []
+        assert api.get(f"/vrnics/{vm_row['id']}").json()["host"] == "a"
+        time.sleep(2.0)  # traffic after the cancel, still on a
+        # 2. the operator's one command
         t_migrate = time.monotonic()
         migrated = subprocess.run(["virsh", "-c", "qemu:///system", "migrate", "--live", "--suspend", "--verbose",
                                    DOMAIN, f"qemu+tcp://{b}/system"], capture_output=True, text=True, timeout=900,
@@ -197,6 +227,7 @@ def test_virsh_migrate_moves_a_vm_under_rdma_traffic_to_b_with_its_vrnic(
         assert pmem["rc"] == 0, pmem
         raw = saved.read_bytes()
         assert [int.from_bytes(raw[8 * s:8 * s + 8], "little") for s in writes] == writes  # and through QMP on b
+        assert any(t_abort < t < t_migrate for t in done["times"]), "no write completed after the cancel"
         after = [t for t in done["times"] if t > t_done]
         assert after, "no write completed after the migration"
         row = api.get(f"/vrnics/{vm_row['id']}").json()
