@@ -286,3 +286,13 @@ def test_a_migration_is_refused_when_the_domain_is_here_or_its_vrnic_is(tmp_path
     outcome, message = run_hook(migrate, here, Path("/ram"), incoming, lambda _: FakeApi())
     assert outcome == "refused" and "this host already" in (message or "")
     assert incoming.get("vm1") is None
+
+
+def test_main_remembers_an_incoming_domain_in_its_state_dir(tmp_path: Path) -> None:
+    source = FakeApi()
+    opts = ["--state-dir", str(tmp_path / "state"), "--memory-backing-dir", "/ram", "--"]
+    assert main([*opts, "vm1", "migrate", "begin", "-"], LIBVIRT_XML, api=_dest_api(), remote=lambda _: source) == 0
+    assert IncomingDomains(tmp_path / "state").get("vm1") == {"source": "a", "source_url": "http://10.77.0.1:8470",
+                                                              "here": "b"}
+    assert main([*opts, "vm1", "started", "begin", "-"], LIBVIRT_XML, api=_dest_api(), remote=lambda _: source) == 0
+    assert source.requests[-1][:2] == ("POST", "/vms/vm1/handover")
