@@ -80,6 +80,9 @@ class DaemonSettings(BaseSettings):
     heartbeat_interval_s: float = Field(2.0, gt=0)
     host_down_after_s: float | None = Field(None, gt=0)  # default: 3 heartbeats
     device_max_vrnics: int | None = Field(None, ge=0, le=1 << 20)
+    # libvirt on this host (e.g. qemu:///system): a domain that arrives paused by `virsh migrate --live --suspend`
+    # runs once its vRNICs are handed over here (None: nobody resumes it; the operator does)
+    libvirt_uri: str | None = None
     log_level: str = "info"
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import struct
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -117,3 +118,55 @@ def test_a_cancelled_move_is_aborted_through_the_api_and_the_vm_stays(cluster: t
     assert api(rig, "POST", "/vms/vm1/handover/switchover").status_code == 409
     scene.write("b", 1)
     assert [c.status for c in scene.p_cq["b"].wait(1)] == [WcStatus.SUCCESS]
+
+
+def _qemu_on_a_ends(scene: Scene) -> None:
+    """libvirt's Confirm ends the source QEMU: its end of the vRNIC channel closes."""
+    assert scene.source.port is not None
+    scene.source.port.close()
+
+
+def test_the_libvirt_flow_the_source_hooks_stopped_hands_the_vrnic_over(cluster: tuple[Cluster, FakeEdge],
+                                                                        scene: Scene) -> None:
+    """`virsh migrate --live --suspend`: the source QEMU ends before the switchover, and the hook's DELETE
+    .../binding at stopped hands the vRNIC over instead of releasing it (vrnic.vm.hook)."""
+    rig, edge = cluster
+    shutil.copyfile(scene.source.ram, scene.dest.ram)
+    assert api(rig, "POST", "/vms/vm1/handover", {"host": "host-b", "binding": scene.target().model_dump()}
+               ).status_code == 200
+    scene.dest.accept()
+    for seq in range(1, 3):
+        scene.write("a", seq)
+    assert [c.status for c in scene.p_cq["a"].wait(2)] == [WcStatus.SUCCESS] * 2
+    before = scene.source_objects()
+    _qemu_on_a_ends(scene)
+    time.sleep(0.5)  # the link saw the channel close
+    assert before <= edge.live  # the session waits for its hand-over
+    stopped = api(rig, "DELETE", "/vms/vm1/binding")
+    assert stopped.status_code == 200 and stopped.json()["unbound"] == [scene.vm_id], stopped.text
+    assert not before & edge.live
+    assert api(rig, "GET", f"/vrnics/{scene.vm_id}").json()["host"] == "host-b"
+    assert api(rig, "GET", "/vms").json()["items"] == []
+    for base in (8192,):
+        assert scene.dest.read_gpa(scene.g_mr.addr + base + 8, 16) == b"".join(struct.pack("<Q", s) for s in (1, 2))
+    resume_on(scene.guest, scene.dest)
+    scene.write("a", 3)
+    assert [c.status for c in scene.p_cq["a"].wait(1)] == [WcStatus.SUCCESS]
+    assert struct.unpack("<Q", scene.g_mr.read(8, 8192 + 24))[0] == 3
+
+
+def test_a_hand_over_called_off_after_the_source_qemu_ended_releases_it(cluster: tuple[Cluster, FakeEdge],
+                                                                        scene: Scene) -> None:
+    rig, edge = cluster
+    shutil.copyfile(scene.source.ram, scene.dest.ram)
+    assert api(rig, "POST", "/vms/vm1/handover", {"host": "host-b", "binding": scene.target().model_dump()}
+               ).status_code == 200
+    scene.dest.accept()
+    before = scene.source_objects()
+    _qemu_on_a_ends(scene)
+    time.sleep(0.5)
+    assert before <= edge.live
+    assert api(rig, "DELETE", "/vms/vm1/handover").json()["aborted"] is True
+    assert not before & edge.live  # nobody runs the VM on a any more: its session's objects went
+    assert api(rig, "GET", f"/vrnics/{scene.vm_id}").json()["host"] == "host-a"
+    assert api(rig, "DELETE", "/vms/vm1/binding").json()["unbound"] == [scene.vm_id]

@@ -5,7 +5,7 @@ Proves: attach and detach round-trip the persistent XML, with clear errors for a
 another tenant's vRNIC, a vRNIC attached elsewhere and a released one; the hook runs for every
 operation and a domain whose vRNIC is unknown does not start, with the reason in `virsh start`'s
 output; a started VM does RDMA with a container guest; after libvirtd restarts (`reconnect`) the VM
-is still served; `virsh destroy` mid-traffic leaves no kernel object; migration is refused.
+is still served; `virsh destroy` mid-traffic leaves no kernel object; a migration to the same host is refused.
 
 Run: vrnic lab run -e PYTHONPATH=$PWD -- pytest -m kernel tests/kernel/test_vm_hook_flow.py
 """
@@ -158,7 +158,7 @@ def test_started_vm_is_served_across_a_libvirtd_restart_and_destroy_leaks_nothin
         control.call("send", data=again.hex())
         peer.cq.wait(1, timeout=30)
         assert peer.mr.read(len(again)) == again
-        # migration is refused by the hook (run as libvirtd would, with the domain's XML)
+        # a migration to the host that serves it is refused by the hook (run as libvirtd would, with its XML)
         migrate = subprocess.run(["/etc/libvirt/hooks/qemu", "run-1", "migrate", "begin", "-"],
                                  input=_persistent_xml("run-1"), capture_output=True, text=True, timeout=60)
         assert migrate.returncode != 0 and "migration" in migrate.stderr, migrate

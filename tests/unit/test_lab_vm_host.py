@@ -21,6 +21,7 @@ from vrnic.lab.vm_host import (
     capabilities_domain_types,
     early_stop,
     libvirtd_argv,
+    libvirtd_conf_settings,
     qemu_conf_settings,
     ram_dir,
     ram_file,
@@ -71,6 +72,19 @@ def test_daemon_argv_write_pid_files_under_the_state_dir() -> None:
     config = VmHostConfig(state_dir=Path("/run/x"))
     assert virtlogd_argv(config) == ["virtlogd", "-d", "--pid-file", "/run/x/virtlogd.pid"]
     assert libvirtd_argv(config) == ["libvirtd", "-d", "--pid-file", "/run/x/libvirtd.pid"]
+
+
+def test_a_migration_endpoint_listens_on_tcp_with_its_own_host_uuid() -> None:
+    plain = VmHostConfig()
+    assert libvirtd_conf_settings(plain).splitlines() == ["# appended by vrnic.lab.vm_host"]
+    assert "migration_host" not in qemu_conf_settings(plain)
+    config = VmHostConfig(state_dir=Path("/run/x"), listen_address="10.77.0.2", host_uuid="6a1c0f3e-0a0a-4a0a-8a0a-b")
+    assert libvirtd_argv(config) == ["libvirtd", "-d", "--listen", "--pid-file", "/run/x/libvirtd.pid"]
+    assert libvirtd_conf_settings(config).splitlines()[1:] == [
+        "listen_tls = 0", "listen_tcp = 1", 'auth_tcp = "none"', 'listen_addr = "10.77.0.2"',
+        'host_uuid = "6a1c0f3e-0a0a-4a0a-8a0a-b"']
+    lines = qemu_conf_settings(config).splitlines()
+    assert 'migration_address = "10.77.0.2"' in lines and 'migration_host = "10.77.0.2"' in lines
 
 
 def test_capabilities_domain_types() -> None:

@@ -16,6 +16,7 @@ from vrnic.errors import InvalidArgument
 from vrnic.vm.domain_xml import DirectKernelBoot, VirtioSerialChannel, VmDomain, VrnicAttachment
 from vrnic.vm.hook import (
     HookOp,
+    IncomingDomains,
     UnknownHookOp,
     binding_for,
     check_xml,
@@ -218,3 +219,80 @@ def test_wrapper_script_and_chaining(tmp_path: Path) -> None:
                             capture_output=True, env={**os.environ, "EARLIER_RC": "3"})
     assert failed.returncode == 3
     assert "ours" not in seen.read_text()
+
+
+class ScriptedApi(FakeApi):
+    """FakeApi with fixed answers to GETs (the hook locating a migrating domain's source)."""
+
+    def __init__(self, answers: dict[str, Any], unbound: list[str] | None = None) -> None:
+        super().__init__()
+        self.answers = answers
+        self.unbound = unbound or []
+
+    def request(self, method: str, path: str, *, json_body: Any = None) -> Any:
+        self.requests.append((method, path, json_body))
+        if method == "GET":
+            return self.answers[path]
+        return {"unbound": self.unbound} if method == "DELETE" else {}
+
+
+def _dest_api(served: list[str] | None = None) -> ScriptedApi:
+    return ScriptedApi({"/vms": {"items": [{"domain": d} for d in served or []]}, "/health": {"host": "b"},
+                        "/vrnics/v-1": {"host": "a"}, "/hosts/a": {"api_url": "http://10.77.0.1:8470"}})
+
+
+def test_a_migration_to_this_host_prepares_the_hand_over_on_the_source(tmp_path: Path) -> None:
+    incoming = IncomingDomains(tmp_path / "state")
+    local, source = _dest_api(), FakeApi()
+    remotes: list[str] = []
+
+    def remote(url: str) -> FakeApi:
+        remotes.append(url)
+        return source
+
+    def run(op: str, api: FakeApi = local) -> tuple[str, str | None]:
+        xml = LIBVIRT_XML.replace("/run/vm1.sock", str(tmp_path / "ch" / "vm1.sock"))
+        return run_hook(parse_hook_call(["vm1", op, "-", "-"], xml), api, Path("/ram"), incoming, remote)
+
+    assert run("migrate") == ("allowed", None)
+    assert incoming.get("vm1") == {"source": "a", "source_url": "http://10.77.0.1:8470", "here": "b"}
+    assert run("prepare") == ("allowed", None)  # no admission here: the vRNIC lives on a until the hand-over
+    assert (tmp_path / "ch").is_dir() and all(m == "GET" for m, _, _ in local.requests)
+    assert run("start") == ("passed", None)
+    assert run("started") == ("handover_prepared", None)
+    method, path, body = source.requests[-1]
+    assert (remotes[-1], method, path, body["host"]) == ("http://10.77.0.1:8470", "POST", "/vms/vm1/handover", "b")
+    assert body["binding"]["ram_path"] == "/ram/libvirt/qemu/3-vm1/pc.ram"
+    # the migration failed: b's QEMU stops without having been served here, a's hand-over is called off
+    assert run("stopped") == ("handover_called_off", None)
+    assert source.requests[-1] == ("DELETE", "/vms/vm1/handover", None) and incoming.get("vm1") is None
+    assert run("release") == ("passed", None)
+    # it arrived (served here), then stops much later: nothing to call off
+    assert run("migrate") == ("allowed", None)
+    served = _dest_api()
+    served.unbound = ["v-1"]
+    calls = len(source.requests)
+    assert run("stopped", served) == ("unbound", None)
+    assert len(source.requests) == calls and incoming.get("vm1") is None
+
+
+def test_a_migration_is_refused_when_the_domain_is_here_or_its_vrnic_is(tmp_path: Path) -> None:
+    incoming = IncomingDomains(tmp_path)
+    migrate = parse_hook_call(["vm1", "migrate", "begin", "-"], LIBVIRT_XML)
+    outcome, message = run_hook(migrate, _dest_api(served=["vm1"]), Path("/ram"), incoming, lambda _: FakeApi())
+    assert outcome == "refused" and "migration of vm1" in (message or "") and "same host" in (message or "")
+    here = _dest_api()
+    here.answers["/vrnics/v-1"] = {"host": "b"}
+    outcome, message = run_hook(migrate, here, Path("/ram"), incoming, lambda _: FakeApi())
+    assert outcome == "refused" and "this host already" in (message or "")
+    assert incoming.get("vm1") is None
+
+
+def test_main_remembers_an_incoming_domain_in_its_state_dir(tmp_path: Path) -> None:
+    source = FakeApi()
+    opts = ["--state-dir", str(tmp_path / "state"), "--memory-backing-dir", "/ram", "--"]
+    assert main([*opts, "vm1", "migrate", "begin", "-"], LIBVIRT_XML, api=_dest_api(), remote=lambda _: source) == 0
+    assert IncomingDomains(tmp_path / "state").get("vm1") == {"source": "a", "source_url": "http://10.77.0.1:8470",
+                                                              "here": "b"}
+    assert main([*opts, "vm1", "started", "begin", "-"], LIBVIRT_XML, api=_dest_api(), remote=lambda _: source) == 0
+    assert source.requests[-1][:2] == ("POST", "/vms/vm1/handover")

@@ -8,6 +8,7 @@ vrnic.backend.remote_handover. Handlers are plain functions: FastAPI runs them o
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response, status
@@ -21,7 +22,9 @@ from vrnic.backend.peer_service import PeerService
 from vrnic.core.handover import QpCarry, pages_from_wire
 from vrnic.core.session_state import SessionSnapshot
 from vrnic.core.specs import VmBinding, VrnicSpec
-from vrnic.errors import InvalidArgument
+from vrnic.errors import InvalidArgument, NotFound, VrnicError
+
+log = logging.getLogger(__name__)
 
 
 async def handover_driver(request: Request) -> VerbsDriver:
@@ -105,9 +108,34 @@ def take_over(domain: str, body: TakeOverBody, driver: Driver) -> dict[str, Any]
 
 
 @router.post("/handover/{domain}/release", status_code=status.HTTP_204_NO_CONTENT)
-def release(domain: str, driver: Driver) -> Response:
+def release(domain: str, driver: Driver, request: Request) -> Response:
     driver.handover_release(domain)
+    uri: str | None = request.app.state.libvirt_uri
+    if uri is not None:
+        resume_arrived(uri, domain)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+def resume_arrived(uri: str, domain: str) -> None:
+    """`virsh migrate --live --suspend` left the domain paused here, the one moment libvirt gives between QEMU's
+    last pass and the guest running (no hook runs there): its vRNICs are served here now, so let it run. A domain
+    that runs already was resumed by libvirt before the hand-over (migrated without --suspend): said in the log.
+    The hand-over is done either way; a failure here leaves the domain paused for the operator."""
+    from vrnic.vm.libvirt_edge import connect
+
+    try:
+        with connect(uri) as conn:
+            resumed = conn.domain(domain).resume_if_paused()
+    except NotFound:
+        return  # not a libvirt domain (QEMU driven by hand, as in the raw-QEMU lab tests)
+    except VrnicError as exc:
+        log.error("VM %s: handed over here, but resuming it in libvirt failed: %s", domain, exc)
+        return
+    if resumed:
+        log.info("VM %s: resumed in libvirt after the hand-over", domain)
+    else:
+        log.warning("VM %s ran before its vRNICs were handed over (virsh migrate without --suspend?): its guest may "
+                    "have seen guest memory that the hand-over rewrote", domain)
 
 
 @router.delete("/handover/{domain}", status_code=status.HTTP_204_NO_CONTENT)

@@ -117,6 +117,7 @@ def create_app(settings: DaemonSettings, backend: BackendService, *, engine: Eng
                   description="Virtual RDMA NICs for VMs and containers: tenants, vRNICs, devices, hosts, events.")
     app.state.control_plane = cp
     app.state.agent_token = agent_token
+    app.state.libvirt_uri = settings.libvirt_uri
     problems.install(app)
     app.include_router(router)
     app.include_router(metrics_router)

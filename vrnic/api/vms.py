@@ -9,6 +9,7 @@ is observed from the backend; the database keeps which domain a vRNIC belongs to
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,8 +36,9 @@ from vrnic.backend.service import BackendService
 from vrnic.core.lifecycle import VrnicState
 from vrnic.core.specs import DataEngine, VmBinding, VrnicMode
 from vrnic.db.tables import Device, Vrnic
-from vrnic.errors import Conflict, InvalidArgument, NotFound, Unavailable
+from vrnic.errors import Conflict, InvalidArgument, NotFound, Unavailable, VrnicError
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class _Leaving:
@@ -113,7 +115,22 @@ class Vms:
         return binding
 
     def unbind(self, principal: Principal, domain: str) -> VmUnbound:
+        """The libvirt hook at stopped/release. A VM that has a hand-over prepared stopped because libvirt's
+        migration completed (`virsh migrate --live --suspend`: its Confirm step ends the source QEMU while the
+        destination waits paused, and no hook runs earlier after QEMU's last pass): hand its vRNICs over now.
+        If the hand-over fails, nothing runs the VM any more here: release everything, as for any stop."""
         principal.require_operator()
+        with self._leaving_lock:
+            leaving = domain in self._leaving
+        if leaving:
+            try:
+                result = self.handover_complete(principal, domain)
+                log.info("VM %s stopped here after its migration: vRNICs handed over (%s)", domain, result)
+                moved = result.get("vrnics")
+                return VmUnbound(domain=domain, unbound=[str(v) for v in moved] if isinstance(moved, list) else [])
+            except VrnicError as exc:
+                log.error("VM %s stopped with a hand-over prepared, which failed: %s; releasing it here", domain, exc)
+                self.handover_abort(principal, domain)
         unbound = self.backend.unbind_vm(domain)
         if unbound:
             with self.tx.write(principal.actor) as uow:

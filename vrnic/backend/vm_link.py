@@ -61,6 +61,10 @@ class VmLink:
         self._lock = threading.Lock()  # session changes: the reader thread vs close() vs a failed engine
         self._send_lock = threading.Lock()
         self._closing = threading.Event()
+        # A VM with a hand-over prepared: when libvirt's migration ends the source QEMU, the session (its rings in
+        # the RAM vrnicd still maps, its kernel objects) must outlive the channel until the switchover moves it.
+        self.keep_session_at_eof = False
+        self.qemu_gone = False
         self._thread = threading.Thread(target=self._serve, name=f"vrnic-vm-{domain}", daemon=True)
 
     def start(self) -> None:
@@ -86,9 +90,11 @@ class VmLink:
                 try:
                     data = self.sock.recv(RECV_BYTES)
                 except OSError:
+                    self.qemu_gone = True
                     return
                 if not data:  # QEMU went away (the VM stopped or was destroyed)
                     log.info("VM %s: channel of vRNIC %s closed by QEMU", self.domain, self.vrnic_id)
+                    self.qemu_gone = True
                     return
                 try:
                     messages = self._decoder.feed(data)
@@ -100,7 +106,11 @@ class VmLink:
                 for message in messages:
                     self._handle(message)
         finally:
-            self._end_session()
+            if self.keep_session_at_eof and self.qemu_gone and not self._closing.is_set():
+                log.info("VM %s: QEMU is gone; vRNIC %s's session waits for its hand-over", self.domain,
+                         self.vrnic_id)
+            else:
+                self._end_session()
 
     def _handle(self, message: dict[str, Any]) -> None:
         request_id = message.get("id", 0) if isinstance(message.get("id"), int) else 0

@@ -105,6 +105,14 @@ def stream_into_vm(vrnicd: Binder, domain: str, vm: QemuVm, vm_info: AttachInfo,
         control.close()
         raise RuntimeError(f"{exc}; console:\n{vm.console()}\nqemu:\n{vm.log_tail()}") from exc
     ready_s = time.monotonic() - t0
+    peer = start_stream(control, info, peer_info, send_every)
+    return Streaming(vm, control, info, peer, ready_s)
+
+
+def start_stream(control: ControlPort, info: dict[str, Any], peer_info: AttachInfo,
+                 send_every: int = 4) -> PeerProcess:
+    """The VM's program is ready (info: its ready line): connect it to a peer process and start the VM's receive
+    stream and the peer's writes. On an error the peer and the control port are closed."""
     qpns = [info["qpn"], *info.get("extra_qpns", [])]
     peer = PeerProcess(peer_info, qps=len(qpns))
     try:
@@ -120,7 +128,7 @@ def stream_into_vm(vrnicd: Binder, domain: str, vm: QemuVm, vm_info: AttachInfo,
         peer.close()
         control.close()
         raise
-    return Streaming(vm, control, info, peer, ready_s)
+    return peer
 
 
 def identity(whoami: dict[str, Any]) -> tuple[Any, ...]:

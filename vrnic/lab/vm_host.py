@@ -71,6 +71,12 @@ class VmHostConfig:
     hooks: Mapping[str, str] = field(default_factory=dict)  # hook name ('qemu') -> script text
     require_kvm: bool = True
     start_timeout: float = 60.0
+    # A migration endpoint (`virsh migrate ... qemu+tcp://ADDR/system`): libvirtd listens on TCP without auth
+    # (lab only), QEMU's incoming migrations listen on migration_address, and libvirt tells the source to reach
+    # them at ADDR. host_uuid: the two lab guests boot alike, and libvirt refuses a migration between hosts
+    # of one UUID ("Attempt to migrate guest to the same host").
+    listen_address: str | None = None
+    host_uuid: str | None = None
 
 
 # --- pure ---------------------------------------------------------------------------------------
@@ -86,8 +92,21 @@ def qemu_conf_settings(config: VmHostConfig) -> str:
         'stdio_handler = "file"',  # QEMU logs go to files, not through virtlogd
         "cgroup_controllers = [ ]",  # no systemd/machined to place cgroups
         f"memory_backing_dir = {json.dumps(str(config.memory_backing_dir))}",
+        *([f"migration_address = {json.dumps(config.listen_address)}",
+           f"migration_host = {json.dumps(config.listen_address)}"] if config.listen_address else []),
         "",
     ])
+
+
+def libvirtd_conf_settings(config: VmHostConfig) -> str:
+    """Lines appended to libvirtd.conf: TCP without auth for a migration endpoint (lab only), the host UUID."""
+    lines = ["# appended by vrnic.lab.vm_host"]
+    if config.listen_address:
+        lines += ["listen_tls = 0", "listen_tcp = 1", 'auth_tcp = "none"',
+                  f"listen_addr = {json.dumps(config.listen_address)}"]
+    if config.host_uuid:
+        lines.append(f"host_uuid = {json.dumps(config.host_uuid)}")
+    return "\n".join([*lines, ""])
 
 
 def ram_dir(config: VmHostConfig) -> Path:
@@ -105,7 +124,8 @@ def virtlogd_argv(config: VmHostConfig) -> list[str]:
 
 
 def libvirtd_argv(config: VmHostConfig) -> list[str]:
-    return ["libvirtd", "-d", "--pid-file", str(config.state_dir / "libvirtd.pid")]
+    listen = ["--listen"] if config.listen_address else []
+    return ["libvirtd", "-d", *listen, "--pid-file", str(config.state_dir / "libvirtd.pid")]
 
 
 def capabilities_domain_types(capabilities_xml: str) -> frozenset[str]:
@@ -359,6 +379,8 @@ class VmHost:
         shutil.copytree(ETC_LIBVIRT, etc, symlinks=True)
         with (etc / "qemu.conf").open("a") as conf:
             conf.write("\n" + qemu_conf_settings(c))
+        with (etc / "libvirtd.conf").open("a") as conf:
+            conf.write("\n" + libvirtd_conf_settings(c))
         hooks = etc / "hooks"
         hooks.mkdir(exist_ok=True)
         for name, text in c.hooks.items():

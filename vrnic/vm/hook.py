@@ -12,12 +12,17 @@ namespace. It asks vrnicd through the REST API (operator token), quickly:
   domain or to none);
 - started, reconnect: vrnicd binds the VM (maps its RAM, connects its channels), all or nothing;
 - stopped, release: vrnicd unbinds it (every kernel object released); never refuses;
-- migrate: refused for a domain with vRNICs. The hand-over must run at QEMU's switchover, before the
-  destination's vCPUs run, and libvirt has no hook there (at the destination `started` runs at Prepare,
-  before the RAM arrives); a libvirt flow needs `virsh migrate --live --suspend` plus an orchestrator that
-  resumes the destination, which is not built. What is: the operator's REST calls next to QEMU's own
-  migration, POST /vms/{domain}/migration within a host (vrnic.backend.vm_migration) and
-  POST /vms/{domain}/handover to another host (vrnic.backend.vm_handover).
+- migrate (on the destination, before its QEMU starts): a live migration from the host the vRNICs live on.
+  The hook finds that host through the API, remembers the incoming domain in its state dir, and lets the
+  destination's prepare (the XML checked, no admission: the vRNICs still live on the source) and started
+  (POST /vms/{domain}/handover on the source's API with this host's binding: the source's vrnicd starts its
+  dirty logs and this host's vrnicd pre-sets-up the vRNICs) through. A domain served on this host is refused.
+- the switchover: libvirt has no hook between QEMU's last pass and the destination's vCPUs running, so the
+  operator runs `virsh migrate --live --suspend`: the destination stays paused, the source's QEMU ends (its
+  libvirt Confirm step), its hook's stopped call makes the source's vrnicd hand the vRNICs over (instead of
+  releasing them), and the destination's vrnicd resumes the domain once it serves them (VRNIC_LIBVIRT_URI).
+- stopped/release of an incoming domain that never got its vRNICs (the migration failed): the source's
+  hand-over is called off, the source serves on.
 
 Pure: `parse_hook_call(args, xml) -> HookEvent`, `check_xml`, `binding_for`, `hook_wrapper_script`.
 Edge: `run_hook` (the REST calls) and `main()`.
@@ -31,7 +36,7 @@ import shlex
 import sys
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -173,10 +178,87 @@ class HookApi(Protocol):
     def request(self, method: str, path: str, *, json_body: Any = None) -> Any: ...
 
 
-def run_hook(event: HookEvent, api: HookApi, memory_backing_dir: Path) -> tuple[str, str | None]:
+RemoteApi = Callable[[str], HookApi]  # another host's API, by its URL (the source's, for a migration)
+DEFAULT_STATE_DIR = Path("/run/vrnic/hook")
+HANDOVER_TIMEOUT_S = 120.0  # a stopped call may wait for the hand-over of a migrated VM (a loaded lab: seconds)
+
+
+class IncomingDomains:
+    """Domains migrating to this host, from the hook's migrate call to their stop: the source's host and API."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+
+    def _path(self, domain: str) -> Path:
+        return self.state_dir / f"incoming-{domain}.json"
+
+    def remember(self, domain: str, source: dict[str, str]) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._path(domain).write_text(json.dumps(source))
+
+    def get(self, domain: str) -> dict[str, str] | None:
+        try:
+            found: dict[str, str] = json.loads(self._path(domain).read_text())
+        except (OSError, ValueError):
+            return None
+        return found
+
+    def forget(self, domain: str) -> None:
+        self._path(domain).unlink(missing_ok=True)
+
+
+def _locate_source(event: HookEvent, api: HookApi) -> dict[str, str]:
+    """Where the migrating domain's vRNICs live (their host, its API URL) and this host's name."""
+    domain = quote(event.domain, safe="")
+    served = api.request("GET", "/vms") or {}
+    if any(b.get("domain") == event.domain for b in served.get("items", [])):
+        raise InvalidArgument(f"{event.domain} is served on this host: a migration to the same host is refused")
+    here = str((api.request("GET", "/health") or {}).get("host"))
+    hosts = {str(api.request("GET", f"/vrnics/{quote(v.vrnic_id, safe='')}")["host"]) for v in event.vrnics}
+    if len(hosts) != 1:
+        raise InvalidArgument(f"the vRNICs of {domain} live on several hosts ({', '.join(sorted(hosts))})")
+    source = hosts.pop()
+    if source == here:
+        raise InvalidArgument(f"the vRNICs of {event.domain} live on this host already")
+    host = api.request("GET", f"/hosts/{quote(source, safe='')}")
+    if not host.get("api_url"):
+        raise InvalidArgument(f"host {source}, where the vRNICs of {event.domain} live, has no agent URL")
+    return {"source": source, "source_url": str(host["api_url"]), "here": here}
+
+
+def _incoming_hook(event: HookEvent, api: HookApi, memory_backing_dir: Path, incoming: IncomingDomains,
+                   remote: RemoteApi) -> tuple[str, str | None]:
+    """migrate, and prepare/start/started of a domain that migrates here (see the module's docstring)."""
+    domain = quote(event.domain, safe="")
+    if event.op is HookOp.MIGRATE:
+        problem = check_xml(event)
+        if problem:
+            return "refused", problem
+        incoming.remember(event.domain, _locate_source(event, api))
+        return "allowed", None
+    source = incoming.get(event.domain)
+    assert source is not None
+    if event.op is HookOp.PREPARE:
+        problem = check_xml(event)
+        if problem:
+            return "refused", problem
+        for _, socket_path in event.channels:
+            Path(socket_path).parent.mkdir(parents=True, exist_ok=True)
+        return "allowed", None
+    if event.op is HookOp.STARTED:
+        binding = binding_for(event, memory_backing_dir)
+        remote(source["source_url"]).request("POST", f"/vms/{domain}/handover", json_body={
+            "host": source["here"], "binding": binding.model_dump(mode="json")})
+        return "handover_prepared", None
+    return "passed", None
+
+
+def run_hook(event: HookEvent, api: HookApi, memory_backing_dir: Path, incoming: IncomingDomains | None = None,
+             remote: RemoteApi | None = None) -> tuple[str, str | None]:
     """Do the vRNIC's part of one hook call: (outcome, the refusal to print, if any).
 
-    outcome: passed (nothing to do), allowed, refused, bound, unbound, error (logged, not refused).
+    outcome: passed (nothing to do), allowed, refused, bound, unbound, handover_prepared, handover_called_off,
+    error (logged, not refused). incoming and remote: for migrations to this host (None: migrations refused).
     """
     from vrnic.cli.client import ApiError  # httpx only: the hook never imports libvirt
 
@@ -186,15 +268,30 @@ def run_hook(event: HookEvent, api: HookApi, memory_backing_dir: Path) -> tuple[
             result = api.request("DELETE", f"/vms/{domain}/binding")
         except (ApiError, httpx.HTTPError) as exc:
             return "error", f"vrnic: could not unbind {event.domain}: {exc}"
-        return ("unbound" if result and result.get("unbound") else "passed"), None
+        unbound = bool(result and result.get("unbound"))
+        source = incoming.get(event.domain) if incoming is not None else None
+        if incoming is not None and source is not None and remote is not None:
+            incoming.forget(event.domain)
+            if not unbound:  # it stops here without ever having been served here: the migration failed
+                try:
+                    remote(source["source_url"]).request("DELETE", f"/vms/{domain}/handover")
+                except (ApiError, httpx.HTTPError) as exc:
+                    return "error", f"vrnic: could not call off {event.domain}'s hand-over on {source['source']}: {exc}"
+                return "handover_called_off", None
+        return ("unbound" if unbound else "passed"), None
     if not event.vrnics:
         return "passed", None
-    if event.op is HookOp.MIGRATE:
-        return "refused", (f"vrnic: libvirt migration of a VM with a vRNIC is not supported yet: libvirt gives "
-                           f"no hook at the switchover, where vrnicd must hand the vRNIC over (drive QEMU's "
-                           f"migration next to POST /api/v1/vms/{{domain}}/handover instead); {event.domain} "
-                           f"has {', '.join(v.vrnic_id for v in event.vrnics)}")
+    migrating_here = incoming is not None and remote is not None and (
+        event.op is HookOp.MIGRATE or (event.op in (HookOp.PREPARE, HookOp.START, HookOp.STARTED)
+                                       and incoming.get(event.domain) is not None))
+    if event.op is HookOp.MIGRATE and not migrating_here:
+        return "refused", (f"vrnic: libvirt migration of a VM with a vRNIC needs the hook's state dir and the other "
+                           f"hosts' API (vrnic.vm.hook.main); {event.domain} has "
+                           f"{', '.join(v.vrnic_id for v in event.vrnics)}")
     try:
+        if migrating_here:
+            assert incoming is not None and remote is not None
+            return _incoming_hook(event, api, memory_backing_dir, incoming, remote)
         if event.op is HookOp.PREPARE:
             problem = check_xml(event)
             if problem:
@@ -214,7 +311,8 @@ def run_hook(event: HookEvent, api: HookApi, memory_backing_dir: Path) -> tuple[
     except httpx.HTTPError as exc:
         return "refused", f"vrnic: vrnicd is not reachable ({exc}); refusing {event.op} of {event.domain}"
     except (InvalidArgument, OSError) as exc:
-        return "refused", f"vrnic: {event.domain}: {exc}"
+        what = "migration of " if event.op is HookOp.MIGRATE else ""
+        return "refused", f"vrnic: {what}{event.domain}: {exc}"
     return "passed", None
 
 
@@ -250,12 +348,13 @@ def hook_wrapper_script(python: Path, pythonpath: Path | None, api_url: str, tok
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None, stdin: str | None = None, api: HookApi | None = None) -> int:
+def main(argv: Sequence[str] | None = None, stdin: str | None = None, api: HookApi | None = None,
+         remote: RemoteApi | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     options: dict[str, str] = {}
     while args and args[0] != "--":
         flag = args.pop(0)
-        if flag in ("--log", "--memory-backing-dir") and args:
+        if flag in ("--log", "--memory-backing-dir", "--state-dir") and args:
             options[flag] = args.pop(0)
         else:
             print(f"vrnic hook: bad option {flag!r}", file=sys.stderr)
@@ -272,10 +371,16 @@ def main(argv: Sequence[str] | None = None, stdin: str | None = None, api: HookA
         return REFUSE_EXIT
     ram_dir = Path(options.get("--memory-backing-dir", str(DEFAULT_MEMORY_BACKING_DIR)))
     if api is None:
-        from vrnic.cli.client import ApiClient
+        from vrnic.cli.client import ApiClient, ClientSettings
 
-        api = ApiClient()
-    outcome, message = run_hook(event, api, ram_dir)
+        settings = ClientSettings()
+        settings = settings.model_copy(update={"timeout": max(settings.timeout, HANDOVER_TIMEOUT_S)})
+        api = ApiClient(settings)
+
+        def remote(url: str) -> HookApi:
+            return ApiClient(settings.model_copy(update={"url": url}))  # the same operator token
+    incoming = IncomingDomains(Path(options.get("--state-dir", str(DEFAULT_STATE_DIR))))
+    outcome, message = run_hook(event, api, ram_dir, incoming, remote)
     record = {"domain": event.domain, "op": str(event.op), "sub_op": event.sub_op, "domain_id": event.domain_id,
               "vrnics": [v.vrnic_id for v in event.vrnics], "outcome": outcome,
               "duration_ms": (time.monotonic() - started) * 1000, "error": message}

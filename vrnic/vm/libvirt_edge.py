@@ -56,6 +56,19 @@ class Domain:
         except libvirt.libvirtError as exc:
             raise _translate(exc, self.name) from None
 
+    def resume_if_paused(self) -> bool:
+        """Let a paused domain run (True); False if it runs already."""
+        import libvirt
+
+        try:
+            state, _ = self._handle.state()
+            if state != libvirt.VIR_DOMAIN_PAUSED:
+                return False
+            self._handle.resume()
+            return True
+        except libvirt.libvirtError as exc:
+            raise _translate(exc, self.name) from None
+
     def detach_device_live(self, device_xml: str) -> None:
         import libvirt
 

@@ -463,6 +463,8 @@ class VerbsDriver(RnicDriver):
             handover = vm_handover.prepare(domain, target, bound.vrnics, self.registry, destination, self.peers,
                                            peer_host_of)
             bound.handover = handover
+            for link in bound.links:
+                link.keep_session_at_eof = True  # libvirt's migration may end this QEMU before the switchover
         log.info("VM %s: hand-over to another host prepared in %.0f ms (%d peer host(s))", domain,
                  handover.prepare_ms, len(handover.peer_hosts))
         return {"domain": domain, "phase": str(handover.phase), "moving": [m.vrnic.spec.id for m in handover.leaving],
@@ -491,7 +493,7 @@ class VerbsDriver(RnicDriver):
                 report = vm_handover.switchover(handover, bound.memory, self.registry, record_move, leave)
             finally:
                 if handover.phase is HandoverPhase.ABORTED:
-                    bound.handover = None
+                    _handover_off(bound)
         result = vm_handover.report_dict(report)
         log.info("VM %s: handed over to another host in %.1f ms (%s)", domain, report.total_ms, result)
         return result
@@ -502,7 +504,7 @@ class VerbsDriver(RnicDriver):
             if bound is None or bound.handover is None:
                 return False
             vm_handover.abort(bound.handover, self.registry)
-            bound.handover = None
+            _handover_off(bound)
         log.info("VM %s: hand-over aborted; this host keeps serving it", domain)
         return True
 
@@ -833,6 +835,15 @@ class _BoundVm:
     migration: vm_migration.Migration | None = None
     target: VmBinding | None = None  # where the migration goes
     handover: vm_handover.Handover | None = None  # to another host
+
+
+def _handover_off(bound: _BoundVm) -> None:
+    """The hand-over was called off: this host serves the VM on, unless its QEMU ended meanwhile."""
+    bound.handover = None
+    for link in bound.links:
+        link.keep_session_at_eof = False
+        if link.qemu_gone:
+            link.close()  # nobody runs the VM here any more: its session's kernel objects go
 
 
 @dataclass
