@@ -41,7 +41,7 @@ test-qos-two-hosts:
 # 11 across hosts). Not in `make test`: 10-15 min on a loaded machine (nested VM boot, 256 MiB over the slow link).
 test-migrate-two-hosts:
 	$(BIN)/vrnic lab run --topology two-hosts --timeout 1900 -- \
-		python -m vrnic.lab.two_hosts -- env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest -m two_hosts -p no:cacheprovider -p pytest_timeout -s \
+		python -m vrnic.lab.two_hosts -- env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest -m two_hosts -p no:cacheprovider -p pytest_timeout -o timeout=1800 -s \
 		tests/two_hosts/test_vm_handover_rxe.py
 
 # The same move the way operators drive it: libvirtd on both hosts with vrnic's hook, and `virsh migrate --live
@@ -49,7 +49,7 @@ test-migrate-two-hosts:
 # nested VM boot plus the migration over the slow link, like the target above.
 test-virsh-migrate-two-hosts:
 	$(BIN)/vrnic lab run --topology two-hosts --timeout 1900 -- \
-		python -m vrnic.lab.two_hosts -- env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest -m two_hosts -p no:cacheprovider -p pytest_timeout -s \
+		python -m vrnic.lab.two_hosts -- env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest -m two_hosts -p no:cacheprovider -p pytest_timeout -o timeout=1800 -s \
 		tests/two_hosts/test_virsh_migrate.py
 
 # Real SR-IOV VFs (PCI functions with netdevs) on an emulated igb NIC; runs QEMU 10 (see make setup).
