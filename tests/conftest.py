@@ -8,12 +8,15 @@ two-hosts topology (tests/two_hosts/conftest.py).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Generator
 from pathlib import Path
 
 import pytest
 
 from vrnic.lab import progress
+from vrnic.lab.guest import EXIT_GUEST_LOST
+from vrnic.lab.guest_faults import LogMark
 from vrnic.lab.hang_watch import HangWatch
 
 TIERS = ("unit", "api", "kernel", "libvirt", "two_hosts")
@@ -62,6 +65,7 @@ def _resume(config: pytest.Config, items: list[pytest.Item]) -> None:
 
 
 _WATCH: HangWatch | None = None  # inside the lab, with a progress file: a test phase that hangs ends the command
+_MARK: LogMark | None = None  # where the lab's kernel and QEMU logs ended when the running test's call began
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -98,7 +102,34 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, object, object]:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
+    global _MARK
+    _MARK = LogMark.now() if _WATCH is not None else None
     return (yield from _watched(item, "call"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, object, object]:
+    """Inside the lab: a test that failed while the emulator under it faulted ends the command as a lost guest,
+    so that `--rerun-on-guest-loss` runs it once more in a new guest (vrnic/lab/guest_faults.py)."""
+    report = yield
+    path = _progress_file()
+    if (_MARK is None or path is None or call.when != "call" or not isinstance(report, pytest.TestReport)
+            or not report.failed):
+        return report
+    found = _MARK.faults()
+    if not found:
+        return report
+    printed = (_WATCH.uncapture() if _WATCH is not None else "") + report.capstdout + report.capstderr
+    err = sys.stderr
+    err.write(f"\n[guest-faults] {item.nodeid} failed:\n{report.longreprtext}\n")
+    if printed:
+        err.write(f"[guest-faults] what it printed:\n{printed}\n")
+    err.write("[guest-faults] while it ran, the emulator under it faulted:\n"
+              + "".join(f"  {line}\n" for line in found))
+    err.write(f"[guest-faults] ending the command as a lost guest (exit {EXIT_GUEST_LOST})\n")
+    err.flush()
+    progress.record(path, "faulted", item.nodeid)
+    os._exit(EXIT_GUEST_LOST)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -27,7 +27,7 @@ import pytest
 from vrnic.backend.rdma_tool import resource_counts
 from vrnic.core.specs import AttachInfo, VmBinding, VmVrnic
 from vrnic.lab.vm_guest import ControlPort, HostPeer, peer_domain
-from vrnic.lab.vm_host import URI, VmHost, VmHostConfig, leftover_processes, ram_file
+from vrnic.lab.vm_host import URI, VmHost, VmHostConfig, domain_report, leftover_processes, ram_file
 from vrnic.vm.domain_xml import DomainType
 
 from .conftest import wait_for_baseline
@@ -86,7 +86,8 @@ def test_vm_rdma_both_ways_refusals_and_destroy_mid_traffic(host: VmHost, driver
         driver.bind_vm(VmBinding(domain=name, ram_path=str(ram_path), machine="q35", vrnics=[
             VmVrnic(vrnic_id=vm_info.vrnic_id, channel_socket=str(tmp_path / "org.vrnic.0.sock"))]))
         TIMINGS["bind_ms"] = (time.monotonic() - t0) * 1000
-        control = ControlPort(tmp_path / "ctl.sock")
+        control = ControlPort(tmp_path / "ctl.sock",
+                              gone_report=lambda: domain_report(name, tmp_path / "console.log"))
         try:
             vm = control.ready()
         except Exception as exc:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vrnic.lab import hang_watch, progress
+from vrnic.lab import guest_faults, hang_watch, progress
 from vrnic.lab.guest import EXIT_GUEST_LOST
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,3 +125,73 @@ def test_blocked_tasks_show_the_kernel_stacks_of_tasks_in_d_state(tmp_path: Path
     shown = hang_watch.blocked_tasks(tmp_path)
     assert shown == "[hang-watch] task 11 (qemu (vcpu) x) in D state:\n[<0>] stack_of_11+0x1/0x2\n"
     assert hang_watch.blocked_tasks(tmp_path / "none") == "[hang-watch] no task in D state\n"
+
+
+def test_emulator_faults_are_the_kernel_oops_and_qemu_crash_lines_only() -> None:
+    kernel = ["[ 12.0] rxe0: added veth0",
+              "[ 99.1] BUG: TASK stack guard page was hit at 00000000a1 (stack is 00000000b2..00000000c3)",
+              "[ 99.2] qemu-system-x86[812]: segfault at 8 ip 000055d5 sp 00007ffd error 4 in qemu-system-x86_64"]
+    qemu = {"vm-a.log": "2026-11-24 char device redirected\n2026-11-24 shutting down, reason=destroyed\n",
+            "vm-b.log": "KVM internal error. Suberror: 1\n2026-11-24 shutting down, reason=crashed\n"}
+    assert guest_faults.faults(kernel, qemu) == [
+        "lab kernel: " + kernel[1], "lab kernel: " + kernel[2],
+        "vm-b.log: KVM internal error. Suberror: 1", "vm-b.log: 2026-11-24 shutting down, reason=crashed"]
+    assert guest_faults.faults(kernel[:1], {"vm-a.log": qemu["vm-a.log"]}) == []  # a destroy is no fault
+
+
+def test_log_mark_sees_only_what_came_after_it(tmp_path: Path) -> None:
+    kernel = ["[1] BUG: soft lockup - CPU#0 stuck for 22s!", "[2] ok"]
+    (tmp_path / "old.log").write_text("shutting down, reason=crashed\n")  # a crash before the test: not its
+    mark = guest_faults.LogMark.now(lambda: kernel, tmp_path)
+    assert mark.faults(lambda: kernel, tmp_path) == []
+    with (tmp_path / "old.log").open("a") as log:
+        log.write("starting up\n")
+    (tmp_path / "new.log").write_text("shutting down, reason=crashed\n")
+    assert mark.faults(lambda: [*kernel, "[3] general protection fault, probably for non-canonical address"],
+                       tmp_path) == ["lab kernel: [3] general protection fault, probably for non-canonical address",
+                                     "new.log: shutting down, reason=crashed"]
+    # a kernel ring buffer that wrapped (shorter than the mark): all of it is new
+    assert mark.faults(lambda: ["[9] Oops: 0000 [#1] SMP"], tmp_path)[0] == "lab kernel: [9] Oops: 0000 [#1] SMP"
+
+
+def test_a_test_failing_on_an_emulator_fault_ends_the_command_as_a_lost_guest(tmp_path: Path) -> None:
+    """Two real pytest runs: a test fails while a nested QEMU's log says it crashed, so its failure is printed,
+    `faulted` recorded and the command ended with the lost-guest status; the next run runs it again (it
+    passes) and what came after it. A plain failure, with no fault logged, stays a failure."""
+    tests = ROOT / "tests" / "unit" / f"_fault_probe_{os.getpid()}_test.py"
+    marker = tmp_path / "crashed-once"
+    logs = tmp_path / "qemu-logs"
+    logs.mkdir()
+    tests.write_text(
+        "from pathlib import Path\n"
+        "def test_a(): pass\n"
+        f"def test_nested_vm():\n    m = Path({str(marker)!r})\n"
+        "    if not m.exists():\n        m.write_text('x'); print('the VM went away')\n"
+        f"        Path({str(logs / 'vm.log')!r}).write_text('shutting down, reason=crashed\\n')\n"
+        "        raise ConnectionError('control port closed')\n"
+        "def test_plain_failure(): assert 1 == 2\n"
+    )
+    progress_file = tmp_path / "progress.txt"
+    env = os.environ | {progress.ENV: str(progress_file), "PYTHONPATH": str(ROOT), "VRNIC_LAB": "1",
+                        guest_faults.LOG_DIR_ENV: str(logs)}
+    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", str(tests)]
+    try:
+        first = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert first.returncode == EXIT_GUEST_LOST, first.stdout + first.stderr
+        assert "ConnectionError: control port closed" in first.stderr
+        assert "what it printed:\nthe VM went away" in first.stderr
+        assert "vm.log: shutting down, reason=crashed" in first.stderr
+        after_first = progress.Progress.read(progress_file)
+        assert after_first.running is not None and after_first.running.endswith("::test_nested_vm")
+        assert after_first.faulted == [after_first.running]
+        assert list(after_first.outcomes.values()) == ["passed"]  # test_a
+
+        second = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 1, second.stdout + second.stderr
+        assert "1 failed, 1 passed, 1 deselected" in second.stdout
+        assert "[guest-faults]" not in second.stderr
+        final = progress.Progress.read(progress_file)
+        assert final.outcomes[after_first.running] == "passed"
+        assert [n.rsplit("::", 1)[1] for n in final.failed] == ["test_plain_failure"]
+    finally:
+        tests.unlink(missing_ok=True)

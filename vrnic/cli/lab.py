@@ -73,15 +73,21 @@ def _rerun(runner: LabRunner, request: LabRequest, progress_file: Path) -> int:
     # guard page was hit" in the KVM run loop, to lock up with the nested QEMU stuck on one CPU, and to vanish
     # without a console line: the emulator's failure, not the command's.
     hung = bool(before.hung) and before.hung[-1] == before.running
-    what = ("a test hung (vrnic/lab/hang_watch.py printed where) and the command was ended" if hung
-            else f"the lab guest died ({runner.panicked or 'no panic on its console'})")
+    faulted = bool(before.faulted) and before.faulted[-1] == before.running
+    if hung:
+        what = "a test hung (vrnic/lab/hang_watch.py printed where) and the command was ended"
+    elif faulted:
+        what = ("a test failed while the emulator under it faulted (vrnic/lab/guest_faults.py printed the "
+                "lines) and the command was ended")
+    else:
+        what = f"the lab guest died ({runner.panicked or 'no panic on its console'})"
     typer.secho(f"vrnic lab: {what} while {before.running or 'the command'} ran; running "
                 f"the command once more in a new guest ({len(before.outcomes)} test(s) already have an "
                 "outcome and are not run again)", err=True, fg="yellow")
     rc = runner.run(request)
-    if rc == 0 and hung:
-        typer.secho(f"vrnic lab: {before.running} hung in the first guest and passed in a new one (the hang "
-                    "watch's report is above)", err=True, fg="yellow")
+    if rc == 0 and (hung or faulted):
+        typer.secho(f"vrnic lab: {before.running} {'hung' if hung else 'failed on an emulator fault'} in the "
+                    "first guest and passed in a new one (the report is above)", err=True, fg="yellow")
     if rc == 0 and before.failed:
         typer.secho(f"vrnic lab: {len(before.failed)} test(s) failed before the guest died: "
                     + ", ".join(before.failed), err=True, fg="red")

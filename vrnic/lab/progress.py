@@ -6,8 +6,9 @@ command again; with `VRNIC_TEST_PROGRESS` pointing at this file, that second run
 has an outcome. Only the test that was running when the guest died runs twice; a test that failed is never
 run again, and its failure still fails the whole run.
 
-One line per event: `start <nodeid>`, `<outcome> <nodeid>` (passed, failed, skipped), or `hung <nodeid>` when the
-lab's hang watch ended the command under it (vrnic/lab/hang_watch.py); a test that hung has no outcome.
+One line per event: `start <nodeid>`, `<outcome> <nodeid>` (passed, failed, skipped), `hung <nodeid>` when the
+lab's hang watch ended the command under it (vrnic/lab/hang_watch.py), or `faulted <nodeid>` when the test failed
+while the emulator under it faulted (vrnic/lab/guest_faults.py); a test that hung or faulted has no outcome.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class Progress:
     outcomes: dict[str, str] = field(default_factory=dict)  # nodeid -> its last outcome
     running: str | None = None  # the test started last and not finished: the one the guest died under
     hung: list[str] = field(default_factory=list)  # tests the hang watch ended the command under
+    faulted: list[str] = field(default_factory=list)  # tests that failed while the emulator under them faulted
 
     @classmethod
     def parse(cls, text: str) -> Progress:
@@ -35,6 +37,8 @@ class Progress:
                 progress.running = nodeid
             elif kind == "hung":
                 progress.hung.append(nodeid)
+            elif kind == "faulted":
+                progress.faulted.append(nodeid)
             elif kind in OUTCOMES:
                 # A failure in any phase (setup, call, teardown) sticks; a later "passed" does not clear it.
                 if progress.outcomes.get(nodeid) != "failed":

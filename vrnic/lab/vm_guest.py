@@ -298,8 +298,12 @@ class ControlPort:
     Commands carry a sequence number that the reply echoes; replies to other numbers are skipped: after a
     migration (a new host end), a reply the program wrote while nobody was connected may arrive first."""
 
-    def __init__(self, path: Path, timeout: float = 120.0, connect_timeout: float = 30.0) -> None:
+    def __init__(self, path: Path, timeout: float = 120.0, connect_timeout: float = 30.0,
+                 gone_report: Callable[[], str] | None = None) -> None:
+        """gone_report: what to add to the error when the port closes under a call (its QEMU died): the
+        domain's QEMU log and the lab kernel's log say why."""
         self.path = path
+        self.gone_report = gone_report
         deadline = time.monotonic() + connect_timeout
         while True:
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -327,7 +331,8 @@ class ControlPort:
             except TimeoutError:
                 raise TimeoutError(f"no reply from the VM program on {self.path} within {seconds:.0f} s") from None
             if not chunk:
-                raise ConnectionError(f"the VM's control port {self.path} closed (its QEMU is gone?)")
+                why = f"\n{self.gone_report()}" if self.gone_report is not None else ""
+                raise ConnectionError(f"the VM's control port {self.path} closed (its QEMU is gone?){why}")
             self._buf += chunk
         line, _, rest = bytes(self._buf).partition(b"\n")
         self._buf[:] = rest
