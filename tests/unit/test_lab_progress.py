@@ -128,13 +128,13 @@ def test_blocked_tasks_show_the_kernel_stacks_of_tasks_in_d_state(tmp_path: Path
 
 
 def test_emulator_faults_are_the_kernel_oops_and_qemu_crash_lines_only() -> None:
-    kernel = ["[ 12.0] rxe0: added veth0",
+    kernel = ["[ 12.0] rxe0: added veth0", "[ 50.0] Out of memory: Killed process 900 (qemu-system-x86)",
               "[ 99.1] BUG: TASK stack guard page was hit at 00000000a1 (stack is 00000000b2..00000000c3)",
               "[ 99.2] qemu-system-x86[812]: segfault at 8 ip 000055d5 sp 00007ffd error 4 in qemu-system-x86_64"]
     qemu = {"vm-a.log": "2026-11-24 char device redirected\n2026-11-24 shutting down, reason=destroyed\n",
             "vm-b.log": "KVM internal error. Suberror: 1\n2026-11-24 shutting down, reason=crashed\n"}
     assert guest_faults.faults(kernel, qemu) == [
-        "lab kernel: " + kernel[1], "lab kernel: " + kernel[2],
+        "lab kernel: " + kernel[1], "lab kernel: " + kernel[2], "lab kernel: " + kernel[3],
         "vm-b.log: KVM internal error. Suberror: 1", "vm-b.log: 2026-11-24 shutting down, reason=crashed"]
     assert guest_faults.faults(kernel[:1], {"vm-a.log": qemu["vm-a.log"]}) == []  # a destroy is no fault
 

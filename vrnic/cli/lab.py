@@ -77,7 +77,7 @@ def _rerun(runner: LabRunner, request: LabRequest, progress_file: Path) -> int:
     if hung:
         what = "a test hung (vrnic/lab/hang_watch.py printed where) and the command was ended"
     elif faulted:
-        what = ("a test failed while the emulator under it faulted (vrnic/lab/guest_faults.py printed the "
+        what = ("a test failed while the lab guest under it faulted (vrnic/lab/guest_faults.py printed the "
                 "lines) and the command was ended")
     else:
         what = f"the lab guest died ({runner.panicked or 'no panic on its console'})"
@@ -86,7 +86,7 @@ def _rerun(runner: LabRunner, request: LabRequest, progress_file: Path) -> int:
                 "outcome and are not run again)", err=True, fg="yellow")
     rc = runner.run(request)
     if rc == 0 and (hung or faulted):
-        typer.secho(f"vrnic lab: {before.running} {'hung' if hung else 'failed on an emulator fault'} in the "
+        typer.secho(f"vrnic lab: {before.running} {'hung' if hung else 'failed on a lab guest fault'} in the "
                     "first guest and passed in a new one (the report is above)", err=True, fg="yellow")
     if rc == 0 and before.failed:
         typer.secho(f"vrnic lab: {len(before.failed)} test(s) failed before the guest died: "

@@ -24,9 +24,10 @@ QEMU_LOG_DIR = Path("/var/log/libvirt/qemu")  # libvirt's per-domain QEMU logs i
 LOG_DIR_ENV = "VRNIC_QEMU_LOG_DIR"  # overrides it (the fault path's own test writes a log of its own)
 
 # The lab kernel: an oops or BUG (a process-context oops kills the task, here the nested QEMU, and goes on),
-# or a user-space crash of a QEMU (show_unhandled_signals logs it).
+# a user-space crash of a QEMU (show_unhandled_signals logs it), or the OOM killer (the lab guest's memory is
+# fixed; a fresh guest starts with all of it, and the report shows what was killed).
 KERNEL_FAULT = re.compile(r"BUG: |Oops|general protection fault|stack guard page|kernel BUG at|"
-                          r"qemu-system-\S+\[\d+\]: segfault at|traps: qemu-system")
+                          r"qemu-system-\S+\[\d+\]: segfault at|traps: qemu-system|Out of memory: Killed process")
 # A nested QEMU's own log: libvirt saw QEMU go away on its own (a destroy says reason=destroyed), or KVM gave up.
 QEMU_FAULT = re.compile(r"reason=crashed|KVM internal error|KVM: entry failed")
 
