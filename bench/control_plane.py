@@ -316,6 +316,6 @@ def run_guest(count: int = 20) -> list[Record]:
 
 
 if __name__ == "__main__":
-    from bench.run import show
+    from bench.harness import show
 
     show(run_guest() if "--guest" in sys.argv else run())

@@ -14,6 +14,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+from rich.console import Console
+from rich.table import Table
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -59,3 +62,14 @@ def write(records: list[Record], path: Path) -> None:
 
 def load(path: Path) -> list[Record]:
     return [Record(**{k: v for k, v in d.items() if k != "ratio"}) for d in json.loads(path.read_text())]
+
+
+def show(records: list[Record]) -> None:
+    table = Table("benchmark", "value", "baseline", "ratio", "target", "met")
+    for r in records:
+        table.add_row(r.name, f"{r.value:.3f} {r.unit}",
+                      "" if r.baseline is None else f"{r.baseline:.3f}",
+                      "" if r.ratio is None else f"{r.ratio:.2f}x",
+                      "" if r.target is None else f"{'<=' if r.better == 'lower' else '>='}{r.target}x",
+                      {None: "", True: "yes", False: "NO"}[r.met])
+    Console().print(table)

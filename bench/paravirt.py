@@ -140,8 +140,7 @@ def control_only() -> list[Record]:
 
 
 if __name__ == "__main__":
-    from bench.harness import RESULTS, write
-    from bench.run import show
+    from bench.harness import RESULTS, show, write
 
     records = control_only()
     write(records, RESULTS / "control.json")

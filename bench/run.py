@@ -13,10 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-
-from bench.harness import RESULTS, Record, load, write
+from bench.harness import RESULTS, Record, load, show, write
 
 GUEST_PART = RESULTS / "guest.json"
 MULTIHOST_PART = RESULTS / "multihost.json"  # written by bench.two_hosts (multihost, qos_two_hosts) on host a
@@ -36,17 +33,6 @@ def host_suites() -> list[Record]:
     from bench import control_plane
 
     return control_plane.run()
-
-
-def show(records: list[Record]) -> None:
-    table = Table("benchmark", "value", "baseline", "ratio", "target", "met")
-    for r in records:
-        table.add_row(r.name, f"{r.value:.3f} {r.unit}",
-                      "" if r.baseline is None else f"{r.baseline:.3f}",
-                      "" if r.ratio is None else f"{r.ratio:.2f}x",
-                      "" if r.target is None else f"{'<=' if r.better == 'lower' else '>='}{r.target}x",
-                      {None: "", True: "yes", False: "NO"}[r.met])
-    Console().print(table)
 
 
 def main() -> int:
