@@ -36,8 +36,11 @@ if [[ ! -x $VENV/bin/python ]]; then
   /usr/bin/python3 -m venv --system-site-packages "$VENV"
 fi
 stamp=$VENV/.vrnic-installed
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)-$(pwd)
-if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)-$(pwd -P)
+# Ask the venv where it imports vrnic from (from /, so this directory is not on sys.path): a venv installed
+# from another checkout would run that checkout's code on the host, and the lab would share that directory.
+installed=$(cd / && "$VENV/bin/python" -c 'import vrnic.config as c; print(c.PROJECT_DIR)' 2>/dev/null || true)
+if [[ ! -f $stamp || $(cat "$stamp") != "$want" || $installed != "$(pwd -P)" ]]; then
   echo "setup: installing vrnic (editable) and its dependencies into $VENV"
   "$VENV/bin/pip" install -q --upgrade pip
   "$VENV/bin/pip" install -q -e '.[dev]'

@@ -13,6 +13,15 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from vrnic.core.specs import HOST_NAME_PATTERN
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
+# Set inside a lab guest: the lab's writable output dir (<work_dir>/.lab), which both guests of two-hosts see.
+LAB_OUTPUT_DIR_ENV = "VRNIC_LAB_OUTPUT_DIR"
+
+
+def lab_output_dir(*parts: str) -> Path:
+    """A path under the lab's output dir. Inside a guest the project dir is writable only if it is the lab's
+    work dir (the code may be imported from a checkout the guest sees on its read-only root)."""
+    base = os.environ.get(LAB_OUTPUT_DIR_ENV)
+    return Path(base, *parts) if base else PROJECT_DIR.joinpath(".lab", *parts)
 
 
 class LabSettings(BaseSettings):

@@ -21,14 +21,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from vrnic.config import PROJECT_DIR
+from vrnic.config import lab_output_dir
 from vrnic.lab.kernel import kernel_image
 from vrnic.lab.two_hosts.control import ControlClient
 from vrnic.lab.two_hosts.rig import lab_addrs
 from vrnic.lab.two_hosts.vm_target import RemoteVm, VmTarget
 from vrnic.lab.vm_guest import busybox_initramfs
 
-SHARED = PROJECT_DIR / ".lab" / "two-hosts" / "xvm"  # both hosts see the project dir: the boot image lives here
+SHARED = lab_output_dir("two-hosts", "xvm")  # both hosts see the project dir: the boot image lives here
 RAM_DIR = "/dev/shm/xvm"  # each host's own tmpfs: the RAM files
 PORT = 18650
 MEMORY_MIB = 128

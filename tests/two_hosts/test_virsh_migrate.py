@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 
 from vrnic.backend.rdma_tool import resource_counts
-from vrnic.config import PROJECT_DIR
+from vrnic.config import PROJECT_DIR, lab_output_dir
 from vrnic.core.specs import AttachInfo
 from vrnic.lab.kernel import kernel_image
 from vrnic.lab.migration_rig import WRITE_AT, identity, largest_gap_ms, start_stream
@@ -54,7 +54,7 @@ from vrnic.vm.domain_xml import (
 
 from .support import eventually, release
 
-SHARED = PROJECT_DIR / ".lab" / "two-hosts" / "virsh"
+SHARED = lab_output_dir("two-hosts", "virsh")
 SOCKETS = Path("/run/vrnic-virsh/vm")  # the same path on both hosts (b's hook makes it at prepare)
 DOMAIN = "vmig"
 MR_BYTES = 1 << 20

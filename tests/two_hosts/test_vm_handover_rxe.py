@@ -31,7 +31,7 @@ import httpx
 import pytest
 
 from vrnic.backend.rdma_tool import resource_counts
-from vrnic.config import PROJECT_DIR
+from vrnic.config import PROJECT_DIR, lab_output_dir
 from vrnic.core.specs import AttachInfo, VmBinding, VmVrnic
 from vrnic.lab.migration_rig import WRITE_AT, identity, largest_gap_ms, start_vm, stream_into_vm
 from vrnic.lab.two_hosts.rig import Rig, lab_addrs
@@ -41,7 +41,7 @@ from vrnic.lab.vm_host import ensure_kvm
 
 from .support import eventually, release
 
-SHARED = PROJECT_DIR / ".lab" / "two-hosts" / "xvm"
+SHARED = lab_output_dir("two-hosts", "xvm")
 DOMAIN = "xmig"
 PORT = 18651
 MR_BYTES = 1 << 20

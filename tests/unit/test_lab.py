@@ -217,3 +217,15 @@ def test_a_locked_up_guest_is_given_up_at_once_and_counts_as_a_panic(tmp_path: P
     assert events.get_nowait() == ("a", "never read")  # it did not wait for the lab's timeout
     assert runner._verdict([guest], False, started, 60) == EXIT_GUEST_LOST
     assert runner.panicked is not None and "stuck for 131s" in runner.panicked  # --rerun-on-panic reruns
+
+
+def test_the_guest_learns_the_labs_writable_output_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vrnic.config import LAB_OUTPUT_DIR_ENV, PROJECT_DIR, lab_output_dir
+
+    env = lab_env(_plan(output_dir=Path("/srv/lab-work/.lab")))
+    assert env[LAB_OUTPUT_DIR_ENV] == "/srv/lab-work/.lab"
+    assert LAB_OUTPUT_DIR_ENV not in lab_env(_plan())
+    monkeypatch.setenv(LAB_OUTPUT_DIR_ENV, "/srv/lab-work/.lab")
+    assert lab_output_dir("two-hosts", "xvm") == Path("/srv/lab-work/.lab/two-hosts/xvm")
+    monkeypatch.delenv(LAB_OUTPUT_DIR_ENV)
+    assert lab_output_dir("two-hosts") == PROJECT_DIR / ".lab" / "two-hosts"

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from vrnic.config import LAB_OUTPUT_DIR_ENV
 from vrnic.errors import InvalidArgument
 
 MARKER = "@@vrnic-lab:"  # console lines the runner turns into progress
@@ -48,6 +49,9 @@ class GuestPlan:
     netdevsim_vfs: int = 4
     sriov_nic: bool = False
     env: Mapping[str, str] = field(default_factory=dict)
+    # Where the guest's programs write what must outlive the run or be seen by both guests: under the lab's
+    # read-write work share (the project dir as this checkout's code sees it may be only on the read-only root).
+    output_dir: Path | None = None
 
 
 def ipv4_gid_suffix(addr: str) -> str:
@@ -173,7 +177,10 @@ def lab_env(plan: GuestPlan) -> dict[str, str]:
             f"rxe{i}" for i in range(count))}
         if count == 2:
             env["VRNIC_LAB_ADDR_B"] = PAIR_ADDRS[1]
+    if plan.output_dir is not None:
+        env[LAB_OUTPUT_DIR_ENV] = str(plan.output_dir)
     return env | dict(plan.env)
+
 
 
 def guest_script(plan: GuestPlan) -> str:

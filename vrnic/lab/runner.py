@@ -104,7 +104,11 @@ class LabRunner:
 
     def _guest_cwd(self, cwd: Path) -> Path:
         cwd = cwd.resolve()
-        if cwd.is_relative_to(self.settings.work_dir) or not any(cwd.is_relative_to(p) for p in HIDDEN_IN_GUEST):
+        if cwd.is_relative_to(self.settings.work_dir):
+            return cwd
+        if not any(cwd.is_relative_to(p) for p in HIDDEN_IN_GUEST):
+            self.console.print(f"[lab] {cwd} is outside the lab's work dir {self.settings.work_dir}: the guest sees"
+                               f" it read-only; lab output goes to {self.settings.work_dir / '.lab'}")
             return cwd
         self.console.print(f"[lab] {cwd} is not visible in the guest; running in {self.settings.work_dir}")
         return self.settings.work_dir
@@ -135,7 +139,7 @@ class LabRunner:
         for index, role in enumerate(roles):
             rc_file = run_dir / f"rc-{role}"
             plan = GuestPlan(topology=request.topology, command=request.command, cwd=cwd, rc_file=rc_file,
-                             venv=s.venv, role=role, netdevsim_ko=netdevsim_ko,
+                             venv=s.venv, role=role, netdevsim_ko=netdevsim_ko, output_dir=s.work_dir / ".lab",
                              netdevsim_vfs=s.netdevsim_vfs, sriov_nic=request.sriov_nic, env=request.env)
             (run_dir / f"guest-{role}.sh").write_text(guest_script(plan))
             link = (DgramLink(local_port=ports[index], remote_port=ports[1 - index], mac=TWO_HOSTS_MACS[index])

@@ -17,14 +17,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from vrnic.config import PROJECT_DIR
+from vrnic.config import PROJECT_DIR, lab_output_dir
 from vrnic.errors import LabError, VrnicError
 from vrnic.lab.two_hosts.guest import serve_lines
 from vrnic.lab.vm_guest import ControlPort
 from vrnic.lab.vm_host import URI, VmHost, VmHostConfig
 from vrnic.vm.hook import hook_wrapper_script
 
-LOG_DIR = PROJECT_DIR / ".lab" / "two-hosts"
+LOG_DIR = lab_output_dir("two-hosts")
 STATE_DIR = Path("/run/vrnic-virsh")
 
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from vrnic.config import PROJECT_DIR
+from vrnic.config import lab_output_dir
 from vrnic.errors import LabError
 from vrnic.lab.two_hosts.agent import AgentConfig, AgentProcess
 from vrnic.lab.two_hosts.control import CONTROL_PORT, ControlClient, RemoteAgent
@@ -31,7 +31,7 @@ from vrnic.lab.two_hosts.postgres import LabPostgres
 OPERATOR_TOKEN = "vro_lab-two-hosts-operator"
 AGENT_TOKEN = "vra_lab-two-hosts-agent"
 DATABASE = "vrnic"
-LOG_DIR = PROJECT_DIR / ".lab" / "two-hosts"  # on the shared work dir: readable after the run
+LOG_DIR = lab_output_dir("two-hosts")  # on the shared work dir: readable after the run
 # Short heartbeats so that "down within the window" is seconds, not minutes (settings of issue 13's agents).
 HEARTBEAT_S, DOWN_AFTER_S = 1.0, 4.0
 AGENT_ENV = {"VRNIC_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S), "VRNIC_HOST_DOWN_AFTER_S": str(DOWN_AFTER_S),
