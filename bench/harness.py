@@ -26,8 +26,9 @@ class Record:
     unit: str
     value: float
     baseline: float | None = None
-    target: float | None = None  # the ratio we aim for
-    better: Literal["lower", "higher"] = "lower"
+    target: float | None = None  # the ratio we aim for; with better="within", the tolerance around 1
+    better: Literal["lower", "higher", "within"] = "lower"
+    at_most: float | None = None  # a bound on the value itself, for counts that must stay at 0
 
     @property
     def ratio(self) -> float | None:
@@ -35,9 +36,21 @@ class Record:
 
     @property
     def met(self) -> bool | None:
+        if self.at_most is not None:
+            return self.value <= self.at_most
         if self.ratio is None or self.target is None:
             return None
+        if self.better == "within":
+            return abs(self.ratio - 1.0) <= self.target
         return self.ratio <= self.target if self.better == "lower" else self.ratio >= self.target
+
+    @property
+    def target_text(self) -> str:
+        if self.at_most is not None:
+            return f"<={self.at_most:g}"
+        if self.target is None:
+            return ""
+        return {"lower": f"<={self.target}x", "higher": f">={self.target}x", "within": f"1±{self.target}x"}[self.better]
 
     def to_dict(self) -> dict[str, object]:
         return {**asdict(self), "ratio": self.ratio}
@@ -70,6 +83,6 @@ def show(records: list[Record]) -> None:
         table.add_row(r.name, f"{r.value:.3f} {r.unit}",
                       "" if r.baseline is None else f"{r.baseline:.3f}",
                       "" if r.ratio is None else f"{r.ratio:.2f}x",
-                      "" if r.target is None else f"{'<=' if r.better == 'lower' else '>='}{r.target}x",
+                      r.target_text,
                       {None: "", True: "yes", False: "NO"}[r.met])
     Console().print(table)

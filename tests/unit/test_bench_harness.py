@@ -1,0 +1,33 @@
+"""Bench records: how `met` reads each kind of target (the table and bench/results JSON show it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.harness import Record, load, write
+
+
+def test_within_is_a_tolerance_on_both_sides_of_one() -> None:
+    def cap(achieved: float) -> Record:
+        return Record("qos.cap_accuracy", "ratio", achieved, 1.0, target=0.10, better="within")
+
+    assert cap(1.0).met and cap(0.91).met and cap(1.09).met
+    assert cap(0.5).met is False and cap(0.89).met is False and cap(1.11).met is False
+    assert cap(1.0).target_text == "1±0.1x"
+
+
+def test_a_count_that_must_stay_zero_is_judged_on_its_value() -> None:
+    assert Record("recovery.disagreements_found", "count", 0, at_most=0).met is True
+    assert Record("recovery.disagreements_found", "count", 2, at_most=0).met is False
+    assert Record("recovery.kills", "kills", 50).met is None
+
+
+def test_ratio_targets_and_round_trip_through_json(tmp_path: Path) -> None:
+    lower = Record("paravirt.create_cq", "ms", 6.0, 2.0, target=3.0)
+    higher = Record("qos.jain_index", "index", 0.9, 1.0, target=0.95, better="higher")
+    assert lower.met is True and higher.met is False
+    path = tmp_path / "r.json"
+    write([lower, higher], path)
+    assert load(path) == [lower, higher]
+    assert json.loads(path.read_text())[0]["ratio"] == 3.0
