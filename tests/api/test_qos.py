@@ -4,12 +4,16 @@ which records what reaches the backend (the kernel tier enforces it on rxe: test
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from tests.peering_rig import two_agents_on_one_database
 from vrnic.backend.drivers.fake import FakeDriver
+from vrnic.backend.fake_edge import FakeEdge
 from vrnic.backend.service import BackendService
 from vrnic.core.specs import QosPolicy, VrnicMode
 
@@ -74,3 +78,29 @@ def test_counters_and_metrics(client: TestClient, backend: BackendService, make_
     scraped = client.get("/metrics").text
     assert f'vrnic_rx_bytes_total{{vrnic="{mine["id"]}"}} 5000.0' in scraped
     assert f'vrnic_tx_packets_total{{vrnic="{mine["id"]}"}} 10.0' in scraped
+
+
+def test_a_limit_on_a_device_without_a_qos_mechanism_is_refused_through_rest(tmp_path: Path) -> None:
+    """The verbs driver on the in-memory NIC (no netdev to shape): allocate and PATCH answer 422 naming why,
+    and nothing is made or changed; a vRNIC that asks for nothing is served."""
+    edge = FakeEdge()
+    with two_agents_on_one_database(edge, ("fake0", "fake1"), tmp_path) as rig:
+        url = f"{rig.agents['host-a'].url}/api/v1"
+        httpx.post(f"{url}/tenants", json={"name": "acme"}, headers=rig.operator).raise_for_status()
+        for qos in ({"rate_cap_mbps": 10}, {"guarantee_mbps": 5}, {"weight": 2}):
+            refused = httpx.post(f"{url}/vrnics", json={"tenant": "acme", "host": "host-a", "qos": qos},
+                                 headers=rig.operator, timeout=60)
+            assert refused.status_code == 422, refused.text
+            assert "no QoS mechanism" in refused.json()["detail"]
+        assert not edge.live
+        listed = httpx.get(f"{url}/vrnics", params={"state": "allocated"}, headers=rig.operator).json()["items"]
+        assert listed == []  # no row was left behind by a refused allocation
+        made = httpx.post(f"{url}/vrnics", json={"tenant": "acme", "host": "host-a"}, headers=rig.operator,
+                          timeout=60)
+        assert made.status_code == 201, made.text
+        vrnic = f"{url}/vrnics/{made.json()['id']}"
+        patched = httpx.patch(vrnic, json={"qos": {"rate_cap_mbps": 10}}, headers=rig.operator, timeout=60)
+        assert patched.status_code == 422 and "no QoS mechanism" in patched.json()["detail"], patched.text
+        assert httpx.get(vrnic, headers=rig.operator).json()["qos"]["rate_cap_mbps"] is None  # unchanged
+        assert httpx.delete(vrnic, headers=rig.operator, timeout=60).status_code == 200
+    assert not edge.live

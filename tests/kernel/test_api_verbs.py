@@ -75,3 +75,42 @@ def test_rest_allocate_attach_verbs_release(device_pair: tuple[str, str], tmp_pa
     finally:
         backend.close()
     assert wait_for_baseline(baseline) == baseline
+
+
+def test_rest_refuses_guarantees_past_the_link_with_the_numbers(device_pair: tuple[str, str], tmp_path: Path) -> None:
+    """rxe with the shaper (a 100 Mbit/s link): a second guarantee that does not fit is refused at allocate and
+    at PATCH with a 409 that gives the sum, and what was admitted stays as it was."""
+    baseline = resource_counts()
+    settings = DaemonSettings(state_dir=tmp_path, operator_token=OPERATOR, sriov_driver=None,
+                              paravirtual_driver="verbs", qos_link_mbps=100,
+                              paravirtual_driver_options={"socket_path": str(tmp_path / "vrnicd.sock")})
+    backend = build_backend(settings)
+    try:
+        with serve_in_process(settings, backend) as url:
+            operator = httpx.Client(base_url=f"{url}/api/v1", headers={"Authorization": f"Bearer {OPERATOR}"},
+                                    timeout=60)
+            token = operator.post("/tenants", json={"name": "acme"}).json()["token"]
+            tenant = httpx.Client(base_url=f"{url}/api/v1", headers={"Authorization": f"Bearer {token}"},
+                                  timeout=60)
+            device = device_pair[0]
+            first = tenant.post("/vrnics", json={"device": device, "qos": {"guarantee_mbps": 60}})
+            assert first.status_code == 201, first.text
+            refused = tenant.post("/vrnics", json={"device": device, "qos": {"guarantee_mbps": 50}})
+            assert refused.status_code == 409, refused.text
+            assert "sum to 110 Mbit/s (60 given + 50 asked) on a 100 Mbit/s link" in refused.json()["detail"]
+            second = tenant.post("/vrnics", json={"device": device, "qos": {"guarantee_mbps": 40}})
+            assert second.status_code == 201, second.text
+            url_second = f"/vrnics/{second.json()['id']}"
+            grown = tenant.patch(url_second, json={"qos": {"guarantee_mbps": 45}})
+            assert grown.status_code == 409, grown.text
+            assert "sum to 105 Mbit/s (60 given + 45 asked)" in grown.json()["detail"]
+            assert tenant.get(url_second).json()["qos"]["guarantee_mbps"] == 40  # refused: unchanged
+            over = tenant.patch(url_second, json={"qos": {"rate_cap_mbps": 150}})
+            assert over.status_code == 400, over.text
+            assert "a cap of 150 Mbit/s exceeds the link's 100 Mbit/s" in over.json()["detail"]
+            assert backend.vrnic_ids() == {first.json()["id"], second.json()["id"]}  # nothing half-made
+            for made in (first, second):
+                assert tenant.delete(f"/vrnics/{made.json()['id']}").status_code == 200
+    finally:
+        backend.close()
+    assert wait_for_baseline(baseline) == baseline
