@@ -51,7 +51,9 @@ SEMANTIC_REFUSALS: dict[str, tuple[list[str], str]] = {
                                                          "an RDMA device) can move"),
     "DELETE /api/v1/vrnics/{vrnic_id}/container": (["422"], "only an SR-IOV vRNIC has a VF"),
     "POST /api/v1/vrnics/{vrnic_id}/token": (["422"], "only a paravirtual vRNIC has an attach token"),
-    "PATCH /api/v1/vrnics/{vrnic_id}": (["422"], "a QoS guarantee above its cap, or beyond what the link gives"),
+    # On a shaping device the link's limits answer too (400 past the link, 409 oversubscribed; kernel tier,
+    # tests/kernel/test_api_verbs.py); the fake driver has no link.
+    "PATCH /api/v1/vrnics/{vrnic_id}": (["422"], "a QoS guarantee above its cap"),
 }
 _CURSOR_REFUSAL = "a cursor is next_cursor of an earlier page: any other string of digits is refused (400)"
 
@@ -120,8 +122,10 @@ def test_api_conforms_in_stateful_sequences(api_schema: Any, served: str) -> Non
             return {"base_url": served}  # the operator's token comes from the config, unless a case drops it
 
     # Fixed seeds here and above, so `make test` runs the same cases every time. With random ones, about 1 run
-    # in 10 met FlakyStrategyDefinition (later steps are drawn from earlier responses), or a path value that
-    # arrived as U+FFFD on GET /hosts/{name} (422; open, see the session note).
+    # in 10 met Hypothesis's FlakyStrategyDefinition: later steps are drawn from earlier responses, which
+    # differ between the runs Hypothesis replays, so it cannot shrink; that is the state machine's nature, not
+    # a server defect. (A path value that arrived as U+FFFD on GET /hosts/{name} was the other cause: fixed,
+    # host names have one pattern in paths and bodies.)
     run_state_machine_as_test(Operator, settings=settings(max_examples=25, stateful_step_count=6, deadline=None,
                                                           derandomize=True, database=None,
                                                           suppress_health_check=list(HealthCheck)))
