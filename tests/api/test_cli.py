@@ -206,3 +206,26 @@ def test_a_replayed_allocation_hints_at_new_token_which_prints_a_working_one(  #
     fake = backend.driver(VrnicMode.PARAVIRTUAL)
     assert code == 0 and isinstance(fake, FakeDriver) and fake.accepts_token(first["id"], out.strip())
     assert out.strip() != first["attach"]["token"]
+
+
+def test_set_qos_changes_a_live_vrnic_and_show_prints_its_counters(  # type: ignore[no-untyped-def]
+        run, backend: BackendService, monkeypatch: pytest.MonkeyPatch) -> None:
+    run("tenants", "create", "acme")
+    code, out, _ = run("vrnics", "allocate", "--tenant", "acme", "--rate-cap", "80", "--json")
+    vid = json.loads(out)["id"]
+    code, out, _ = run("vrnics", "set-qos", vid, "--rate-cap", "40", "--guarantee", "10", "--weight", "2", "--json")
+    assert code == 0 and json.loads(out)["qos"] == {"rate_cap_mbps": 40, "guarantee_mbps": 10, "weight": 2}
+    fake = backend.driver(VrnicMode.PARAVIRTUAL)
+    assert isinstance(fake, FakeDriver) and fake.qos[vid].rate_cap_mbps == 40  # it reached the backend
+    code, _, err = run("vrnics", "set-qos", vid, "--rate-cap", "10", "--guarantee", "20")
+    assert code == 1 and "422" in err and len(err.strip().splitlines()) == 1
+    code, out, _ = run("vrnics", "show", vid, "--json")
+    assert json.loads(out)["qos"]["rate_cap_mbps"] == 40  # the refused change left it as it was
+    # What the device's mechanism counts (rxe in the kernel tier) is what show prints.
+    monkeypatch.setattr(backend, "qos_counters", lambda: {vid: {
+        "tx_bytes": 123456, "tx_packets": 99, "rx_bytes": 654321, "rx_packets": 77}})
+    code, out, _ = run("vrnics", "show", vid, "--json")
+    counters = json.loads(out)["counters"]
+    assert code == 0 and (counters["shaped"], counters["tx_bytes"], counters["rx_packets"]) == (True, 123456, 77)
+    code, out, _ = run("vrnics", "show", vid)
+    assert code == 0 and "123456" in out and "654321" in out
