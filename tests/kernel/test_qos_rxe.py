@@ -13,6 +13,7 @@ Run: vrnic lab run -e PYTHONPATH=$PWD -- pytest -m kernel tests/kernel/test_qos_
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
 from collections.abc import Iterator
@@ -176,3 +177,64 @@ def test_caps_guarantees_live_changes_and_drift_on_rxe(qos_driver: object, devic
     finally:
         a.close()
         peer.close()
+
+
+def test_a_daemon_killed_while_shaping_leaves_no_tc_behind_and_shapes_again_after_restart(
+        device_pair: tuple[str, str], tmp_path: Path) -> None:
+    """`vrnic daemon` killed with -9 while a capped vRNIC's QP is shaped: its qdisc, class and filter outlive it.
+    The restarted daemon removes what nobody wants any more (set difference at start), holds the vRNIC again
+    with its policy (its class comes back, with no filter: its QP died with the old process), and once the
+    guest attaches again with its token and reconnects, the new QP is classified under the same cap."""
+    import httpx
+
+    from vrnic.lab.kill_storm import KillStorm
+
+    dev = uplink_netdev(device_pair[0])
+    baseline = resource_counts()
+    storm = KillStorm(tmp_path, device_pair, port=8483, say=print)
+    storm.env["VRNIC_QOS_LINK_MBPS"] = str(LINK_MBPS)
+    guests: list[Guest] = []
+    try:
+        storm.prepare()
+        storm.start_daemon()
+        token = storm.api.post("/tenants", json={"name": "shaped"}).raise_for_status().json()["token"]
+        tenant = httpx.Client(base_url=f"{storm.url}/api/v1", headers={"Authorization": f"Bearer {token}"},
+                              timeout=60)
+        capped = tenant.post("/vrnics", json={"device": device_pair[0], "qos": {"rate_cap_mbps": 100}})
+        free = tenant.post("/vrnics", json={"device": device_pair[1]})
+        infos = [AttachInfo(**r.raise_for_status().json()["attach"]) for r in (capped, free)]
+        guests = [Guest(infos[0]), Guest(infos[1])]
+        connected_pair(guests[0], guests[1])
+        assert _classes(dev) == {"7672:10": "100Mbit"} and _flows(dev) == ["7672:10"]
+        capped_url = f"/vrnics/{capped.json()['id']}"
+        deadline = time.monotonic() + 30
+        while tenant.get(capped_url).json()["state"] != "attached":  # vrnicd reports the attach on its own time
+            assert time.monotonic() < deadline, tenant.get(capped_url).json()
+            time.sleep(0.2)
+        storm.kill()
+        assert "htb 7672:" in _tc("qdisc", "show", "dev", dev) and _flows(dev) == ["7672:10"]  # left behind
+        for guest in guests:  # their vrnicd is gone: only the frontend's side is left to close
+            for obj in (*guest.qps, guest.mr, guest.cq, guest.pd, guest.ctx):
+                with contextlib.suppress(Exception):
+                    obj.close()
+        guests = []
+        storm.start_daemon()
+        assert _classes(dev) == {"7672:10": "100Mbit"}  # the vRNIC, held again, with its policy
+        assert _flows(dev) == []  # the dead QP's filter went with the dead daemon's qdisc
+        assert tenant.get(capped_url).json()["state"] == "lost"  # its guest went with the old process
+        guests = [Guest(infos[0]), Guest(infos[1])]  # the same tokens attach again
+        connected_pair(guests[0], guests[1])
+        assert _classes(dev) == {"7672:10": "100Mbit"} and _flows(dev) == ["7672:10"]
+        for guest in guests:
+            guest.close()
+        guests = []
+        for made in (capped, free):
+            assert tenant.delete(f"/vrnics/{made.json()['id']}").status_code == 200
+        assert "htb 7672:" not in _tc("qdisc", "show", "dev", dev)  # nobody asks any more
+        tenant.close()
+    finally:
+        for guest in guests:
+            with contextlib.suppress(Exception):
+                guest.close()
+        storm.stop()
+    assert wait_for_baseline(baseline) == baseline

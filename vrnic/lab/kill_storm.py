@@ -175,10 +175,14 @@ class KillStorm:
         shutil.rmtree(self.state, ignore_errors=True)
 
     # ----- the storm ---------------------------------------------------------------------------
-    def run(self, kills: int) -> StormResult:
+    def prepare(self) -> None:
+        """The state dir and an upgraded database, before the first start."""
         self.state.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "vrnic.cli.main", "db", "upgrade"], env=self.env, check=True,
                        capture_output=True, timeout=300)
+
+    def run(self, kills: int) -> StormResult:
+        self.prepare()
         self.start_daemon()
         token = self.api.post("/tenants", json={"name": "storm"}).raise_for_status().json()["token"]
         self.tenant = httpx.Client(base_url=f"{self.url}/api/v1", headers={"Authorization": f"Bearer {token}"},
