@@ -1,6 +1,6 @@
 """`python -m bench.wire`: the frontend <-> vrnicd frame codec, version 1 (JSON) against version 2 (binary).
 
-Host only, no sockets: encode() and FrameDecoder.feed() of the requests and replies the guest library
+Host only, no sockets: encode() and FrameDecoder.feed_frames() of the requests and replies the guest library
 exchanges most (vrnic/frontend/guest_library.py), best of several timeit repeats, in µs per frame.
 """
 
@@ -43,9 +43,9 @@ def measure(number: int = 20000) -> list[tuple[str, int, float, float, int, floa
         for version in (JSON_VERSION, BINARY_VERSION):
             frame = encode(message, version)
             decoder = FrameDecoder()
-            assert decoder.feed(frame) == [message]
+            assert decoder.feed_frames(frame) == [(version, message)]
             row += [len(frame), best_us(lambda m=message, v=version: encode(m, v), number),
-                    best_us(lambda f=frame, d=decoder: d.feed(f), number)]
+                    best_us(lambda f=frame, d=decoder: d.feed_frames(f), number)]
         rows.append(tuple(row))
     return rows  # type: ignore[return-value]
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import array
 import json
+import operator
 import socket
 import struct
 from math import isfinite
@@ -127,7 +128,7 @@ def _key(key: object) -> bytes:
     out = bytearray()
     _put_str(out, key)
     data = bytes(out)
-    if len(_KEY_CACHE) < _KEY_CACHE_SIZE:
+    if len(data) <= 32 and len(_KEY_CACHE) < _KEY_CACHE_SIZE:  # short keys only: the cache stays small
         _KEY_CACHE[key] = data
     return data
 
@@ -161,6 +162,8 @@ def _put_dict(out: bytearray, value: dict[Any, Any], depth: int) -> None:
                 out += data
             else:
                 _put_str(out, item)
+        elif kind is dict:  # "args", "result", "error": a call saved
+            _put_dict(out, item, depth + 1)
         elif kind is bool:
             out.append(_TRUE if item else _FALSE)
         else:
@@ -219,7 +222,7 @@ def _put(out: bytearray, value: Any, depth: int) -> None:
 
 
 def _encode_into(out: bytearray, message: dict[str, Any]) -> None:
-    if not isinstance(message, dict):
+    if type(message) is not dict and not isinstance(message, dict):
         raise ProtocolError(f"a message is a dict, not a {type(message).__name__}")
     try:
         _put_dict(out, message, 1)
@@ -284,6 +287,11 @@ def _get_dict(body: bytes, pos: int, size: int, depth: int) -> tuple[dict[str, A
         elif tag == _INT32:
             message[key] = _I32.unpack_from(body, pos + 1)[0]
             pos += 5
+        elif _FIXDICT <= tag < _NONE:  # "args", "result", "error": a call saved
+            message[key], pos = _get_dict(body, pos + 1, tag - _FIXDICT, depth + 1)
+        elif tag == _TRUE:  # every reply's "ok"
+            message[key] = True
+            pos += 1
         else:
             message[key], pos = _get(body, pos, depth)
     if len(message) != size:  # cheaper than a lookup per key; the error path finds which
@@ -438,6 +446,7 @@ def _header(chunk: bytes | bytearray | memoryview, pos: int) -> tuple[int, int]:
 
 
 _unpack_header, _HEADER_SIZE = HEADER.unpack_from, HEADER.size  # the per-frame loop's, bound once
+_second = operator.itemgetter(1)
 
 
 class FrameDecoder:
@@ -452,7 +461,7 @@ class FrameDecoder:
         self.version = JSON_VERSION
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[dict[str, Any]]:
-        return [message for _version, message in self.feed_frames(data)]
+        return list(map(_second, self.feed_frames(data)))
 
     def feed_frames(self, data: bytes | bytearray | memoryview) -> list[tuple[int, dict[str, Any]]]:
         """The whole frames so far, each as (its version, its message)."""
@@ -476,7 +485,9 @@ class FrameDecoder:
                 break
             pos = start + length
             self.version = version
-            body = bytes(chunk[start:pos])  # bytes index fastest; and a view's memory may be reused after this call
+            body = chunk[start:pos]
+            if type(body) is not bytes:  # bytes index fastest; and a view's memory may be reused after this call
+                body = bytes(body)
             frames.append((version, decode_body(body) if version == BINARY_VERSION else _decode_json(body)))
         if pos < end:
             buffered += chunk[pos:]

@@ -88,7 +88,7 @@ class Channel(ABC):
             chunk = self._recv()
             if not chunk:
                 raise ChannelLost(f"vrnicd closed the channel{_REATTACH}")
-            for message in self._decoder.feed(chunk):
+            for _version, message in self._decoder.feed_frames(chunk):  # vrnicd answers in ours, or 1 if unread
                 if message.get("id") in (request_id, 0):  # 0: vrnicd could not read the request at all
                     return message
 
