@@ -6,7 +6,12 @@ import contextlib
 import enum
 import json
 import math
+import os
+import pty
 import struct
+import threading
+import tty
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,7 +37,8 @@ from vrnic.core.framing import (
     encode_body,
 )
 from vrnic.errors import InvalidArgument
-from vrnic.frontend.channel import WIRE_VERSION_ENV, wire_version
+from vrnic.frontend import channel as channel_module
+from vrnic.frontend.channel import WIRE_VERSION_ENV, PortChannel, wire_version
 
 
 def frame2(body: bytes) -> bytes:
@@ -442,3 +448,36 @@ def test_the_frontend_sends_version_2_unless_told(monkeypatch: pytest.MonkeyPatc
             wire_version()
     with pytest.raises(InvalidArgument, match="protocol version is 1 or 2, not 7"):
         wire_version(7)
+
+
+@pytest.mark.parametrize("version", [JSON_VERSION, BINARY_VERSION])
+def test_a_vm_port_channel_calls_in_its_version(monkeypatch: pytest.MonkeyPatch, version: int) -> None:
+    """PortChannel over a raw pty (a character device, as a virtio-serial port is), vrnicd played by a thread."""
+    controller, device = pty.openpty()
+    tty.setraw(device)
+    monkeypatch.setattr(channel_module, "find_port", lambda name: Path(os.ttyname(device)))
+    seen: list[tuple[int, dict[str, Any]]] = []
+
+    def vrnicd() -> None:
+        decoder = FrameDecoder()
+        while len(seen) < 3:
+            for frame_version, request in decoder.feed_frames(os.read(controller, 4096)):
+                seen.append((frame_version, request))
+                if request["op"] != "doorbell":
+                    os.write(controller, encode({"id": request["id"], "ok": True, "result": request["args"]},
+                                                frame_version))
+
+    server = threading.Thread(target=vrnicd, daemon=True)
+    server.start()
+    channel = PortChannel(version=version)
+    try:
+        assert channel.call("echo", n=1 << 40, s="é") == {"n": 1 << 40, "s": "é"}
+        channel.notify("doorbell")
+        assert channel.call("echo", big="x" * 3000) == {"big": "x" * 3000}
+    finally:
+        channel.close()
+    server.join(5)
+    assert [(v, request["op"]) for v, request in seen] == [(version, "echo"), (version, "doorbell"),
+                                                           (version, "echo")]
+    os.close(controller)
+    os.close(device)

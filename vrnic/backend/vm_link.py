@@ -85,14 +85,16 @@ class VmLink:
         self.sock.close()
 
     def _serve(self) -> None:
+        buffer = memoryview(bytearray(RECV_BYTES))  # one for the link: recv() would allocate 64 KiB per request
         try:
             while not self._closing.is_set():
                 try:
-                    data = self.sock.recv(RECV_BYTES)
+                    size = self.sock.recv_into(buffer)
                 except OSError:
                     self.qemu_gone = True
                     return
-                if not data:  # QEMU went away (the VM stopped or was destroyed)
+                data = buffer[:size]  # the decoder copies what it keeps
+                if not size:  # QEMU went away (the VM stopped or was destroyed)
                     log.info("VM %s: channel of vRNIC %s closed by QEMU", self.domain, self.vrnic_id)
                     self.qemu_gone = True
                     return

@@ -96,7 +96,7 @@ class Channel(ABC):
     def _send(self, data: bytes, fds: list[int] | None) -> None: ...
 
     @abstractmethod
-    def _recv(self) -> bytes: ...
+    def _recv(self) -> bytes | memoryview: ...
 
     @abstractmethod
     def close(self) -> None: ...
@@ -121,11 +121,12 @@ class UnixChannel(Channel):
         else:
             self.sock.sendall(data)
 
-    def _recv(self) -> bytes:
-        # Into one buffer kept for the connection: recv_fds would allocate 64 KiB per reply.
+    def _recv(self) -> memoryview:
+        # Into one buffer kept for the connection: recv_fds would allocate 64 KiB per reply. Not copied out:
+        # the decoder copies what it keeps.
         size, ancillary, _flags, _addr = self.sock.recvmsg_into([self._buffer], _FDS_SPACE)
         self.received_fds += fds_of(ancillary)
-        return self._buffer[:size].tobytes()
+        return self._buffer[:size]
 
     def close(self) -> None:
         for fd in self.take_fds():
@@ -154,6 +155,7 @@ class PortChannel(Channel):
             self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
             raise VrnicError(f"cannot open the vRNIC port {path}: {exc.strerror}") from exc
+        self._buffer = memoryview(bytearray(RECV_BYTES))
 
     def _send(self, data: bytes, fds: list[int] | None) -> None:
         if fds:
@@ -162,8 +164,8 @@ class PortChannel(Channel):
         while view:
             view = view[os.write(self.fd, view):]
 
-    def _recv(self) -> bytes:
-        return os.read(self.fd, 65536)
+    def _recv(self) -> memoryview:
+        return self._buffer[:os.readv(self.fd, [self._buffer])]  # one buffer, as UnixChannel's
 
     def close(self) -> None:
         os.close(self.fd)
