@@ -320,6 +320,11 @@ def test_non_finite_floats(value: float) -> None:
     refused(b"\xb1\x81v\xc5" + struct.pack("!d", value), "not finite")
 
 
+def test_decode_body_takes_any_bytes_like() -> None:
+    body = encode_body({"k": ["v", 1]})
+    assert decode_body(memoryview(body)) == decode_body(bytearray(body)) == {"k": ["v", 1]}
+
+
 def test_a_long_form_top_level_dict() -> None:
     assert decode_body(b"\xc8" + struct.pack("!I", 1) + b"\x81a\x05") == {"a": 5}
 

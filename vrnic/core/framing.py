@@ -366,8 +366,10 @@ def _get(body: bytes, pos: int, depth: int) -> tuple[Any, int]:
     raise ProtocolError(f"unknown tag 0x{tag:02x} at byte {pos - 1} of the frame body")
 
 
-def decode_body(body: bytes) -> dict[str, Any]:
+def decode_body(body: bytes | bytearray | memoryview) -> dict[str, Any]:
     """A version 2 body (no header) as its message. Anything but a well-formed dict raises ProtocolError."""
+    if type(body) is not bytes:  # a view or bytearray: the reads below want bytes (slices that decode)
+        body = bytes(body)
     try:
         tag = body[0]
         if _FIXDICT <= tag < _NONE:
