@@ -56,10 +56,10 @@ def nested(depth: int, container: type = dict) -> Any:
 values = st.recursive(
     st.none() | st.booleans() | st.integers(INT_MIN, INT_MAX) | st.integers(-40, 300)
     | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=40),
-    lambda inner: st.lists(inner, max_size=20) | st.dictionaries(st.text(max_size=10), inner, max_size=20),
-    max_leaves=40,
+    lambda inner: st.lists(inner, max_size=18) | st.dictionaries(st.text(max_size=10), inner, max_size=18),
+    max_leaves=24,
 )
-messages = st.dictionaries(st.text(max_size=12), values, max_size=8)
+messages = st.dictionaries(st.text(max_size=12), values, max_size=6)
 
 
 def roundtrip(message: dict[str, Any]) -> dict[str, Any]:
@@ -156,7 +156,7 @@ def test_a_body_exactly_at_the_cap_and_one_byte_over() -> None:
         encode({"p": ["x" * MAX_STRING, "y" * (last + 1)]}, BINARY_VERSION)
 
 
-@settings(deadline=None, max_examples=300)
+@settings(deadline=None, max_examples=200)
 @given(messages)
 def test_decode_of_encode_is_the_message(message: dict[str, Any]) -> None:
     assert roundtrip(message) == message
@@ -341,7 +341,7 @@ def test_random_bodies_only_ever_raise_protocol_error(body: bytes) -> None:
         assert decode_body(encode_body(message)) == message  # what decodes, encodes back
 
 
-@settings(deadline=None, max_examples=500)
+@settings(deadline=None, max_examples=300)
 @given(messages, st.data())
 def test_corrupted_encodings_only_ever_raise_protocol_error(message: dict[str, Any], data: st.DataObject) -> None:
     body = bytearray(encode_body(message))
