@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,11 +18,12 @@ from vrnic.backend.channel import ChannelLimits, group_id
 from vrnic.backend.drivers.paravirtual import VerbsDriver
 from vrnic.backend.fake_edge import FakeEdge
 from vrnic.backend.session import GuestSession
-from vrnic.core.proto import HEADER, MAGIC, VERSION, FrameDecoder, encode
+from vrnic.core.proto import BINARY_VERSION, HEADER, JSON_VERSION, MAGIC, VERSION, FrameDecoder, encode
 from vrnic.core.recovery import token_digest
 from vrnic.core.specs import AttachInfo, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
 from vrnic.frontend import CQ, MR, PD, ChannelLost, Context, InvalidArgument, NotFound, VrnicError
+from vrnic.frontend.channel import WIRE_VERSION_ENV
 
 ARENA = 1 << 20
 
@@ -300,3 +302,66 @@ def test_a_restarted_vrnicd_takes_the_same_token_and_the_old_guest_gets_a_clear_
             Context.attach(info.model_copy(update={"token": "not the token"}), ARENA)
     finally:
         second.close()
+
+
+def replies_with_versions(sock: socket.socket, count: int) -> list[tuple[int, dict[str, Any]]]:
+    decoder = FrameDecoder()
+    sock.settimeout(5)
+    got: list[tuple[int, dict[str, Any]]] = []
+    while len(got) < count:
+        data = sock.recv(65536)
+        assert data, "vrnicd closed the connection instead of answering"
+        got += decoder.feed_frames(data)
+    return got
+
+
+def test_each_request_is_answered_in_its_own_protocol_version(
+        serve: Callable[..., tuple[VerbsDriver, AttachInfo]]) -> None:
+    _, info = serve()
+    sock = connect(info)
+    versions = [JSON_VERSION, BINARY_VERSION, BINARY_VERSION, JSON_VERSION]
+    sock.sendall(b"".join(encode({"id": i, "op": "alloc_pd", "args": {}}, version)
+                          for i, version in enumerate(versions, 1)))  # one write, so one read takes them all
+    replies = replies_with_versions(sock, 4)
+    assert [(version, reply["id"]) for version, reply in replies] == list(zip(versions, [1, 2, 3, 4], strict=True))
+    assert all("first request must be attach" in reply["error"]["message"] for _, reply in replies)
+    sock.close()
+
+
+@pytest.mark.parametrize("version", [JSON_VERSION, BINARY_VERSION])
+def test_a_guest_attaches_and_works_in_either_version(serve: Callable[..., tuple[VerbsDriver, AttachInfo]],
+                                                      monkeypatch: pytest.MonkeyPatch, version: int) -> None:
+    _, info = serve()
+    monkeypatch.setenv(WIRE_VERSION_ENV, str(version))
+    with Context.attach(info, ARENA) as ctx:
+        assert ctx.channel is not None and ctx.channel.version == version
+        assert ctx.channel._decoder.version == version  # the attach reply came back in it
+        pd = PD(ctx)
+        CQ(ctx, 8)
+        MR(pd, 4096)
+        assert ctx.channel._decoder.version == version
+        with pytest.raises(NotFound):
+            ctx.call("dealloc_pd", pd=pd.handle + 1)
+
+
+def test_a_bad_version_2_body_is_answered_in_version_2_and_ends_the_stream(
+        serve: Callable[..., tuple[VerbsDriver, AttachInfo]]) -> None:
+    _, info = serve()
+    sock = connect(info)
+    sock.sendall(HEADER.pack(MAGIC, BINARY_VERSION, 0, 3) + b"\xb1\x01\x01")  # an int where a key belongs
+    [(version, reply)] = replies_with_versions(sock, 1)
+    assert version == BINARY_VERSION
+    assert reply["error"]["code"] == "protocol_error"
+    assert "a dict key must be a str, not an int" in reply["error"]["message"]
+    assert closed_by_server(sock)
+
+
+def test_an_unsupported_version_is_answered_in_version_1_naming_those_spoken(
+        serve: Callable[..., tuple[VerbsDriver, AttachInfo]]) -> None:
+    _, info = serve()
+    sock = connect(info)
+    sock.sendall(HEADER.pack(MAGIC, 3, 0, 2) + b"{}")
+    [(version, reply)] = replies_with_versions(sock, 1)
+    assert version == JSON_VERSION  # what any peer reads
+    assert reply["error"]["message"] == "unsupported protocol version 3 (this end speaks 1 and 2)"
+    assert closed_by_server(sock)

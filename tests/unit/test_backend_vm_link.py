@@ -13,13 +13,14 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.unit.fake_qemu import RAM, WINDOW, Vm, vm_factory
 from vrnic.backend.drivers.paravirtual import VerbsDriver
 from vrnic.backend.fake_edge import FakeEdge
-from vrnic.core.framing import FrameDecoder, encode
+from vrnic.core.framing import BINARY_VERSION, HEADER, JSON_VERSION, MAGIC, FrameDecoder, encode
 from vrnic.core.guest_phys import LEGACY_ROM
 from vrnic.core.rings import Access, RecvRequest, SendRequest, WcStatus, WrOpcode
 from vrnic.core.specs import AttachInfo, VmBinding, VmVrnic
@@ -246,3 +247,40 @@ def _until(check: Callable[[], bool], timeout: float = 5.0) -> None:
     while not check():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.01)
+
+
+def test_a_vm_guest_is_answered_in_the_version_it_asked_in(driver: VerbsDriver, edge: FakeEdge,
+                                                            make_vrnic: Callable[..., AttachInfo],
+                                                            make_vm: Callable[[str], Vm]) -> None:
+    info = make_vrnic()
+    vm = make_vm("vm1")
+    driver.bind_vm(vm.binding(info.vrnic_id))
+    port = vm.accept()
+    decoder = FrameDecoder()
+
+    def read(count: int) -> list[tuple[int, dict[str, Any]]]:
+        got: list[tuple[int, dict[str, Any]]] = []
+        while len(got) < count:
+            got += decoder.feed_frames(port.recv(65536))
+        return got
+
+    def ask(*requests: tuple[int, dict[str, object]]) -> list[tuple[int, dict[str, Any]]]:
+        port.sendall(b"".join(encode(message, version) for version, message in requests))
+        return read(len(requests))
+
+    replies = ask((JSON_VERSION, {"id": 1, "op": "alloc_pd", "args": {}}),
+                  (BINARY_VERSION, {"id": 2, "op": "alloc_pd", "args": {}}),
+                  (BINARY_VERSION, {"id": 3, "op": "attach", "args": {}}),
+                  (JSON_VERSION, {"id": 4, "op": "alloc_pd", "args": {}}),
+                  (BINARY_VERSION, {"id": 5, "op": "alloc_pd", "args": {}}))
+    assert [(version, reply["id"], reply["ok"]) for version, reply in replies] == [
+        (JSON_VERSION, 1, False), (BINARY_VERSION, 2, False), (BINARY_VERSION, 3, True), (JSON_VERSION, 4, True),
+        (BINARY_VERSION, 5, True)]
+    assert replies[0][1]["error"]["message"] == "attach first"
+    # a version 2 frame vrnicd cannot read: the session ends, the link stays, the error comes back in version 2
+    port.sendall(HEADER.pack(MAGIC, BINARY_VERSION, 0, 2) + b"\xb1\xdd")
+    [(version, reply)] = read(1)
+    assert version == BINARY_VERSION and reply["error"]["code"] == "protocol_error"
+    assert "a dict key must be a str, not unknown tag 0xdd" in reply["error"]["message"]
+    _until(lambda: not edge.live)
+    driver.unbind_vm("vm1")

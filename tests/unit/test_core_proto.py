@@ -126,9 +126,10 @@ def test_decoder_refuses_bad_magic_as_soon_as_the_header_is_complete() -> None:
         decoder.feed(b"GET / HTTP/1.1\r\n")
 
 
-def test_decoder_refuses_an_unknown_version() -> None:
-    with pytest.raises(ProtocolError, match="unsupported protocol version 2"):
-        FrameDecoder().feed(raw_frame(b"{}", version=2))
+@pytest.mark.parametrize("version", [0, 3, 255])
+def test_decoder_refuses_an_unknown_version_naming_those_it_speaks(version: int) -> None:
+    with pytest.raises(ProtocolError, match=rf"unsupported protocol version {version} \(this end speaks 1 and 2\)"):
+        FrameDecoder().feed(raw_frame(b"{}", version=version))
 
 
 def test_decoder_refuses_an_oversized_length_before_the_body_arrives() -> None:

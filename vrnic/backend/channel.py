@@ -13,7 +13,8 @@ all) is dropped, never the newcomer: idle connections cannot starve a guest
 that is about to attach, because a real guest sends its attach at once.
 
 A framing error ends the connection (the stream cannot be trusted after it); a
-bad request only fails that request. Errors that are not VrnicErrors reach the
+bad request only fails that request. Each request is answered in its frame's
+protocol version (1, JSON; 2, binary), so old and new guests are both served. Errors that are not VrnicErrors reach the
 guest as "internal error (ref ...)" with the details in the log under that ref.
 When the connection ends for any reason (detach, crash, kill -9) the session is
 closed.
@@ -230,13 +231,13 @@ class ChannelServer:
             self._drop(conn)
             return
         try:
-            messages = pending.decoder.feed(data)
+            frames = pending.decoder.feed_frames(data)
         except ProtocolError as exc:
             _close_fds(fds)
-            _send(conn, reply_error(0, exc))
+            _send(conn, pending.decoder.version, reply_error(0, exc))
             self._drop(conn)
             return
-        for index, message in enumerate(messages):
+        for index, (version, message) in enumerate(frames):
             request_id = message.get("id", 0) if isinstance(message.get("id"), int) else 0
             try:
                 request = parse_request(message)
@@ -245,36 +246,36 @@ class ChannelServer:
                     raise InvalidArgument("attach needs two file descriptors: the arena memfd and the doorbell "
                                           "eventfd (and optionally a completion-notify eventfd)")
             except VrnicError as exc:
-                _send(conn, reply_error(request_id, exc))
+                _send(conn, version, reply_error(request_id, exc))
                 continue
             # Attached from here on: the connection leaves the selector for a thread of its own.
             self._pending.pop(conn, None)
             self._selector.unregister(conn)
-            self._start_session(conn, pending, request, args, fds, messages[index + 1:])
+            self._start_session(conn, pending, version, request, args, fds, frames[index + 1:])
             return
         _close_fds(fds)  # descriptors that came with something other than an attach
 
-    def _start_session(self, conn: socket.socket, pending: _Pending, request: Request, args: verb_args.Attach,
-                       fds: list[int], backlog: list[dict[str, Any]]) -> None:
+    def _start_session(self, conn: socket.socket, pending: _Pending, version: int, request: Request,
+                       args: verb_args.Attach, fds: list[int], backlog: list[tuple[int, dict[str, Any]]]) -> None:
         with self._lock:
             if len(self._sessions) >= self.limits.max_sessions:
                 full = True
             else:
                 full = False
                 thread = threading.Thread(target=self._serve, name="vrnic-guest", daemon=True,
-                                          args=(conn, pending, request, args, fds, backlog))
+                                          args=(conn, pending, version, request, args, fds, backlog))
                 self._sessions[conn] = thread
         if full:
             _close_fds(fds)
-            _send(conn, reply_error(request.id, Conflict(f"vrnicd serves {self.limits.max_sessions} guests at most",
-                                                         current_state="busy")))
+            _send(conn, version, reply_error(request.id, Conflict(
+                f"vrnicd serves {self.limits.max_sessions} guests at most", current_state="busy")))
             conn.close()
             return
         thread.start()
 
     # ----- one thread per attached guest ------------------------------------------------------
-    def _serve(self, conn: socket.socket, pending: _Pending, request: Request, args: verb_args.Attach,
-               fds: list[int], backlog: list[dict[str, Any]]) -> None:
+    def _serve(self, conn: socket.socket, pending: _Pending, version: int, request: Request,
+               args: verb_args.Attach, fds: list[int], backlog: list[tuple[int, dict[str, Any]]]) -> None:
         session: AttachedSession | None = None
         try:
             conn.setblocking(True)
@@ -286,13 +287,13 @@ class ChannelServer:
             try:
                 session = self.open_session(args, fds, pending.cred, disconnect)
             except VrnicError as exc:
-                _send(conn, reply_error(request.id, exc))
+                _send(conn, version, reply_error(request.id, exc))
                 return
             except Exception as exc:  # the opener closed the fds; the guest learns nothing internal
-                _send(conn, reply_error(request.id, internal_error(exc, "attach")))
+                _send(conn, version, reply_error(request.id, internal_error(exc, "attach")))
                 return
             log.info("vRNIC %s attached by pid %d uid %d", session.vrnic_id, pending.cred.pid, pending.cred.uid)
-            _send(conn, reply_ok(request.id, session.attach_result()), session.attach_fds())
+            _send(conn, version, reply_ok(request.id, session.attach_result()), session.attach_fds())
             if self._serve_messages(conn, session, backlog):
                 return
             buffer = memoryview(bytearray(RECV_BYTES))  # one per guest, not 64 KiB allocated per request
@@ -306,11 +307,11 @@ class ChannelServer:
                     return
                 data = buffer[:size]
                 try:
-                    messages = pending.decoder.feed(data)
+                    frames = pending.decoder.feed_frames(data)
                 except ProtocolError as exc:
-                    _send(conn, reply_error(0, exc))
+                    _send(conn, pending.decoder.version, reply_error(0, exc))
                     return
-                if self._serve_messages(conn, session, messages):
+                if self._serve_messages(conn, session, frames):
                     return
         finally:
             if session is not None:
@@ -320,9 +321,10 @@ class ChannelServer:
                 self._sessions.pop(conn, None)
 
     @staticmethod
-    def _serve_messages(conn: socket.socket, session: AttachedSession, messages: list[dict[str, Any]]) -> bool:
-        """Answer each request; True when the guest detached."""
-        for message in messages:
+    def _serve_messages(conn: socket.socket, session: AttachedSession, frames: list[tuple[int, dict[str, Any]]]) \
+            -> bool:
+        """Answer each request, in its version; True when the guest detached."""
+        for version, message in frames:
             request_id = message.get("id", 0) if isinstance(message.get("id"), int) else 0
             try:
                 request = parse_request(message)
@@ -330,13 +332,13 @@ class ChannelServer:
                     raise Conflict("already attached", current_state="attached")
                 if request.op == "detach":  # tear down before replying, so a re-attach finds it free
                     session.close()
-                    _send(conn, reply_ok(request.id))
+                    _send(conn, version, reply_ok(request.id))
                     return True
-                _send(conn, reply_ok(request.id, session.handle(request.op, request.args)))
+                _send(conn, version, reply_ok(request.id, session.handle(request.op, request.args)))
             except VrnicError as exc:
-                _send(conn, reply_error(request_id, exc))
+                _send(conn, version, reply_error(request_id, exc))
             except Exception as exc:  # a daemon bug fails one request, not the daemon
-                _send(conn, reply_error(request_id, internal_error(exc, f"request {message.get('op')!r}")))
+                _send(conn, version, reply_error(request_id, internal_error(exc, f"request {message.get('op')!r}")))
         return False
 
 
@@ -372,9 +374,10 @@ def _bind(path: Path, limits: ChannelLimits) -> socket.socket:
     return sock
 
 
-def _send(conn: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
+def _send(conn: socket.socket, version: int, message: dict[str, Any], fds: list[int] | None = None) -> None:
+    """A reply, in the version of the request it answers."""
     with contextlib.suppress(OSError):
-        data = encode(message)
+        data = encode(message, version)
         if fds:  # SCM_RIGHTS rides on the first byte; the rest follows as a plain stream
             sent = socket.send_fds(conn, [data], fds)
             data = data[sent:]

@@ -85,26 +85,28 @@ class VmLink:
         self.sock.close()
 
     def _serve(self) -> None:
+        buffer = memoryview(bytearray(RECV_BYTES))  # one for the link: recv() would allocate 64 KiB per request
         try:
             while not self._closing.is_set():
                 try:
-                    data = self.sock.recv(RECV_BYTES)
+                    size = self.sock.recv_into(buffer)
                 except OSError:
                     self.qemu_gone = True
                     return
-                if not data:  # QEMU went away (the VM stopped or was destroyed)
+                data = buffer[:size]  # the decoder copies what it keeps
+                if not size:  # QEMU went away (the VM stopped or was destroyed)
                     log.info("VM %s: channel of vRNIC %s closed by QEMU", self.domain, self.vrnic_id)
                     self.qemu_gone = True
                     return
                 try:
-                    messages = self._decoder.feed(data)
+                    frames = self._decoder.feed_frames(data)
                 except ProtocolError as exc:
-                    self._decoder = FrameDecoder()
+                    version, self._decoder = self._decoder.version, FrameDecoder()
                     self._end_session()
-                    self._send(reply_error(0, exc))
+                    self._send(version, reply_error(0, exc))
                     continue
-                for message in messages:
-                    self._handle(message)
+                for version, message in frames:
+                    self._handle(version, message)
         finally:
             if self.keep_session_at_eof and self.qemu_gone and not self._closing.is_set():
                 log.info("VM %s: QEMU is gone; vRNIC %s's session waits for its hand-over", self.domain,
@@ -112,7 +114,8 @@ class VmLink:
             else:
                 self._end_session()
 
-    def _handle(self, message: dict[str, Any]) -> None:
+    def _handle(self, version: int, message: dict[str, Any]) -> None:
+        """Answer one request, in its version."""
         request_id = message.get("id", 0) if isinstance(message.get("id"), int) else 0
         try:
             request = parse_request(message)
@@ -122,20 +125,21 @@ class VmLink:
                     session.ring_doorbell()
                 return
             if request.op == "attach":
-                self._send(reply_ok(request.id, self._attach(request.args)))
+                self._send(version, reply_ok(request.id, self._attach(request.args)))
                 return
             session = self.session
             if session is None:
                 raise Conflict("attach first", current_state="detached")
             if request.op == "detach":
                 self._end_session()
-                self._send(reply_ok(request.id))
+                self._send(version, reply_ok(request.id))
                 return
-            self._send(reply_ok(request.id, session.handle(request.op, request.args)))
+            self._send(version, reply_ok(request.id, session.handle(request.op, request.args)))
         except VrnicError as exc:
-            self._send(reply_error(request_id, exc))
+            self._send(version, reply_error(request_id, exc))
         except Exception as exc:  # a daemon bug fails one request, not the VM's channel
-            self._send(reply_error(request_id, internal_error(exc, f"VM {self.domain} request {message.get('op')!r}")))
+            self._send(version, reply_error(request_id, internal_error(exc, f"VM {self.domain} request "
+                                                                             f"{message.get('op')!r}")))
 
     def _attach(self, raw: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -177,6 +181,6 @@ class VmLink:
         if session is not None:
             session.close()
 
-    def _send(self, message: dict[str, Any]) -> None:
+    def _send(self, version: int, message: dict[str, Any]) -> None:
         with self._send_lock, contextlib.suppress(OSError):
-            self.sock.sendall(encode(message))
+            self.sock.sendall(encode(message, version))

@@ -1,6 +1,7 @@
 """The frontend <-> vrnicd wire protocol: versioned, length-prefixed, schema-checked, size-capped frames.
 
-Frames are vrnic.core.framing (standard library only, for guests). Requests are
+Frames are vrnic.core.framing (standard library only, for guests): a JSON body
+(version 1) or a binary one (version 2), each frame read by its own version. Requests are
 {"id", "op", "args"}; replies are {"id", "ok", "result"} or {"id", "ok": false,
 "error": {"code", "message", ...}}. Nothing in here does I/O, so the same
 protocol rides a Unix socket (container guests) and a VM's virtio-serial port.
@@ -12,11 +13,22 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from vrnic.core.framing import HEADER, MAGIC, MAX_BODY, VERSION, FrameDecoder, ProtocolError, encode
+from vrnic.core.framing import (
+    BINARY_VERSION,
+    HEADER,
+    JSON_VERSION,
+    MAGIC,
+    MAX_BODY,
+    VERSION,
+    VERSIONS,
+    FrameDecoder,
+    ProtocolError,
+    encode,
+)
 from vrnic.errors import VrnicError
 
-__all__ = ["HEADER", "MAGIC", "MAX_BODY", "VERSION", "FrameDecoder", "ProtocolError", "Request", "encode",
-           "parse_request", "reply_error", "reply_ok"]
+__all__ = ["BINARY_VERSION", "HEADER", "JSON_VERSION", "MAGIC", "MAX_BODY", "VERSION", "VERSIONS", "FrameDecoder",
+           "ProtocolError", "Request", "encode", "parse_request", "reply_error", "reply_ok"]
 
 
 class Request(BaseModel):

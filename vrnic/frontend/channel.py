@@ -16,20 +16,39 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
-from vrnic.core.framing import FrameDecoder, encode, fds_of
-from vrnic.errors import ChannelLost, NotFound, VrnicError, error_from_dict
+from vrnic.core.framing import BINARY_VERSION, VERSIONS, FrameDecoder, encode, fds_of
+from vrnic.errors import ChannelLost, InvalidArgument, NotFound, VrnicError, error_from_dict
 
 VIRTIO_PORTS = Path("/sys/class/virtio-ports")
 DEFAULT_PORT = "org.vrnic.0"
 RECV_BYTES = 65536
+# The protocol version a guest sends in: 2 (binary) unless this says 1 (JSON, which a vrnicd older than
+# version 2 needs). vrnicd answers each request in the version it came in.
+WIRE_VERSION_ENV = "VRNIC_WIRE_VERSION"
 _FDS_SPACE = socket.CMSG_SPACE(4 * 4)  # room for four descriptors
 # What a guest does when vrnicd goes away (restart, upgrade, OOM kill): its objects died with that vrnicd.
 _REATTACH = ("; every object of this attachment is gone (vrnicd restarted or stopped): attach again with the "
              "same token and rebuild them")
 
 
+def wire_version(version: int | None = None) -> int:
+    """The version a channel sends in: the one given, else $VRNIC_WIRE_VERSION's, else binary."""
+    spoken = " or ".join(map(str, VERSIONS))
+    if version is None:
+        setting = os.environ.get(WIRE_VERSION_ENV, "").strip()
+        if not setting:
+            return BINARY_VERSION
+        if setting not in map(str, VERSIONS):
+            raise InvalidArgument(f"{WIRE_VERSION_ENV} is {spoken}, not {setting[:20]!r}")
+        return int(setting)
+    if version not in VERSIONS:
+        raise InvalidArgument(f"the protocol version is {spoken}, not {version!r}")
+    return version
+
+
 class Channel(ABC):
-    def __init__(self) -> None:
+    def __init__(self, version: int | None = None) -> None:
+        self.version = wire_version(version)
         self._decoder = FrameDecoder()
         # A VM's port outlives the guest programs that open it: a reply meant for a program that died may
         # still arrive, so ids start somewhere new and replies to other ids are skipped.
@@ -43,7 +62,7 @@ class Channel(ABC):
 
     def call(self, op: str, fds: list[int] | None = None, **args: Any) -> dict[str, Any]:
         request_id = next(self._ids)
-        data = encode({"id": request_id, "op": op, "args": args})
+        data = encode({"id": request_id, "op": op, "args": args}, self.version)
         with self._lock:
             try:
                 self._send(data, fds)
@@ -57,7 +76,7 @@ class Channel(ABC):
 
     def notify(self, op: str) -> None:
         """A one-way message vrnicd does not answer (the VM's doorbell)."""
-        data = encode({"id": 0, "op": op, "args": {}})
+        data = encode({"id": 0, "op": op, "args": {}}, self.version)
         with self._lock:
             try:
                 self._send(data, None)
@@ -69,7 +88,7 @@ class Channel(ABC):
             chunk = self._recv()
             if not chunk:
                 raise ChannelLost(f"vrnicd closed the channel{_REATTACH}")
-            for message in self._decoder.feed(chunk):
+            for _version, message in self._decoder.feed_frames(chunk):  # vrnicd answers in ours, or 1 if unread
                 if message.get("id") in (request_id, 0):  # 0: vrnicd could not read the request at all
                     return message
 
@@ -77,7 +96,7 @@ class Channel(ABC):
     def _send(self, data: bytes, fds: list[int] | None) -> None: ...
 
     @abstractmethod
-    def _recv(self) -> bytes: ...
+    def _recv(self) -> bytes | memoryview: ...
 
     @abstractmethod
     def close(self) -> None: ...
@@ -86,8 +105,8 @@ class Channel(ABC):
 class UnixChannel(Channel):
     """A container guest's connection to vrnicd's socket."""
 
-    def __init__(self, path: str) -> None:
-        super().__init__()
+    def __init__(self, path: str, version: int | None = None) -> None:
+        super().__init__(version)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._buffer = memoryview(bytearray(RECV_BYTES))
         try:
@@ -102,11 +121,12 @@ class UnixChannel(Channel):
         else:
             self.sock.sendall(data)
 
-    def _recv(self) -> bytes:
-        # Into one buffer kept for the connection: recv_fds would allocate 64 KiB per reply.
+    def _recv(self) -> memoryview:
+        # Into one buffer kept for the connection: recv_fds would allocate 64 KiB per reply. Not copied out:
+        # the decoder copies what it keeps.
         size, ancillary, _flags, _addr = self.sock.recvmsg_into([self._buffer], _FDS_SPACE)
         self.received_fds += fds_of(ancillary)
-        return self._buffer[:size].tobytes()
+        return self._buffer[:size]
 
     def close(self) -> None:
         for fd in self.take_fds():
@@ -128,13 +148,14 @@ def find_port(name: str = DEFAULT_PORT, sysfs: Path = VIRTIO_PORTS, dev: Path = 
 class PortChannel(Channel):
     """A VM guest's virtio-serial port; vrnicd holds the host end. One opener at a time (EBUSY otherwise)."""
 
-    def __init__(self, name: str = DEFAULT_PORT) -> None:
-        super().__init__()
+    def __init__(self, name: str = DEFAULT_PORT, version: int | None = None) -> None:
+        super().__init__(version)
         path = find_port(name)
         try:
             self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
             raise VrnicError(f"cannot open the vRNIC port {path}: {exc.strerror}") from exc
+        self._buffer = memoryview(bytearray(RECV_BYTES))
 
     def _send(self, data: bytes, fds: list[int] | None) -> None:
         if fds:
@@ -143,8 +164,8 @@ class PortChannel(Channel):
         while view:
             view = view[os.write(self.fd, view):]
 
-    def _recv(self) -> bytes:
-        return os.read(self.fd, 65536)
+    def _recv(self) -> memoryview:
+        return self._buffer[:os.readv(self.fd, [self._buffer])]  # one buffer, as UnixChannel's
 
     def close(self) -> None:
         os.close(self.fd)
