@@ -215,6 +215,19 @@ def test_tenant_allocates_a_vf_through_the_pool_and_sees_only_its_own(api: TestC
     assert actions == ["tenant.create", "vf_allocated", "vrnic.allocate", "vf_released", "vrnic.release"]
 
 
+def test_a_live_qos_change_on_a_vf_is_refused_and_changes_nothing(api: TestClient, tenant: Any,
+                                                                   kernel: MemoryKernel) -> None:
+    """A VF takes its cap and guarantee as max/min_tx_rate at allocation; the sriov driver cannot change them
+    while the vRNIC lives, so PATCH says so (422) instead of recording a policy nothing applies."""
+    red = tenant("red", 100)
+    vrnic = api.post("/api/v1/vrnics", headers=red, json={"mode": "sriov", "qos": {"rate_cap_mbps": 1000}}).json()
+    refused = api.patch(f"/api/v1/vrnics/{vrnic['id']}", headers=red, json={"qos": {"rate_cap_mbps": 500}})
+    assert refused.status_code == 422 and "its rates are set when it is allocated" in refused.json()["detail"], \
+        refused.text
+    assert api.get(f"/api/v1/vrnics/{vrnic['id']}", headers=red).json()["qos"]["rate_cap_mbps"] == 1000
+    assert kernel.vfs[0].max_tx_rate == 1000
+
+
 def test_a_vf_moved_into_a_container_is_observed_as_attached(api: TestClient, tenant: Any,
                                                             sriov_backend: BackendService, kernel: MemoryKernel
                                                             ) -> None:
