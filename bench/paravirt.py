@@ -6,6 +6,8 @@ process, as the native baseline's two endpoints do.
 
 from __future__ import annotations
 
+import os
+import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,6 +15,7 @@ from contextlib import contextmanager
 from bench.harness import Record, median_ms
 from vrnic.core.specs import AttachInfo
 from vrnic.frontend import CQ, MR, PD, QP, Access, Context, SendRequest, WrOpcode
+from vrnic.frontend.channel import WIRE_VERSION_ENV
 from vrnic.lab.latency import ping_pong_us, standalone_vrnicd
 
 ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
@@ -56,12 +59,37 @@ def control_verbs(infos: list[AttachInfo], native: dict[str, float], repeat: int
         # native alloc_pd, the cheapest native verb, to show how much of a verb's budget the round trip eats.
         records.append(Record("paravirt.null_rpc", "ms", median_ms(ctx.null_rpc, repeat),
                               native["native.alloc_pd"]))
+        records += wire_versions(ctx, infos[1], native, repeat * 4)
         timed("alloc_pd", lambda: PD(ctx).close)
         timed("create_cq", lambda: CQ(ctx, 64).close)
         timed("create_qp", lambda: QP(pd, cq, cq, "rc", 64, 64).close)
         timed("reg_mr_4k", lambda: MR(pd, 4096, ALL).close)
         timed("reg_mr_1m", lambda: MR(pd, 1 << 20, ALL).close)
     return records
+
+
+def wire_versions(binary: Context, other: AttachInfo, native: dict[str, float], rounds: int) -> list[Record]:
+    """null_rpc in protocol v2 (binary, what the frontend speaks) and v1 (JSON) to the same vrnicd, one call of
+    each per round, in turns, so that both see the same load: what the encoding is worth on the round trip."""
+    saved = os.environ.get(WIRE_VERSION_ENV)
+    os.environ[WIRE_VERSION_ENV] = "1"
+    try:
+        json_ctx = Context.attach(other, ARENA)
+    finally:
+        if saved is None:
+            os.environ.pop(WIRE_VERSION_ENV)
+        else:
+            os.environ[WIRE_VERSION_ENV] = saved
+    samples: dict[str, list[float]] = {"binary_v2": [], "json_v1": []}
+    with json_ctx:
+        for n in range(rounds):
+            pair = (("binary_v2", binary), ("json_v1", json_ctx))
+            for name, ctx in pair if n % 2 else pair[::-1]:  # the first call of a round pays more: take turns
+                started = time.perf_counter()
+                ctx.null_rpc()
+                samples[name].append((time.perf_counter() - started) * 1e3)
+    return [Record(f"paravirt.null_rpc.{name}", "ms", statistics.median(values), native["native.alloc_pd"])
+            for name, values in samples.items()]
 
 
 def connect_and_data(infos: list[AttachInfo], native: dict[str, float], repeat: int = 20) -> list[Record]:

@@ -359,3 +359,26 @@ def test_requests_are_strict_booleans_integers_query_names_and_405s_name_the_all
     refused = client.put("/api/v1/tenants/acme")
     assert refused.status_code == 405 and refused.headers["allow"] == "DELETE, GET, PATCH"
     assert client.request("TRACE", "/metrics").headers["allow"] == "GET"
+
+
+def test_a_database_gone_under_a_request_is_a_503_to_retry_and_nothing_is_half_made(
+        client: TestClient, migrated: Engine, backend: BackendService, make_tenant: Callable[..., Tenant],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The database cut away mid-request (PostgreSQL restarted: tests/two_hosts/test_peering.py does it for
+    real) answers 503 with Retry-After, never a bare 500; once it is back the same call works."""
+    from sqlalchemy.exc import OperationalError
+
+    acme = make_tenant("acme")
+    before = backend.vrnic_ids()
+
+    def gone(*_: object, **__: object) -> None:
+        raise OperationalError("BEGIN", {}, ConnectionError("server closed the connection unexpectedly"))
+
+    monkeypatch.setattr(migrated, "connect", gone)
+    refused = client.post("/api/v1/vrnics", json={}, headers=_as(acme))
+    assert refused.status_code == 503, refused.text
+    assert refused.headers["retry-after"] == "1" and refused.json()["code"] == "unavailable"
+    assert "the database is unavailable (ConnectionError)" in refused.json()["detail"]
+    assert backend.vrnic_ids() == before  # nothing made in the backend for a request that did not commit
+    monkeypatch.undo()
+    assert client.post("/api/v1/vrnics", json={}, headers=_as(acme)).status_code == 201

@@ -8,11 +8,16 @@ audit log.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import pytest
 
 from vrnic.lab.two_hosts.guest import LocalGuest, RemoteGuest
@@ -68,6 +73,30 @@ def test_guests_on_two_hosts_connect_by_virtual_ip_send_and_write(rig: Rig, gues
         reply = os.urandom(64)
         ok(guests["b"].call("send", hex=reply.hex()))  # and back
         assert ok(guests["a"].call("recv", count=1))["messages"] == [reply.hex()]
+    finally:
+        for guest in guests.values():
+            guest.close()
+        release(rig, *vrnics.values())
+
+
+def test_ud_datagrams_cross_hosts_by_virtual_gid_and_qpn_and_name_their_source_virtually(
+        rig: Rig, guests: Guests) -> None:
+    """UD across the link: each guest sends to the other's virtual GID and virtual QPN (its agent resolves the
+    destination through the control plane, same tenant only); the receiver sees the sender's virtual QPN."""
+    token = rig.make_tenant("datagrams")
+    vrnics = {host: rig.allocate(host, token) for host in ("a", "b")}
+    try:
+        for host in ("a", "b"):
+            ok(guests[host].call("attach", attach=vrnics[host]["attach"]))
+        qpns = {host: ok(guests[host].call("ud_qp"))["qpn"] for host in ("a", "b")}
+        for sender, receiver in (("a", "b"), ("b", "a")):
+            for _ in range(3):
+                message = os.urandom(200)
+                sent = ok(guests[sender].call("ud_send", gid=vrnics[receiver]["virtual_gid"], qpn=qpns[receiver],
+                                              hex=message.hex()))
+                assert sent["statuses"] == [0], (sender, sent)
+                got = ok(guests[receiver].call("ud_recv", count=1))["datagrams"]
+                assert got == [{"src_qp": qpns[sender], "hex": message.hex()}], (sender, got)
     finally:
         for guest in guests.values():
             guest.close()
@@ -132,6 +161,61 @@ def lost(rig: Rig, host: str, before: dict[str, dict[str, Any]]) -> dict[str, An
             for i, v in before.items() if now.get(i) is None or any(now[i].get(k) != v.get(k) for k in keys)}
 
 
+def allocations_audited(rig: Rig, vrnics: Iterable[dict[str, Any]]) -> set[str]:
+    """The subjects of the vrnic.allocate events of these vRNICs that the audit log holds."""
+    with rig.client("a") as api:
+        return {e["subject"] for v in vrnics
+                for e in api.get("/events", params={"action": "vrnic.allocate", "subject": f"vrnic/{v['id']}"}
+                                 ).json()["items"]}
+
+
+@dataclass
+class Writes:
+    answers: list[tuple[int, str]] = field(default_factory=list)  # (status, vRNIC id or text); 0: no answer
+    made: set[str] = field(default_factory=set)  # allocations answered 201, or 200 on a replay of one
+    released: set[str] = field(default_factory=set)  # of those, the ones whose DELETE answered 200
+
+
+@contextlib.contextmanager
+def writes_through(rig: Rig, token: str) -> Iterator[Writes]:
+    """A thread allocating on a and releasing what it got, over and over, while the body runs; a 503 is
+    retried as Retry-After says, an allocation with the same Idempotency-Key (what a client of this API does)."""
+    writes = Writes()
+    stop = threading.Event()
+
+    def until_answered(call: Callable[[], httpx.Response]) -> httpx.Response:
+        while True:
+            answer = call()
+            writes.answers.append((answer.status_code, answer.json().get("id") or answer.text[:200]))
+            if answer.status_code != 503 or stop.is_set():
+                return answer
+            time.sleep(float(answer.headers.get("retry-after", "1")))
+
+    def loop() -> None:
+        with rig.client("a", token, timeout=60) as api:
+            while not stop.is_set():
+                key = {"Idempotency-Key": uuid.uuid4().hex}  # a retried allocation is the same allocation
+                try:
+                    made = until_answered(lambda key=key: api.post("/vrnics", json={"device": "rxe0", "host": "a"},
+                                                                   headers=key))
+                    if made.status_code in (200, 201):
+                        vrnic_id = made.json()["id"]
+                        writes.made.add(vrnic_id)
+                        if until_answered(lambda v=vrnic_id: api.delete(f"/vrnics/{v}")).status_code == 200:
+                            writes.released.add(vrnic_id)
+                except httpx.HTTPError as exc:
+                    writes.answers.append((0, repr(exc)))
+                stop.wait(0.1)
+
+    worker = threading.Thread(target=loop, daemon=True)
+    worker.start()
+    try:
+        yield writes
+    finally:
+        stop.set()
+        worker.join(120)
+
+
 def test_postgres_restarted_in_use_agents_reconnect_nothing_lost(rig: Rig, guests: Guests) -> None:
     token = rig.make_tenant("durable")
     vrnics = {host: rig.allocate(host, token) for host in ("a", "b")}
@@ -139,8 +223,21 @@ def test_postgres_restarted_in_use_agents_reconnect_nothing_lost(rig: Rig, guest
         connect_by_ip(rig, guests, "a", vrnics, data="before the restart")
         with rig.client("a") as api:
             before = {v["id"]: v for v in api.get("/vrnics", params={"limit": 500}).json()["items"]}
+        audited = allocations_audited(rig, vrnics.values())
+        assert audited == {f"vrnic/{v['id']}" for v in vrnics.values()}
         for mode in ("fast", "immediate"):
-            rig.postgres.restart(mode)  # every agent's database connection is cut
+            with writes_through(rig, token) as writes:  # allocations and releases in flight meanwhile
+                rig.postgres.restart(mode)  # every agent's database connection is cut
+                time.sleep(2.0)  # and a few more writes once it is back
+            statuses = {status for status, _ in writes.answers}
+            assert statuses <= {200, 201, 503}, writes.answers  # done, or a clean "retry", never a bare 500
+            assert 201 in statuses and writes.released, writes.answers  # writes went through after the restart
+            with rig.client("a") as api:
+                live = {v["id"] for v in api.get("/vrnics", params={"limit": 500, "tenant": "durable"}).json()["items"]
+                        if v["state"] != "released"}
+            unreleased = writes.made - writes.released
+            assert live == {v["id"] for v in vrnics.values()} | unreleased, (mode, live, writes)
+            release(rig, *({"id": i} for i in unreleased))
             message = os.urandom(100)  # the data path never needed the database
             ok(guests["b"].call("send", hex=message.hex()))
             assert ok(guests["a"].call("recv", count=1))["messages"] == [message.hex()]
@@ -153,6 +250,7 @@ def test_postgres_restarted_in_use_agents_reconnect_nothing_lost(rig: Rig, guest
             assert up, "an agent did not beat again after the restart"
         extra = rig.allocate("b", token)  # writes work again, through either API
         release(rig, extra)
+        assert allocations_audited(rig, vrnics.values()) == audited  # the audit log kept its past
     finally:
         for guest in guests.values():
             guest.close()

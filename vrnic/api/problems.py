@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DataError
+from sqlalchemy.exc import DataError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import compile_path
 
@@ -123,6 +123,17 @@ def install(app: FastAPI) -> None:
     async def data_error(request: Request, exc: DataError) -> JSONResponse:
         # The database refused a value the schema let through (e.g. NUL in text on PostgreSQL).
         return problem(400, InvalidArgument.code, f"the database refused a value: {exc.orig}", request)
+
+    @app.exception_handler(OperationalError)
+    async def database_unavailable(request: Request, exc: OperationalError) -> JSONResponse:
+        # The database went away under the request (restarted, link cut, SQLite busy past its timeout). The
+        # unit of work rolled back what it could; the pool reconnects on the next checkout (pre-ping), so the
+        # client's move is to retry, and an allocation's Idempotency-Key makes that safe.
+        log.warning("%s %s: database unavailable: %s", request.method, request.url.path, exc.orig)
+        answer = problem(503, Unavailable.code, f"the database is unavailable ({type(exc.orig).__name__}); "
+                                                "retry (POST /vrnics with the same Idempotency-Key is safe)", request)
+        answer.headers["Retry-After"] = "1"
+        return answer
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -13,6 +13,7 @@ Any VrnicError comes back as {"error": class name, "message"}: refusals are answ
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -27,6 +28,8 @@ from vrnic.errors import LabError, VrnicError
 MR_BYTES = 8192
 SLOT = 256  # each receive lands in its own slot of the MR's first 2 KiB
 WRITE_AT = 2048  # RDMA WRITEs from the peer land in the next 2 KiB
+GRH = 40  # a UD receive starts with the global route header
+UD_QKEY = 0x11111111  # the frontend's UD QPs take this qkey
 STAGE = 4096  # what this guest sends or writes is staged in the last 4 KiB
 RECVS = 8
 MR_INFO = struct.Struct("<QI")  # address and rkey, the private data an accept carries
@@ -60,6 +63,40 @@ class GuestProgram:
         self.qp.post_recv([RecvRequest(1000 + i, (self.mr.sge(i * SLOT, SLOT),)) for i in range(RECVS)])
         self.received = 0
         return {"qpn": self.qp.qpn}
+
+    def do_ud_qp(self) -> dict[str, Any]:
+        """A UD QP (qkey UD_QKEY) in RTS with every receive slot posted: datagrams by virtual GID and QPN."""
+        from vrnic.frontend import QP, RecvRequest
+
+        if self.qp is not None:
+            self.qp.close()
+        self.qp = QP(self.pd, self.scq, self.rcq, qp_type="ud")
+        for state in ("init", "rtr", "rts"):
+            self.qp.modify(state)
+        self.qp.post_recv([RecvRequest(1000 + i, (self.mr.sge(i * SLOT, SLOT),)) for i in range(RECVS)], sync=True)
+        return {"qpn": self.qp.qpn}
+
+    def do_ud_send(self, gid: str, qpn: int, hex: str) -> dict[str, Any]:
+        from vrnic.frontend import SendRequest, WrOpcode
+
+        data = bytes.fromhex(hex)
+        self.mr.write(data, STAGE)
+        self.wr += 1
+        self.qp.post_send(SendRequest(self.wr, WrOpcode.SEND, (self.mr.sge(STAGE, len(data)),),
+                                      ud_gid=ipaddress.IPv6Address(gid).packed, ud_qpn=qpn, ud_qkey=UD_QKEY))
+        return {"statuses": [int(c.status) for c in self.scq.wait(1, timeout=30)]}
+
+    def do_ud_recv(self, count: int = 1, timeout: float = 30.0) -> dict[str, Any]:
+        """The next count datagrams: the source QPN the receiver saw, and the payload after the 40-byte GRH."""
+        got: list[dict[str, Any]] = []
+        while len(got) < count:
+            for completion in self.rcq.wait(1, timeout=timeout):
+                if completion.status != 0:
+                    raise LabError(f"a receive completed with status {completion.status}")
+                slot = completion.wr_id - 1000
+                payload = self.mr.read(completion.byte_len - GRH, slot * SLOT + GRH)
+                got.append({"src_qp": completion.src_qp, "hex": payload.hex()})
+        return {"datagrams": got}
 
     def do_connect_gid(self, gid: str, qpn: int) -> dict[str, Any]:
         self.qp.connect(gid, qpn)
