@@ -221,8 +221,15 @@ def test_postgres_restarted_in_use_agents_reconnect_nothing_lost(rig: Rig, guest
     vrnics = {host: rig.allocate(host, token) for host in ("a", "b")}
     try:
         connect_by_ip(rig, guests, "a", vrnics, data="before the restart")
-        with rig.client("a") as api:
-            before = {v["id"]: v for v in api.get("/vrnics", params={"limit": 500}).json()["items"]}
+
+        def settled() -> dict[str, dict[str, Any]] | None:
+            """The listing once both guests' attaches are recorded (each agent records what it observes)."""
+            with rig.client("a") as api:
+                listed = {v["id"]: v for v in api.get("/vrnics", params={"limit": 500}).json()["items"]}
+            return listed if all(listed[v["id"]]["state"] == "attached" for v in vrnics.values()) else None
+
+        before = eventually(settled, timeout=30)
+        assert before, "the guests' attaches were not recorded"
         audited = allocations_audited(rig, vrnics.values())
         assert audited == {f"vrnic/{v['id']}" for v in vrnics.values()}
         for mode in ("fast", "immediate"):
