@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 from collections import Counter
 from dataclasses import asdict
 from typing import ClassVar
@@ -23,7 +24,13 @@ class FakeDriver(RnicDriver):
     name: ClassVar[str] = "fake"
     modes: ClassVar[frozenset[VrnicMode]] = frozenset({VrnicMode.PARAVIRTUAL})
 
-    def __init__(self, device_count: int = 2, socket_path: str = "/run/vrnic/fake.sock") -> None:
+    def __init__(self, device_count: int = 2, socket_path: str = "/run/vrnic/fake.sock",
+                 create_delay_s: float = 0.0) -> None:
+        """create_delay_s: how long each create_vrnic takes (tests: keeps an allocation in flight for that long,
+        as a real driver's kernel work does; e.g. VRNIC_PARAVIRTUAL_DRIVER_OPTIONS='{"create_delay_s": 0.05}')."""
+        if create_delay_s < 0:
+            raise InvalidArgument(f"create_delay_s must be >= 0, not {create_delay_s}")
+        self.create_delay_s = create_delay_s
         self._devices = [
             DeviceInfo(name=f"fake{i}", driver=self.name, node_guid=f"0200:00ff:fe00:{i:04x}",
                        ports=[PortInfo(port=1, state="ACTIVE", mtu=1024)],
@@ -46,6 +53,8 @@ class FakeDriver(RnicDriver):
     def create_vrnic(self, spec: VrnicSpec, device: str) -> AttachInfo:
         if device not in {d.name for d in self._devices}:
             raise NotFound(f"no device {device}")
+        if self.create_delay_s:
+            time.sleep(self.create_delay_s)
         with self._lock:
             if spec.id in self._vrnics:
                 raise Conflict(f"vRNIC {spec.id} already exists in the backend")
