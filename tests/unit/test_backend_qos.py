@@ -68,3 +68,27 @@ def test_vrnicd_raises_a_connected_rc_qps_timeout_above_its_qos_queue_wait(
         assert second.query()["timeout"] == rc_timeout_floor(1024, 2, 12_000) == 17  # two QPs share the class
         assert patient.query()["timeout"] == 25
         assert peers[0].query()["timeout"] == 14  # fake1 shapes nothing: the guest's own
+
+
+def test_an_unshaped_devices_link_speed_is_read_once_not_on_every_connect(
+        driver: VerbsDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The RC timeout floor needs the uplink's speed at every RTS; sysfs is read once per device (as a shaper
+    reads it once), with the operator's figure when sysfs has none, and None without an uplink."""
+    import vrnic.backend.drivers.paravirtual as paravirtual
+
+    reads: list[str] = []
+
+    def uplink(device: str) -> str:
+        reads.append(device)
+        if device == "gone0":
+            raise NotSupported("no uplink")
+        return f"net-{device}"
+
+    monkeypatch.setattr(paravirtual, "uplink_netdev", uplink)
+    monkeypatch.setattr(paravirtual, "link_speed_mbps", lambda netdev: 25_000 if netdev == "net-fast0" else None)
+    monkeypatch.setattr(driver, "qos_link_mbps", 100)
+    for _ in range(3):
+        assert driver._unshaped_link_mbps("fast0") == 25_000
+        assert driver._unshaped_link_mbps("veth0") == 100  # no speed in sysfs: the operator's figure
+        assert driver._unshaped_link_mbps("gone0") is None
+    assert sorted(reads) == ["fast0", "gone0", "veth0"]

@@ -292,8 +292,9 @@ class ChannelServer:
             except Exception as exc:  # the opener closed the fds; the guest learns nothing internal
                 _send(conn, version, reply_error(request.id, internal_error(exc, "attach")))
                 return
-            log.info("vRNIC %s attached by pid %d uid %d", session.vrnic_id, pending.cred.pid, pending.cred.uid)
             _send(conn, version, reply_ok(request.id, session.attach_result()), session.attach_fds())
+            # Logged once the guest has its answer: a log line to a console is milliseconds under TCG (issue 14)
+            log.info("vRNIC %s attached by pid %d uid %d", session.vrnic_id, pending.cred.pid, pending.cred.uid)
             if self._serve_messages(conn, session, backlog):
                 return
             buffer = memoryview(bytearray(RECV_BYTES))  # one per guest, not 64 KiB allocated per request

@@ -93,6 +93,9 @@ class VerbsDriver(RnicDriver):
         self._shapers: dict[str, QosMechanism] = {}  # by device, while any vRNIC on it asks for QoS
         self._qos_lock = threading.RLock()
         self._can_shape: dict[str, bool] = {}  # device -> has a QoS mechanism (DeviceInfo caps "qos_shaping")
+        # device -> its uplink's speed as the RC timeout floor assumes it while the device shapes nothing (read once,
+        # as a shaper reads it once): two sysfs reads on every connect cost a third of the verb under TCG (issue 14)
+        self._unshaped_link: dict[str, int | None] = {}
         if edge is None:
             from vrnic.backend.pyverbs_edge import PyverbsEdge  # pyverbs only where a real device is used
 
@@ -716,14 +719,20 @@ class VerbsDriver(RnicDriver):
         if not self._can_shape[device]:
             return None
         shaper = self._shapers.get(device)
-        try:
-            link = shaper.link_mbps if shaper is not None else (link_speed_mbps(uplink_netdev(device))
-                                                                 or self.qos_link_mbps)
-        except NotSupported:
-            return None
+        link = shaper.link_mbps if shaper is not None else self._unshaped_link_mbps(device)
         if link is None:
             return None
         return drain_kbit(link, {v.spec.id: v.spec.qos for v in self.registry.all_on(device)}, vrnic_id)
+
+    def _unshaped_link_mbps(self, device: str) -> int | None:
+        """The device's uplink speed (sysfs, else the operator's figure; None without either or without an uplink),
+        read once per device."""
+        if device not in self._unshaped_link:
+            try:
+                self._unshaped_link[device] = link_speed_mbps(uplink_netdev(device)) or self.qos_link_mbps
+            except NotSupported:
+                self._unshaped_link[device] = None
+        return self._unshaped_link[device]
 
     def _qos_refresh(self, device: str) -> None:
         """QoS is on for a device while any vRNIC on it asks for it; then every vRNIC on it has a class, and
