@@ -38,8 +38,11 @@ def served(tmp_path: Path, **settings: Any) -> Iterator[tuple[BackendService, ht
             token = operator.post("/tenants", json={"name": "acme"}).json()["token"]
             tenant = httpx.Client(base_url=f"{url}/api/v1", headers={"Authorization": f"Bearer {token}"},
                                   timeout=60)
-            with operator, tenant:
+            try:
                 yield backend, operator, tenant
+            finally:
+                operator.close()
+                tenant.close()
     finally:
         backend.close()
     assert wait_for_baseline(baseline) == baseline
