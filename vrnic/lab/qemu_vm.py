@@ -143,6 +143,18 @@ class QemuVm:
             raise
         return self
 
+    def exit_report(self, wait_s: float = 1.0) -> str | None:
+        """How QEMU ended (exit status or signal, and its log's tail), or None while it runs: a QMP socket that
+        breaks under a command says nothing of why."""
+        if self.process is None:
+            return None
+        try:
+            code = self.process.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            return None
+        how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        return f"QEMU {self.spec.name} {how}: {self.log_tail(1000).strip() or '(nothing in its log)'}"
+
     def log_tail(self, chars: int = 2000) -> str:
         try:
             return self.log.read_text(errors="replace")[-chars:]
@@ -241,7 +253,11 @@ def migrate(source: QemuVm, dest: QemuVm, uri: str, *, pause_before_switchover: 
     qmp.execute("migrate", uri=uri)
     cancelled = False
     while True:
-        info = qmp.execute("query-migrate")
+        try:
+            info = qmp.execute("query-migrate")
+        except LabError as exc:
+            ended = [report for vm in (source, dest) if (report := vm.exit_report()) is not None]
+            raise LabError("; ".join([str(exc), *ended])) from exc
         stats.polls += 1
         status = info.get("status")
         now = time.monotonic()
