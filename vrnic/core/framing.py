@@ -133,16 +133,21 @@ def _key(key: object) -> bytes:
     return data
 
 
-def _put_dict(out: bytearray, value: dict[Any, Any], depth: int) -> None:
+def _put_container_head(out: bytearray, size: int, depth: int, fixed: int, tag: int,
+                        what: str, units: str, unit: str) -> None:
+    """A list's or dict's tag and size, after the depth and size caps."""
     if depth > MAX_DEPTH:
         raise ProtocolError(f"the message nests deeper than {MAX_DEPTH} levels")
-    size = len(value)
     if size < 16:
-        out.append(_FIXDICT | size)
+        out.append(fixed | size)
     elif size <= MAX_ITEMS:
-        out += _HEAD_SIZE.pack(_DICT, size)
+        out += _HEAD_SIZE.pack(tag, size)
     else:
-        raise ProtocolError(f"a dict of {size} entries exceeds the {MAX_ITEMS}-entry cap")
+        raise ProtocolError(f"a {what} of {size} {units} exceeds the {MAX_ITEMS}-{unit} cap")
+
+
+def _put_dict(out: bytearray, value: dict[Any, Any], depth: int) -> None:
+    _put_container_head(out, len(value), depth, _FIXDICT, _DICT, "dict", "entries", "entry")
     cache = _KEY_CACHE
     for key, item in value.items():
         data = cache.get(key)
@@ -171,15 +176,7 @@ def _put_dict(out: bytearray, value: dict[Any, Any], depth: int) -> None:
 
 
 def _put_list(out: bytearray, value: list[Any] | tuple[Any, ...], depth: int) -> None:
-    if depth > MAX_DEPTH:
-        raise ProtocolError(f"the message nests deeper than {MAX_DEPTH} levels")
-    size = len(value)
-    if size < 16:
-        out.append(_FIXLIST | size)
-    elif size <= MAX_ITEMS:
-        out += _HEAD_SIZE.pack(_LIST, size)
-    else:
-        raise ProtocolError(f"a list of {size} items exceeds the {MAX_ITEMS}-item cap")
+    _put_container_head(out, len(value), depth, _FIXLIST, _LIST, "list", "items", "item")
     for item in value:
         if type(item) is int and 0 <= item < 0x80:
             out.append(item)
