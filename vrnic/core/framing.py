@@ -96,13 +96,7 @@ def _tag_name(tag: int) -> str:
 
 def _put_str(out: bytearray, value: str) -> None:
     data = value.encode()  # strict: a lone surrogate raises UnicodeEncodeError (encode_body turns it into ours)
-    size = len(data)
-    if size < 32:
-        out.append(_FIXSTR | size)
-    elif size <= MAX_STRING:
-        out += _HEAD_SIZE.pack(_STR, size)
-    else:
-        raise ProtocolError(f"a str of {size} bytes exceeds the {MAX_STRING}-byte cap")
+    _put_head(out, len(data), _FIXSTR, 32, _STR, MAX_STRING, "str", "bytes", "byte")
     out += data
 
 
@@ -133,21 +127,25 @@ def _key(key: object) -> bytes:
     return data
 
 
-def _put_container_head(out: bytearray, size: int, depth: int, fixed: int, tag: int,
-                        what: str, units: str, unit: str) -> None:
-    """A list's or dict's tag and size, after the depth and size caps."""
-    if depth > MAX_DEPTH:
-        raise ProtocolError(f"the message nests deeper than {MAX_DEPTH} levels")
-    if size < 16:
+def _put_head(out: bytearray, size: int, fixed: int, fixed_below: int, tag: int, cap: int,
+              noun: str, units: str, unit: str) -> None:
+    """A str's, list's or dict's tag and size: the short form below fixed_below, the long one up to cap."""
+    if size < fixed_below:
         out.append(fixed | size)
-    elif size <= MAX_ITEMS:
+    elif size <= cap:
         out += _HEAD_SIZE.pack(tag, size)
     else:
-        raise ProtocolError(f"a {what} of {size} {units} exceeds the {MAX_ITEMS}-{unit} cap")
+        raise ProtocolError(f"a {noun} of {size} {units} exceeds the {cap}-{unit} cap")
+
+
+def _check_depth(depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise ProtocolError(f"the message nests deeper than {MAX_DEPTH} levels")
 
 
 def _put_dict(out: bytearray, value: dict[Any, Any], depth: int) -> None:
-    _put_container_head(out, len(value), depth, _FIXDICT, _DICT, "dict", "entries", "entry")
+    _check_depth(depth)
+    _put_head(out, len(value), _FIXDICT, 16, _DICT, MAX_ITEMS, "dict", "entries", "entry")
     cache = _KEY_CACHE
     for key, item in value.items():
         data = cache.get(key)
@@ -176,7 +174,8 @@ def _put_dict(out: bytearray, value: dict[Any, Any], depth: int) -> None:
 
 
 def _put_list(out: bytearray, value: list[Any] | tuple[Any, ...], depth: int) -> None:
-    _put_container_head(out, len(value), depth, _FIXLIST, _LIST, "list", "items", "item")
+    _check_depth(depth)
+    _put_head(out, len(value), _FIXLIST, 16, _LIST, MAX_ITEMS, "list", "items", "item")
     for item in value:
         if type(item) is int and 0 <= item < 0x80:
             out.append(item)
