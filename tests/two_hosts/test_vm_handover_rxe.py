@@ -22,20 +22,20 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
-import httpx
 import pytest
 
 from vrnic.backend.rdma_tool import resource_counts
 from vrnic.config import PROJECT_DIR, lab_output_dir
-from vrnic.core.specs import AttachInfo, VmBinding, VmVrnic
-from vrnic.lab.migration_rig import WRITE_AT, identity, largest_gap_ms, start_vm, stream_into_vm
-from vrnic.lab.two_hosts.rig import Rig, lab_addrs
-from vrnic.lab.two_hosts.vm_target import RemoteVm, migrate_source_only
+from vrnic.lab.migration_rig import WRITE_AT, identity, largest_gap_ms
+from vrnic.lab.two_hosts.rig import Rig
+from vrnic.lab.two_hosts.vm_move import MovingVm
 from vrnic.lab.vm_guest import build_migratable_initramfs
 from vrnic.lab.vm_host import ensure_kvm
 
@@ -72,102 +72,125 @@ def diagnose(rig: Rig) -> None:
     time.sleep(2)
 
 
-class RestBinder:
-    """stream_into_vm's bind_vm, as the libvirt hook does it: PUT /vms/{domain}/binding on a's API."""
-
-    def __init__(self, api: httpx.Client) -> None:
-        self.api = api
-
-    def bind_vm(self, binding: VmBinding) -> None:
-        reply = self.api.put(f"/vms/{binding.domain}/binding", json=binding.model_dump(mode="json"))
-        assert reply.status_code == 200, reply.text
-
-
-def test_a_vm_under_traffic_moves_to_host_b_with_its_vrnic(rig: Rig, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def booting(rig: Rig) -> tuple[Path, Literal["kvm", "tcg"]]:
+    """The migratable image, and the accelerator both hosts offer nested VMs."""
     for tool in ("qemu-system-x86_64", "cpio", "ldd"):
         if shutil.which(tool) is None:
             pytest.skip(f"{tool} is not installed")
     kvm_b = rig.run_on_b([sys.executable, "-c", "from vrnic.lab.vm_host import ensure_kvm; print(ensure_kvm())"])
-    accel = "kvm" if ensure_kvm() and str(kvm_b.get("stdout", "")).strip() == "True" else "tcg"
+    accel: Literal["kvm", "tcg"] = "kvm" if ensure_kvm() and str(kvm_b.get("stdout", "")).strip() == "True" else "tcg"
     print(f"\nnested VMs under {accel}")
     SHARED.mkdir(parents=True, exist_ok=True)
     image = build_migratable_initramfs(os.uname().release, SHARED / "migratable.cpio.gz", PROJECT_DIR,
                                        program_args=("--mr-bytes", str(MR_BYTES)))
-    token = rig.make_tenant("mover")
+    return image, accel
+
+
+@dataclass
+class Scene:
+    moving: MovingVm
+    baseline: dict[str, dict[str, int]]  # a's rdma res before the VM and its peer
+
+
+@pytest.fixture
+def scene(rig: Rig, booting: tuple[Path, Literal["kvm", "tcg"]], tmp_path: Path,
+          request: pytest.FixtureRequest) -> Iterator[Scene]:
+    token = rig.make_tenant(f"mover-{request.node.name[-20:].strip('_')}")
     vm_row, peer_row = rig.allocate("a", token), rig.allocate("a", token)
     baseline = resource_counts()
-    timings: dict[str, Any] = {"accel": accel}
-    dest = RemoteVm(rig.control)
-    source = stream = None
     api = rig.client("a")
+    moving = None
     try:
-        source = start_vm("src", image, tmp_path, accel)  # type: ignore[arg-type]
-        stream = stream_into_vm(RestBinder(api), DOMAIN, source, AttachInfo.model_validate(vm_row["attach"]),
-                                AttachInfo.model_validate(peer_row["attach"]),
-                                ready_timeout=600)  # a loaded lab: the nested VM reached /init after 97 s once
-        timings["boot_to_ready_s"] = stream.ready_s
-        who = stream.control.call("whoami")
+        moving = MovingVm.start(rig, api, DOMAIN, booting[0], booting[1], tmp_path, vm_row, peer_row)
         time.sleep(1.0)  # traffic before
-        b = lab_addrs()["b"]
-        started = dest.call("start_migratable", name="dst", workdir="/tmp/xvm-b", image=str(image), accel=accel,
-                            incoming=f"tcp:{b}:{PORT}")
-        target = VmBinding(domain=DOMAIN, ram_path=started["ram_path"], machine="q35",
-                           vrnics=[VmVrnic(vrnic_id=vm_row["id"], channel_socket=started["channel_socket"])])
-        t0 = time.monotonic()
-        prepared = api.post(f"/vms/{DOMAIN}/handover", json={"host": "b", "binding": target.model_dump(mode="json")})
-        assert prepared.status_code == 200, prepared.text
-        timings["prepare_ms"] = (time.monotonic() - t0) * 1000
-        qemu = migrate_source_only(source, f"tcp:{b}:{PORT}", timeout=600)
-        paused = eventually(lambda: dest.call("status")["status"] == "paused", timeout=60, every=0.05)
-        assert paused, dest.call("status")
-        t_switch = time.monotonic()
-        switched = api.post(f"/vms/{DOMAIN}/handover/switchover")
-        assert switched.status_code == 200, switched.text
-        dest.call("cont")
-        t_resumed = time.monotonic()
-        report = switched.json()
-        timings.update(qemu_total_ms=qemu["total_ms"], qemu_downtime_ms=qemu["downtime_ms"],
-                       switchover_ms=report["total_ms"], switchover_wall_ms=(t_resumed - t_switch) * 1000,
-                       total_ms=(t_resumed - t0) * 1000, transferred=qemu["transferred"], report=report)
-        source.stop()
-        time.sleep(1.5)  # traffic after, to the VM on b
-        done = stream.peer.ask({"op": "stop"})
-        if done["errors"]:
-            diagnose(rig)
-        assert not done["errors"], done["errors"]
-        writes, sends = done["writes"], done["sends"]
-        assert len(writes) > 20 and writes == list(range(1, len(writes) + 1))
-        assert any(t > t_resumed for t in done["times"]), "no write completed after the VM resumed on b"
-        stream.control.close()
-        assert identity(dest.call("control", verb="whoami")) == identity(who)  # the same program, never restarted
-        got = dest.call("control", verb="recv_stream_stop", args={"expect": len(sends), "timeout": 30})
-        assert got["errors"] == [] and got["seqs"] == sends, (got, sends)
-        slots = dest.call("control", verb="check_slots", args={"offset": WRITE_AT, "count": len(writes) + 1,
-                                                             "size": 8})["seqs"]
-        assert slots[1:] == writes  # every completed write, in b's guest RAM, as the program reads it
-        saved = SHARED / "xmig-slots.bin"
-        saved.unlink(missing_ok=True)
-        dest.call("pmemsave", address=stream.info["addr"] + WRITE_AT, size=8 * (len(writes) + 1), path=str(saved))
-        raw = saved.read_bytes()
-        assert [int.from_bytes(raw[8 * s:8 * s + 8], "little") for s in writes] == writes  # and through QMP on b
-        assert report["peers_repointed"] >= 1 and report["broken_qps"] == 0, report
-        row = api.get(f"/vrnics/{vm_row['id']}").json()
-        assert row["host"] == "b", row
-        timings.update(peer_blackout_ms=largest_gap_ms(done["times"]), writes=len(writes), sends=len(sends))
-        stream.peer.close()
-        # a keeps nothing of the VM: with the peer gone, its rxe0 is back to where it was before the test
-        back = eventually(lambda: resource_counts() == baseline, timeout=30)
-        assert back, (resource_counts(), baseline)
+        yield Scene(moving, baseline)
     finally:
-        (SHARED.parent / "vm-handover-rxe.json").write_text(json.dumps(timings, indent=2, default=str))
-        print(f"cross-host hand-over: {json.dumps(timings, default=str)}")
-        if stream is not None:
-            stream.close()
-        with rig.client("b") as api_b:
-            api_b.delete(f"/vms/{DOMAIN}/binding")
-        api.delete(f"/vms/{DOMAIN}/binding")
-        dest.close()
-        if source is not None:
-            source.stop()
+        if moving is not None:
+            print(f"{request.node.name}: {json.dumps(moving.timings, default=str)}")
+            moving.close()
         api.close()
         release(rig, vm_row, peer_row)
+
+
+def test_a_vm_under_traffic_moves_to_host_b_with_its_vrnic(rig: Rig, scene: Scene) -> None:
+    moving = scene.moving
+    try:
+        timings = moving.move(PORT)
+        time.sleep(1.5)  # traffic after, to the VM on b
+        done = moving.stream.peer.ask({"op": "stop"})
+        if done["errors"]:
+            diagnose(rig)
+        assert moving.problems(done) == []
+        writes, sends = done["writes"], done["sends"]
+        assert len(writes) > 20
+        assert any(t > timings["resumed"] for t in done["times"]), "no write completed after the VM resumed on b"
+        assert moving.dest is not None
+        saved = SHARED / "xmig-slots.bin"
+        saved.unlink(missing_ok=True)
+        moving.dest.call("pmemsave", address=moving.stream.info["addr"] + WRITE_AT, size=8 * (len(writes) + 1),
+                         path=str(saved))
+        raw = saved.read_bytes()
+        assert [int.from_bytes(raw[8 * s:8 * s + 8], "little") for s in writes] == writes  # and through QMP on b
+        report = timings["report"]
+        assert report["peers_repointed"] >= 1 and report["broken_qps"] == 0, report
+        assert moving.api.get(f"/vrnics/{moving.vrnic_id}").json()["host"] == "b"
+        timings.update(peer_blackout_ms=largest_gap_ms(done["times"]), writes=len(writes), sends=len(sends))
+        moving.stream.peer.close()
+        # a keeps nothing of the VM: with the peer gone, its rxe0 is back to where it was before the test
+        back = eventually(lambda: resource_counts() == scene.baseline, timeout=30)
+        assert back, (resource_counts(), scene.baseline)
+    finally:
+        (SHARED.parent / "vm-handover-rxe.json").write_text(json.dumps(moving.timings, indent=2, default=str))
+
+
+def test_no_vrnicd_at_b_refuses_the_move_and_the_vm_keeps_its_vrnic_on_a(rig: Rig, scene: Scene) -> None:
+    moving = scene.moving
+    objects = resource_counts()
+    before = moving.stream.peer.ask({"op": "progress"})
+    target = moving.start_destination(PORT)
+    rig.agents["b"].stop()
+    try:
+        refused = moving.prepare(target)
+        assert refused.status_code == 503, refused.text
+        assert "cannot be reached" in refused.json()["detail"], refused.json()
+    finally:
+        rig.agents["b"].start()
+    assert moving.stream.vm.qmp.execute("query-status")["running"]  # the VM never stopped
+    assert resource_counts() == objects  # nothing was set up for the move on a, and nothing is left
+    # nothing is left pending either: with b back the move can be prepared, and called off again
+    again = moving.prepare(target)
+    assert again.status_code == 200, again.text
+    called_off = moving.api.delete(f"/vms/{DOMAIN}/handover")
+    assert called_off.status_code == 200, called_off.text
+    assert eventually(lambda: resource_counts() == objects, timeout=10), (resource_counts(), objects)
+    assert moving.api.get(f"/vrnics/{moving.vrnic_id}").json()["host"] == "a"
+    time.sleep(1.0)
+    after = moving.stream.peer.ask({"op": "progress"})
+    assert after["errors"] == [] and after["completed"] > before["completed"], (before, after)
+    done = moving.stream.peer.ask({"op": "stop"})
+    assert not done["errors"] and done["writes"] == list(range(1, len(done["writes"]) + 1))
+    sends = moving.stream.control.call("recv_stream_stop", expect=len(done["sends"]), timeout=30)
+    assert sends["errors"] == [] and sends["seqs"] == done["sends"]
+    slots = moving.stream.control.call("check_slots", offset=WRITE_AT, count=len(done["writes"]) + 1, size=8)
+    assert slots["seqs"][1:] == done["writes"]
+
+
+def test_a_peer_killed_during_the_move_breaks_only_its_qp(rig: Rig, scene: Scene) -> None:
+    moving = scene.moving
+    peer = moving.stream.peer
+    killer = threading.Timer(0.5, lambda: os.kill(peer.proc.pid, signal.SIGKILL))
+    try:
+        timings = moving.move(PORT, prepared_then=killer.start)  # its shadow QP made, QEMU migrating
+    finally:
+        killer.cancel()
+    assert peer.proc.wait(10) == -signal.SIGKILL
+    report = timings["report"]
+    assert report["broken_qps"] == 1, report
+    assert moving.dest is not None
+    assert identity(moving.dest.call("control", verb="whoami")) == identity(moving.who)  # it runs on b, unchanged
+    stream = moving.dest.call("control", verb="recv_stream_stop", args={"expect": 10 ** 6, "timeout": 5})
+    assert any("FLUSH" in e for e in stream["errors"]), stream  # a defined error, not silence
+    assert moving.api.get(f"/vrnics/{moving.vrnic_id}").json()["host"] == "b"
+    back = eventually(lambda: resource_counts() == scene.baseline, timeout=30)
+    assert back, (resource_counts(), scene.baseline)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 
 from vrnic.backend.cm import ConnectionManager
@@ -182,12 +183,16 @@ class PeerService:
         if moving.own_log:
             self.registry.log_writes(vrnic_id, None)
         repointed = 0
+        lookup_s = 0.0
+        started = time.perf_counter()
         for session, qps in moving.held:
             for qp in qps:
                 shadow = moving.shadows.pop(id(qp), None)
                 try:
                     assert qp.peer_vqpn is not None
+                    t0 = time.perf_counter()
                     resolved = self.registry.peer_qp(session.vrnic, virtual_gid, qp.peer_vqpn, via="migration")
+                    lookup_s += time.perf_counter() - t0
                     peer, phys_qpn = resolved
                     if shadow is not None and (peer.phys_gid, phys_qpn) == (shadow.dgid, shadow.dest_qpn):
                         session.adopt_shadow(qp, shadow.obj, shadow.phys_qpn, shadow.dgid, shadow.dest_qpn)
@@ -206,6 +211,8 @@ class PeerService:
             session.release(qps)
         for shadow in moving.shadows.values():
             self._drop(shadow)
+        log.info("vRNIC %s moved: %d QP(s) re-pointed in %.1f ms (%.1f ms of peer lookups)", vrnic_id, repointed,
+                 (time.perf_counter() - started) * 1000, lookup_s * 1000)
         return repointed
 
     @staticmethod

@@ -104,6 +104,7 @@ class HandoverReport:
     repoint_ms: float = 0.0
     release_ms: float = 0.0
     total_ms: float = 0.0
+    take_over_steps: dict[str, float] = field(default_factory=dict)  # the destination's own time, per step
 
 
 @dataclass
@@ -308,6 +309,7 @@ def switchover(handover: Handover, source_memory: GuestMemory, registry: Registr
         for key in ("qps", "recvs_reposted", "sends_carried", "broken_qps", "mrs_presetup", "mrs_registered",
                     "preconnected"):
             setattr(report, key, int(taken.get(key, 0)))
+        report.take_over_steps = {str(k): float(v) for k, v in dict(taken.get("steps", {})).items()}
         t0 = time.perf_counter()
         report.take_over_ms = (t0 - t_copy) * 1000
         # Until the control plane says where the vRNIC lives, no peer was re-pointed and the source's QPs are

@@ -11,7 +11,8 @@ it streams on QP 0 until "stop" (or until `slots` writes): sequence number s goe
 as an 8-byte RDMA WRITE to write_at + 8 * s in the VM's MR, and every
 send_every-th one also as an 8-byte SEND (the VM's receive stream counts them).
 Each WR is waited for before the next, so the order of completions is the order
-of the numbers. On "stop" it answers with what completed and when:
+of the numbers. {"op": "progress"} meanwhile answers {"completed", "errors"} and
+the stream goes on. On "stop" it answers with what completed and when:
 {"writes": [...], "sends": [...], "times": [...], "errors": [...]}, where times
 are time.monotonic() of every completion. Standard library and vrnic only.
 """
@@ -50,6 +51,10 @@ def _stop_asked() -> bool:
     return bool(ready)
 
 
+def _progress(writes: list[int], errors: list[str]) -> dict[str, Any]:
+    return {"completed": len(writes), "last_at": time.monotonic(), "errors": errors}
+
+
 def main() -> int:
     setup = _line()
     ctx = Context.attach(AttachInfo.model_validate(setup["attach"]))
@@ -71,7 +76,15 @@ def main() -> int:
     qp = qps[0]
     send_every = int(vm.get("send_every", 4))
     seq = 0
-    while seq < int(vm["slots"]) - 1 and not _stop_asked():
+    asked: dict[str, Any] | None = None
+    while seq < int(vm["slots"]) - 1:
+        if _stop_asked():
+            asked = _line()
+            if asked.get("op") != "progress":
+                break
+            _say(_progress(writes, errors))
+            asked = None
+            continue
         seq += 1
         mr.write(seq.to_bytes(8, "little"), 8 * (seq % 4096))
         sge = mr.sge(8 * (seq % 4096), 8)
@@ -89,7 +102,10 @@ def main() -> int:
             (writes if kind == "write" else sends).append(seq)
         if errors:
             break
-    _line()  # "stop" (or, after an error, the next command the controller sends)
+    while asked is None or asked.get("op") == "progress":  # after an error or the last slot, until "stop"
+        if asked is not None:
+            _say(_progress(writes, errors))
+        asked = _line()
     _say({"writes": writes, "sends": sends, "times": times, "errors": errors})
     _line()  # "close"
     ctx.close()
