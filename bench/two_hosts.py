@@ -1,5 +1,5 @@
-"""The two-hosts lab pass of `make bench`: bench.multihost, then bench.qos_two_hosts (each with its own rig),
-their records merged into one file.
+"""The two-hosts lab pass of `make bench`: bench.multihost, bench.qos_two_hosts, then bench.migration_two_hosts
+(each with its own rig), their records merged into one file.
 
     vrnic lab run --topology two-hosts -- python -m vrnic.lab.two_hosts -- python -m bench.two_hosts --out FILE
 """
@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import multihost, qos_two_hosts
+from bench import migration_two_hosts, multihost, qos_two_hosts
 from bench.harness import RESULTS, Record, load, write
 from vrnic.errors import LabError, VrnicError
 
@@ -22,7 +22,8 @@ def main() -> int:
     args = parser.parse_args()
     records: list[Record] = []
     rc = 0
-    for name, suite in (("multihost", multihost.run), ("qos_two_hosts", qos_two_hosts.run)):
+    for name, suite in (("multihost", multihost.run), ("qos_two_hosts", qos_two_hosts.run),
+                        ("migration_two_hosts", migration_two_hosts.run)):
         part = args.out.with_name(f"{args.out.stem}.{name}.json")
         part.unlink(missing_ok=True)
         started = time.monotonic()

@@ -27,6 +27,7 @@ from vrnic.backend.fake_edge import FakeEdge
 from vrnic.backend.peer_directory import AgentRef
 from vrnic.backend.peer_service import PeerService
 from vrnic.core.handover import (
+    Arrival,
     HandoverPhase,
     PeerQpStatus,
     QpCarry,
@@ -41,9 +42,11 @@ from vrnic.core.handover import (
     send_from_wire,
     send_to_wire,
 )
-from vrnic.core.rings import RecvRequest, SendRequest, Sge, WcOpcode, WcStatus, WrOpcode
+from vrnic.core.peering import Identity
+from vrnic.core.rings import Access, RecvRequest, SendRequest, Sge, WcOpcode, WcStatus, WrOpcode
 from vrnic.core.session_state import SessionSnapshot
 from vrnic.core.specs import VmBinding, VrnicSpec
+from vrnic.core.translate import MrWindow
 from vrnic.errors import Conflict, InvalidArgument, Unavailable
 
 pytestmark = pytest.mark.unit
@@ -79,11 +82,12 @@ class WireDestination:
         self.pages_sent += len(runs)
         self.driver.handover_pages(domain, pages_from_wire(_wire(pages_to_wire(runs))))
 
-    def take_over(self, domain: str, snapshots: dict[str, SessionSnapshot],
-                  carried: dict[str, list[QpCarry]]) -> dict[str, Any]:
+    def take_over(self, domain: str, snapshots: dict[str, SessionSnapshot], carried: dict[str, list[QpCarry]],
+                  live_peers: dict[str, list[int]]) -> dict[str, Any]:
         snaps = {k: SessionSnapshot.from_dict(_wire(v.to_dict())) for k, v in snapshots.items()}
         qps = {k: [QpCarry.from_dict(_wire(c.to_dict())) for c in v] for k, v in carried.items()}
-        return self.driver.handover_take_over(domain, snaps, qps)
+        answer: dict[str, Any] = _wire(self.driver.handover_take_over(domain, snaps, qps, _wire(live_peers)))
+        return {**answer, "agent": {"host": "b", "url": "http://b.invalid"}}
 
     def release(self, domain: str) -> None:
         self.driver.handover_release(domain)
@@ -112,8 +116,9 @@ class WirePeerHost:
         statuses, ranges = self.service.status(vrnic_id)
         return [PeerQpStatus.from_dict(_wire(s.to_dict())) for s in statuses], [tuple(r) for r in _wire(ranges)]
 
-    def moved(self, vrnic_id: str, virtual_gid: str) -> int:
-        return self.service.moved(vrnic_id, virtual_gid)
+    def moved(self, vrnic_id: str, virtual_gid: str, arrival: Arrival | None = None) -> int:
+        return self.service.moved(vrnic_id, virtual_gid,
+                                  None if arrival is None else Arrival.from_dict(_wire(arrival.to_dict())))
 
     def release(self, vrnic_id: str) -> None:
         self.service.release(vrnic_id)
@@ -171,7 +176,12 @@ def test_a_vm_moves_to_another_host_under_traffic_and_keeps_every_write(scene: S
     assert scene.dest.read_gpa(g_mr.addr + 16384 + 8, 8) == bytes(8)  # QEMU did not see the NIC's writes
     before = scene.source_objects()
     assert before <= edge.live
+    asked = scene.a.registry.directory.calls  # type: ignore[union-attr]
+    asked_before = len(asked)
     report = scene.a.complete_vm_handover("vm1", scene.record_move)
+    # nobody asked the directory during the blackout: b knew from a which peers live, a's peer re-pointed from
+    # what b published at take-over (its QPs and MR windows)
+    assert asked[asked_before:] == []
     assert report["qps"] == 2 and report["peers_repointed"] == 2 and report["peer_hosts"] == 2, report
     assert report["mrs_presetup"] == 1 and report["mrs_registered"] == 0, report
     assert report["recvs_reposted"] == 6 and report["broken_qps"] == 0, report  # 3 unused receives on each QP
@@ -194,6 +204,7 @@ def test_a_vm_moves_to_another_host_under_traffic_and_keeps_every_write(scene: S
     for seq, host in ((9, "a"), (10, "b")):
         scene.write(host, seq)
         assert [c.status for c in scene.p_cq[host].wait(1)] == [WcStatus.SUCCESS]
+    assert asked[asked_before:] == []  # a's peer wrote with the windows b published, not fetched ones
     assert struct.unpack("<Q", g_mr.read(8, 8192 + 9 * 8))[0] == 9
     assert struct.unpack("<Q", g_mr.read(8, 16384 + 10 * 8))[0] == 10
     for i, host in enumerate(("a", "b")):
@@ -296,6 +307,17 @@ def test_work_requests_and_pages_survive_their_json_form() -> None:
         pages_from_wire([{"address": 1, "data": "not base64!"}])
     with pytest.raises(InvalidArgument):
         QpCarry.from_dict({"handle": "x"})
+
+
+def test_an_arrival_survives_its_json_form_and_a_bad_one_is_refused() -> None:
+    arrival = Arrival(Identity("v1", "t1", 1, "fd00::1"), "b", "http://10.77.0.2:8470", "fe80::2", {5: 0x1234},
+                      (MrWindow(3, 4096, 8192, Access.REMOTE_WRITE | Access.LOCAL_WRITE, 0, 0x77, 1 << 30),))
+    assert Arrival.from_dict(_wire(arrival.to_dict())) == arrival
+    good = arrival.to_dict()
+    for bad in ({"qpns": {"5": 1 << 24}}, {"agent_url": "file:///etc/passwd"}, {"phys_gid": "not a gid"},
+                {"windows": [{"vkey": 1}]}, {"extra": 1}):
+        with pytest.raises(InvalidArgument, match="not an arrival record"):
+            Arrival.from_dict({**good, **bad})
 
 
 def test_ranges_are_merged_across_hosts_and_cut_into_batches() -> None:

@@ -19,7 +19,7 @@ from vrnic.api.controlplane import ControlPlane
 from vrnic.api.problems import RESPONSES
 from vrnic.backend.drivers.paravirtual import VerbsDriver
 from vrnic.backend.peer_service import PeerService
-from vrnic.core.handover import QpCarry, pages_from_wire
+from vrnic.core.handover import Arrival, QpCarry, pages_from_wire
 from vrnic.core.session_state import SessionSnapshot
 from vrnic.core.specs import VmBinding, VrnicSpec
 from vrnic.errors import InvalidArgument, NotFound, VrnicError
@@ -66,10 +66,12 @@ class PagesBody(BaseModel):
 class TakeOverBody(BaseModel):
     snapshots: dict[str, dict[str, Any]]
     carried: dict[str, list[dict[str, Any]]]
+    live_peers: dict[str, list[int]] | None = None  # per vRNIC, its QPs (virtual QPNs) whose peers are held alive
 
 
 class MovedBody(BaseModel):
     virtual_gid: str
+    arrival: dict[str, Any] | None = None  # vrnic.core.handover.Arrival's JSON form
 
 
 def _snapshots(raw: dict[str, dict[str, Any]]) -> dict[str, SessionSnapshot]:
@@ -104,7 +106,7 @@ def pages(domain: str, body: PagesBody, driver: Driver) -> dict[str, int]:
 @router.post("/handover/{domain}/take-over")
 def take_over(domain: str, body: TakeOverBody, driver: Driver) -> dict[str, Any]:
     carried = {k: [QpCarry.from_dict(c) for c in v] for k, v in body.carried.items()}
-    return driver.handover_take_over(domain, _snapshots(body.snapshots), carried)
+    return driver.handover_take_over(domain, _snapshots(body.snapshots), carried, body.live_peers)
 
 
 @router.post("/handover/{domain}/release", status_code=status.HTTP_204_NO_CONTENT)
@@ -168,7 +170,8 @@ def moving_status(vrnic_id: str, peers: Peers) -> dict[str, Any]:
 
 @router.post("/moving/{vrnic_id}/moved")
 def moved(vrnic_id: str, body: MovedBody, peers: Peers) -> dict[str, int]:
-    return {"repointed": peers.moved(vrnic_id, body.virtual_gid)}
+    arrival = None if body.arrival is None else Arrival.from_dict(body.arrival)
+    return {"repointed": peers.moved(vrnic_id, body.virtual_gid, arrival)}
 
 
 @router.delete("/moving/{vrnic_id}", status_code=status.HTTP_204_NO_CONTENT)

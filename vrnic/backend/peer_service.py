@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 from vrnic.backend.cm import ConnectionManager
 from vrnic.backend.engine import SharedRingEngine
-from vrnic.backend.registry import Registry
+from vrnic.backend.peer_directory import AgentRef, RemotePeer
+from vrnic.backend.registry import Peer, Registry
 from vrnic.backend.session import GuestSession
 from vrnic.backend.vm_migration import CONSUMES_RECV
-from vrnic.core.handover import PeerQpStatus
+from vrnic.core.handover import Arrival, PeerQpStatus
 from vrnic.core.migration import DirtyLog
 from vrnic.core.peering import Identity
 from vrnic.core.session_state import QpEntry
@@ -171,15 +172,19 @@ class PeerService:
                                                  len(qp.recv_fifo)))
         return statuses, moving.log.ranges()
 
-    def moved(self, vrnic_id: str, virtual_gid: str) -> int:
-        """vrnic_id now lives on another host (the locator says which): re-point each held QP at its new physical
-        QP, post its receives again, let it go. Returns how many QPs were re-pointed; a QP whose peer cannot be
+    def moved(self, vrnic_id: str, virtual_gid: str, arrival: Arrival | None = None) -> int:
+        """vrnic_id now lives on another host: re-point each held QP at its new physical QP, post its receives
+        again, let it go. Where it lives is taken from `arrival` (what its destination published) when that names
+        the QP, else asked of the directory. Returns how many QPs were re-pointed; a QP whose peer cannot be
         reached any more goes to ERR (its guest sees its WRs flush)."""
         with self._moving_lock:
             moving = self._moving.pop(vrnic_id, None)
         if moving is None:
             return 0
         self.registry.forget_remote(vrnic_id, virtual_gid)
+        remote = None
+        if arrival is not None and arrival.identity.virtual_gid == virtual_gid and not self.registry.holds(virtual_gid):
+            remote = RemotePeer(arrival.identity, arrival.phys_gid, AgentRef(arrival.agent_host, arrival.agent_url))
         if moving.own_log:
             self.registry.log_writes(vrnic_id, None)
         repointed = 0
@@ -191,7 +196,11 @@ class PeerService:
                 try:
                     assert qp.peer_vqpn is not None
                     t0 = time.perf_counter()
-                    resolved = self.registry.peer_qp(session.vrnic, virtual_gid, qp.peer_vqpn, via="migration")
+                    if (remote is not None and arrival is not None and qp.peer_vqpn in arrival.qpns
+                            and self.registry.learn_remote(session.vrnic, remote, arrival.windows)):
+                        resolved: tuple[Peer, int] = (remote, arrival.qpns[qp.peer_vqpn])
+                    else:
+                        resolved = self.registry.peer_qp(session.vrnic, virtual_gid, qp.peer_vqpn, via="migration")
                     lookup_s += time.perf_counter() - t0
                     peer, phys_qpn = resolved
                     if shadow is not None and (peer.phys_gid, phys_qpn) == (shadow.dgid, shadow.dest_qpn):

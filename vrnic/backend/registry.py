@@ -20,7 +20,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -267,6 +267,16 @@ class Registry:
         """A peer on another host that a session here connected to (None if none, or if it is held here)."""
         with self._lock:
             return None if vrnic_id in self._by_id else self._remote.get(vrnic_id)
+
+    def learn_remote(self, asker: VirtualRnic, remote: RemotePeer, windows: Iterable[MrWindow]) -> bool:
+        """A peer that moved to another host, as its destination published it (vrnic.core.handover.Arrival): kept
+        as if looked up, its MR windows as if fetched, if asker may reach it (the same check as peer_qp)."""
+        if not self.check(asker.identity, remote.identity, "migration").allowed:
+            return False
+        with self._lock:
+            self._remote[remote.vrnic_id] = remote
+            self._mr_cache[(asker.spec.id, remote.vrnic_id)] = _MrCache(time.monotonic(), {w.vkey: w for w in windows})
+        return True
 
     def forget_remote(self, vrnic_id: str, virtual_gid: str) -> None:
         """A peer moved to another host: nothing cached about it (its agent, QPs, MR windows) is true any more."""

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from vrnic.backend.peer_directory import AgentRef, agent_problem
-from vrnic.core.handover import PeerQpStatus, QpCarry, pages_to_wire
+from vrnic.core.handover import Arrival, PeerQpStatus, QpCarry, pages_to_wire
 from vrnic.core.session_state import SessionSnapshot
 from vrnic.core.specs import VmBinding, VrnicSpec
 from vrnic.errors import Unavailable
@@ -63,11 +63,12 @@ class AgentDestination:
     def pages(self, domain: str, runs: list[tuple[int, bytes]]) -> None:
         self.client.call("POST", f"/handover/{domain}/pages", {"runs": pages_to_wire(runs)})
 
-    def take_over(self, domain: str, snapshots: dict[str, SessionSnapshot],
-                  carried: dict[str, list[QpCarry]]) -> dict[str, Any]:
+    def take_over(self, domain: str, snapshots: dict[str, SessionSnapshot], carried: dict[str, list[QpCarry]],
+                  live_peers: dict[str, list[int]]) -> dict[str, Any]:
         answer: dict[str, Any] = self.client.call("POST", f"/handover/{domain}/take-over", {
             "snapshots": {k: v.to_dict() for k, v in snapshots.items()},
-            "carried": {k: [c.to_dict() for c in v] for k, v in carried.items()}})
+            "carried": {k: [c.to_dict() for c in v] for k, v in carried.items()}, "live_peers": live_peers})
+        answer["agent"] = {"host": self.client.agent.host, "url": self.client.agent.url}  # whom peers re-point to
         return answer
 
     def release(self, domain: str) -> None:
@@ -100,8 +101,9 @@ class AgentPeerHost:
         return ([PeerQpStatus.from_dict(s) for s in answer["qps"]],
                 [(int(a), int(n)) for a, n in answer["dirty"]])
 
-    def moved(self, vrnic_id: str, virtual_gid: str) -> int:
-        return int(self.client.call("POST", f"/moving/{vrnic_id}/moved", {"virtual_gid": virtual_gid})["repointed"])
+    def moved(self, vrnic_id: str, virtual_gid: str, arrival: Arrival | None = None) -> int:
+        body = {"virtual_gid": virtual_gid, "arrival": None if arrival is None else arrival.to_dict()}
+        return int(self.client.call("POST", f"/moving/{vrnic_id}/moved", body)["repointed"])
 
     def release(self, vrnic_id: str) -> None:
         self.client.call("DELETE", f"/moving/{vrnic_id}")

@@ -28,6 +28,7 @@ from vrnic.backend.registry import Registry, VirtualRnic
 from vrnic.backend.session import GuestSession
 from vrnic.backend.vm_migration import CONSUMES_RECV, ring_ranges
 from vrnic.core.handover import (
+    Arrival,
     HandoverPhase,
     PeerQpStatus,
     QpCarry,
@@ -37,6 +38,7 @@ from vrnic.core.handover import (
     merge_ranges,
 )
 from vrnic.core.migration import DirtyLog
+from vrnic.core.peer_wire import IdentityWire
 from vrnic.core.session_state import SessionSnapshot
 from vrnic.core.specs import VmBinding, VrnicSpec
 from vrnic.errors import Conflict, InvalidArgument, VrnicError
@@ -55,8 +57,10 @@ class HandoverDestination(Protocol):
 
     def pages(self, domain: str, runs: list[tuple[int, bytes]]) -> None: ...
 
-    def take_over(self, domain: str, snapshots: dict[str, SessionSnapshot],
-                  carried: dict[str, list[QpCarry]]) -> dict[str, Any]: ...
+    def take_over(self, domain: str, snapshots: dict[str, SessionSnapshot], carried: dict[str, list[QpCarry]],
+                  live_peers: dict[str, list[int]]) -> dict[str, Any]:
+        """live_peers: per vRNIC, its QPs whose peers are held (alive). The answer's "published" names what the
+        destination now publishes per vRNIC (phys_gid, qpns, windows); "agent" ({host, url}) where it is."""
 
     def release(self, domain: str) -> None: ...
 
@@ -74,7 +78,7 @@ class PeerHost(Protocol):
 
     def status(self, vrnic_id: str) -> tuple[list[PeerQpStatus], list[tuple[int, int]]]: ...
 
-    def moved(self, vrnic_id: str, virtual_gid: str) -> int: ...
+    def moved(self, vrnic_id: str, virtual_gid: str, arrival: Arrival | None = None) -> int: ...
 
     def release(self, vrnic_id: str) -> None: ...
 
@@ -276,6 +280,7 @@ def switchover(handover: Handover, source_memory: GuestMemory, registry: Registr
         report.hold_ms = (t_hold - started) * 1000
         deadline = time.monotonic() + drain_timeout
         logged: list[list[tuple[int, int]]] = []
+        live_peers: dict[str, list[int]] = {}  # per vRNIC, its QPs whose peers are held: alive
         for m in handover.leaving:
             while True:
                 statuses: list[PeerQpStatus] = []
@@ -286,6 +291,7 @@ def switchover(handover: Handover, source_memory: GuestMemory, registry: Registr
                     ranges.append(logged_here)
                 vm_recvs, vm_sends = _vm_side(m)
                 if drained(statuses, vm_recvs, vm_sends):
+                    live_peers[m.vrnic.spec.id] = sorted({s.vm_vqpn for s in statuses})
                     break
                 if time.monotonic() > deadline:
                     raise Conflict(f"sends of vRNIC {m.vrnic.spec.id} or its peers did not complete within "
@@ -305,7 +311,7 @@ def switchover(handover: Handover, source_memory: GuestMemory, registry: Registr
         report.copy_ms = (t_copy - t_drain) * 1000
         snapshots = {m.vrnic.spec.id: m.source.snapshot_state() for m in handover.leaving}
         carried = {m.vrnic.spec.id: m.source.carry_out() for m in handover.leaving}
-        taken = handover.destination.take_over(handover.domain, snapshots, carried)
+        taken = handover.destination.take_over(handover.domain, snapshots, carried, live_peers)
         for key in ("qps", "recvs_reposted", "sends_carried", "broken_qps", "mrs_presetup", "mrs_registered",
                     "preconnected"):
             setattr(report, key, int(taken.get(key, 0)))
@@ -327,9 +333,10 @@ def switchover(handover: Handover, source_memory: GuestMemory, registry: Registr
         log.exception("VM %s: the source's objects were not all released after the hand-over", handover.domain)
     t2 = time.perf_counter()
     for m in handover.leaving:
+        arrival = _arrival(m, taken)
         for host in handover.peer_hosts:
             try:
-                report.peers_repointed += host.moved(m.vrnic.spec.id, m.vrnic.spec.virtual_gid)
+                report.peers_repointed += host.moved(m.vrnic.spec.id, m.vrnic.spec.virtual_gid, arrival)
             except VrnicError as exc:  # that host's peers find out by their QPs' errors
                 log.warning("VM %s: peers of %s on one host were not re-pointed: %s", handover.domain,
                             m.vrnic.spec.id, exc)
@@ -341,6 +348,21 @@ def switchover(handover: Handover, source_memory: GuestMemory, registry: Registr
     report.total_ms = (t4 - started) * 1000
     handover.phase = advance(handover.phase, HandoverPhase.DONE)
     return report
+
+
+def _arrival(m: Leaving, taken: dict[str, Any]) -> Arrival | None:
+    """What the destination published for this vRNIC, for its peers' hosts; None if it did not say (they look
+    it up then)."""
+    published, agent = dict(taken.get("published") or {}).get(m.vrnic.spec.id), taken.get("agent")
+    if not published or not agent:
+        return None
+    try:
+        return Arrival.from_dict({"target": IdentityWire.of(m.vrnic.identity).model_dump(), "agent_host": agent["host"],
+                                  "agent_url": agent["url"], **published})
+    except (InvalidArgument, KeyError, TypeError) as exc:
+        log.warning("vRNIC %s: the destination's publication is unusable (%s); peers look it up", m.vrnic.spec.id,
+                    exc)
+        return None
 
 
 def report_dict(report: HandoverReport) -> dict[str, object]:

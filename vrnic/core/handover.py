@@ -27,9 +27,14 @@ import base64
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import Field, ValidationError
+
+from vrnic.core.peer_wire import GID, QPN, IdentityWire, MrWindowWire, Wire
+from vrnic.core.peering import Identity
 from vrnic.core.rings import RecvRequest, SendRequest, Sge, WrOpcode
+from vrnic.core.translate import MrWindow
 from vrnic.errors import Conflict, InvalidArgument
 
 PAGE_BATCH_BYTES = 1 << 20  # one pages request carries at most this much guest memory
@@ -206,3 +211,42 @@ def drained(peers: Iterable[PeerQpStatus], vm_recvs: dict[int, int], vm_sends: d
         if peer is None or not head_needs_recv or peer.recvs:
             return False
     return True
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """Where a handed-over vRNIC lives now, as its destination published it at take-over: its identity, the
+    destination's agent and device GID, its QPs (virtual -> physical QPN) and MR windows. A peer host re-points
+    its held QPs with it instead of asking the directory (the database, then the destination) during the
+    blackout; a QP it does not name is looked up as before."""
+
+    identity: Identity
+    agent_host: str
+    agent_url: str
+    phys_gid: str
+    qpns: dict[int, int]
+    windows: tuple[MrWindow, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"target": IdentityWire.of(self.identity).model_dump(), "agent_host": self.agent_host,
+                "agent_url": self.agent_url, "phys_gid": self.phys_gid,
+                "qpns": {str(v): p for v, p in self.qpns.items()},
+                "windows": [MrWindowWire.of(w).model_dump() for w in self.windows]}
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> Arrival:
+        try:
+            wire = ArrivalWire.model_validate(raw)
+        except ValidationError as exc:
+            raise InvalidArgument(f"not an arrival record: {exc.errors()[0]['msg']}") from None
+        return cls(wire.target.identity(), wire.agent_host, wire.agent_url, wire.phys_gid, dict(wire.qpns),
+                   tuple(w.window() for w in wire.windows))
+
+
+class ArrivalWire(Wire):
+    target: IdentityWire
+    agent_host: str = Field(min_length=1, max_length=253)
+    agent_url: str = Field(min_length=1, max_length=2048, pattern=r"^https?://")
+    phys_gid: str = GID
+    qpns: dict[Annotated[int, QPN], Annotated[int, QPN]] = Field(max_length=1 << 16)
+    windows: list[MrWindowWire] = Field(max_length=1 << 16)

@@ -43,6 +43,7 @@ from vrnic.backend.session import GuestSession
 from vrnic.backend.vm_link import VmLink, connect_channel
 from vrnic.core.handover import HandoverPhase, QpCarry
 from vrnic.core.migration import MigrationPhase
+from vrnic.core.peer_wire import MrWindowWire
 from vrnic.core.qos import admit, drain_kbit
 from vrnic.core.recovery import token_digest
 from vrnic.core.session_state import SessionSnapshot
@@ -598,9 +599,13 @@ class VerbsDriver(RnicDriver):
             return vm_handover.write_runs(self._incoming_vm(domain).memory, runs)
 
     def handover_take_over(self, domain: str, snapshots: dict[str, SessionSnapshot],
-                           carried: dict[str, list[QpCarry]]) -> dict[str, Any]:
+                           carried: dict[str, list[QpCarry]],
+                           live_peers: dict[str, list[int]] | None = None) -> dict[str, Any]:
         """The source stopped: its objects as they are now, connected to the peers' physical QPs, the carried
-        receives posted and sends queued; then the vRNICs are published here. Their QPs stay held."""
+        receives posted and sends queued; then the vRNICs are published here. Their QPs stay held. live_peers:
+        per vRNIC, the QPs (virtual QPNs) whose peers the source found held and alive; a pre-connected QP not
+        named there is kept only if its peer is still found. Answers with what is published ("published"), so
+        that the peers' hosts need not look it up."""
         result: dict[str, Any] = {"qps": 0, "recvs_reposted": 0, "sends_carried": 0, "broken_qps": 0,
                                   "mrs_presetup": 0, "mrs_registered": 0, "preconnected": 0}
         steps = {"converge_ms": 0.0, "peers_ms": 0.0, "continue_ms": 0.0, "publish_ms": 0.0}
@@ -611,10 +616,11 @@ class VerbsDriver(RnicDriver):
                 kept, added = staged.converge(snapshots[vrnic.spec.id])
                 t1 = time.perf_counter()
                 wired = incoming.ready.get(vrnic.spec.id, {})
+                held = frozenset((live_peers or {}).get(vrnic.spec.id, ()))
                 ready = frozenset(c.handle for c in carried[vrnic.spec.id]
                                   if c.state == "rts" and wired.get(c.handle) == (c.peer_gid, c.peer_vqpn)
-                                  and staged.state.qps.get(c.handle).state == "rts"
-                                  and self._peer_alive(vrnic, c.peer_gid, c.peer_vqpn))
+                                  and (qp := staged.state.qps.get(c.handle)).state == "rts"
+                                  and (qp.vqpn in held or self._peer_alive(vrnic, c.peer_gid, c.peer_vqpn)))
                 t2 = time.perf_counter()
                 reposted, sends, broken = staged.continue_qps(carried[vrnic.spec.id], ready)
                 steps["converge_ms"] += (t1 - t0) * 1000
@@ -628,13 +634,17 @@ class VerbsDriver(RnicDriver):
                 result["sends_carried"] += sends
                 result["broken_qps"] += broken
             t3 = time.perf_counter()
+            published: dict[str, Any] = {}
             for vrnic, staged in zip(incoming.vrnics, incoming.staged, strict=True):
                 self._admit(vrnic)
                 incoming.admitted.append(vrnic)
                 qpns, mrs = staged.publications()
                 self.registry.adopt(vrnic, staged, domain, qpns, mrs)
+                published[vrnic.spec.id] = {"phys_gid": vrnic.phys_gid, "qpns": {str(v): p for v, p in qpns.items()},
+                                            "windows": [MrWindowWire.of(w).model_dump() for w in mrs.values()]}
             steps["publish_ms"] = (time.perf_counter() - t3) * 1000
         result["steps"] = steps
+        result["published"] = published
         return result
 
     def _peer_alive(self, vrnic: VirtualRnic, gid: str | None, vqpn: int | None) -> bool:

@@ -98,6 +98,7 @@ class MovingVm:
         if prepared_then is not None:
             prepared_then()
         qemu = migrate_source_only(self.stream.vm, f"tcp:{lab_addrs()['b']}:{port}", timeout=600)
+        t_completed = time.monotonic()
         deadline = time.monotonic() + PAUSED_TIMEOUT_S
         while (state := self.dest.call("status"))["status"] != "paused":
             if time.monotonic() > deadline:
@@ -115,7 +116,7 @@ class MovingVm:
         self.timings.update(qemu_total_ms=qemu["total_ms"], qemu_downtime_ms=qemu["downtime_ms"],
                             switchover_ms=report["total_ms"], switchover_wall_ms=(t_resumed - t_switch) * 1000,
                             total_ms=(t_resumed - t0) * 1000, transferred=qemu["transferred"], report=report,
-                            switch_started=t_switch, resumed=t_resumed)
+                            started=t0, completed=t_completed, switch_started=t_switch, resumed=t_resumed)
         return self.timings
 
     def problems(self, done: dict[str, Any]) -> list[str]:
