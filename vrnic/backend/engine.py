@@ -50,6 +50,13 @@ WRITE_OPS = (WrOpcode.RDMA_READ, *ATOMICS)  # local buffers the NIC writes into
 WC_GRH = 1  # IBV_WC_GRH
 
 
+def _status_name(status: int) -> str:
+    try:
+        return WcStatus(status).name
+    except ValueError:
+        return str(status)
+
+
 def source_gid(grh: bytes) -> str:
     """The sender's GID from a received GRH. RoCE v2 over IPv4 puts an IPv4 header in its last 20 bytes."""
     if not any(grh[:20]):
@@ -389,10 +396,26 @@ class SharedRingEngine(DataPathEngine):
             return
         # Sends complete in order; a signaled one's success means every unsignaled one before it is done too.
         # An error completes one WR, signaled or not.
+        if wc.status not in (WcStatus.SUCCESS, WcStatus.WR_FLUSH_ERR) and qp.send_fifo:
+            self._log_failed_send(qp, wc, qp.send_fifo[0][1])
         while qp.send_fifo:
             signaled, _ = qp.send_fifo.popleft()
             if signaled or wc.status != WcStatus.SUCCESS:
                 return
+
+    def _log_failed_send(self, qp: QpEntry, wc: Any, wr: Any) -> None:
+        """A send the NIC failed (not flushed), with the physical QPs and, for a remote access, the peer's window
+        the key names now: what tells a stale translation from a bad work request."""
+        window: MrWindow | None = None
+        if wr.opcode not in (WrOpcode.SEND, WrOpcode.SEND_WITH_IMM):
+            try:
+                window = (self.host.peer_mrs(qp) or {}).get(wr.rkey)
+            except VrnicError as exc:
+                log.debug("vRNIC %s: peer windows unavailable: %s", self.host.vrnic_id, exc)
+        log.warning("vRNIC %s QP %d (QPN %d -> %s of %s): WR %d (%s) failed with %s (vendor %#x); remote %#x "
+                    "key %#x, the peer's window for it now: %s", self.host.vrnic_id, qp.vqpn, qp.phys_qpn,
+                    qp.dest_qpn, qp.peer_id, wr.wr_id, WrOpcode(wr.opcode).name, _status_name(wc.status),
+                    wc.vendor_err, wr.remote_addr, wr.rkey, window)
 
     @staticmethod
     def _complete(cq: CqEntry, wc: Completion) -> None:

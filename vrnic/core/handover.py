@@ -13,8 +13,10 @@ The steps, driven by the source vrnicd (vrnic.backend.vm_handover) while QEMU mi
    which the destination connects to the peers' physical QPs and posts again (take_over).
 3. the control plane records the vRNIC's new host (the locator then answers with the destination agent).
 4. the source's kernel objects go; every peer host re-points its held QPs: it forgets what it cached of the
-   vRNIC, asks the directory again (now the destination), resets and reconnects the QP to the new physical QP,
-   posts its receives again and lets it go (moved). The guest programs on both sides never notice.
+   vRNIC and learns where it lives from what the destination published at take-over (Arrival; a QP that
+   record does not name is asked of the directory, now the destination), moves the QP onto its pre-connected
+   second QP (or resets and reconnects it), posts its receives again and lets it go (moved). The guest
+   programs on both sides never notice.
 5. the destination releases its QPs and serves the VM (release).
 
 A failure before step 3 aborts: the destination drops what it set up, the peers are let go, the source
