@@ -13,6 +13,8 @@ import pytest
 
 from vrnic.lab.two_hosts.rig import Rig, in_two_hosts_lab
 
+from .support import Rigs
+
 B_DEVICE_CAP = 6  # b's rxe0 takes this many live vRNICs (the race for the last slot)
 
 
@@ -26,6 +28,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def rig() -> Iterator[Rig]:
-    with Rig.start(host_env={"b": {"VRNIC_DEVICE_MAX_VRNICS": str(B_DEVICE_CAP)}}) as started:
-        yield started
+def rigs() -> Iterator[Rigs]:
+    made = Rigs()
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+@pytest.fixture(scope="module")
+def rig(rigs: Rigs) -> Rig:
+    return rigs.get(host_env={"b": {"VRNIC_DEVICE_MAX_VRNICS": str(B_DEVICE_CAP)}})

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from typing import Any
 
 from vrnic.lab.two_hosts.rig import Rig
@@ -37,3 +39,28 @@ def events(rig: Rig, action: str, host: str = "a") -> list[dict[str, Any]]:
         page = api.get("/events", params={"action": action, "limit": 100})
     assert page.status_code == 200, page.text
     return list(page.json()["items"])
+
+
+class Rigs:
+    """One rig at a time: PostgreSQL's port and each agent's port are fixed, so a module whose agents need other
+    settings gets its rig after the one before it stopped. Modules asking for the same settings share one."""
+
+    def __init__(self) -> None:
+        self._stack: ExitStack | None = None
+        self._key = ""
+        self._rig: Rig | None = None
+
+    def get(self, agent_env: Mapping[str, str] | None = None,
+            host_env: Mapping[str, Mapping[str, str]] | None = None) -> Rig:
+        key = json.dumps([agent_env, host_env], sort_keys=True)
+        if self._rig is None or key != self._key:
+            self.close()
+            stack = ExitStack()
+            self._rig = stack.enter_context(Rig.start(agent_env=agent_env, host_env=host_env))
+            self._stack, self._key = stack, key
+        return self._rig
+
+    def close(self) -> None:
+        if self._stack is not None:
+            self._stack.close()
+        self._stack, self._rig = None, None

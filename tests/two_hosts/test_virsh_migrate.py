@@ -52,7 +52,7 @@ from vrnic.vm.domain_xml import (
     VrnicAttachment,
 )
 
-from .support import eventually, release
+from .support import Rigs, eventually, release
 
 SHARED = lab_output_dir("two-hosts", "virsh")
 SOCKETS = Path("/run/vrnic-virsh/vm")  # the same path on both hosts (b's hook makes it at prepare)
@@ -85,11 +85,10 @@ class RemoteLibvirt:
 
 
 @pytest.fixture(scope="module")
-def rig() -> Iterator[Rig]:
+def rig(rigs: Rigs) -> Rig:
     """The agents resume a domain that arrives paused (VRNIC_LIBVIRT_URI); a long heartbeat window, as the
     raw-QEMU hand-over test has it (a loaded lab misses beats for seconds)."""
-    with Rig.start(agent_env={"VRNIC_HOST_DOWN_AFTER_S": "120", "VRNIC_LIBVIRT_URI": "qemu:///system"}) as started:
-        yield started
+    return rigs.get(agent_env={"VRNIC_HOST_DOWN_AFTER_S": "120", "VRNIC_LIBVIRT_URI": "qemu:///system"})
 
 
 @pytest.fixture(scope="module")

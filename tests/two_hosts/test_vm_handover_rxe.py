@@ -39,7 +39,7 @@ from vrnic.lab.two_hosts.vm_move import MovingVm
 from vrnic.lab.vm_guest import build_migratable_initramfs
 from vrnic.lab.vm_host import ensure_kvm
 
-from .support import eventually, release
+from .support import Rigs, eventually, release
 
 SHARED = lab_output_dir("two-hosts", "xvm")
 DOMAIN = "xmig"
@@ -52,11 +52,10 @@ DIAGNOSE = ("sh", "-c", "rdma res show qp; for f in /sys/class/infiniband/rxe0/p
 
 
 @pytest.fixture(scope="module")
-def rig() -> Iterator[Rig]:
+def rig(rigs: Rigs) -> Rig:
     """The two agents, with a long heartbeat window: the loaded lab misses beats for seconds, and a host marked
     down is unreachable to peers (the locator names up hosts only)."""
-    with Rig.start(agent_env={"VRNIC_HOST_DOWN_AFTER_S": "120"}) as started:
-        yield started
+    return rigs.get(agent_env={"VRNIC_HOST_DOWN_AFTER_S": "120"})
 
 
 def diagnose(rig: Rig) -> None:
