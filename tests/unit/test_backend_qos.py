@@ -70,6 +70,32 @@ def test_vrnicd_raises_a_connected_rc_qps_timeout_above_its_qos_queue_wait(
         assert peers[0].query()["timeout"] == 14  # fake1 shapes nothing: the guest's own
 
 
+def test_a_batched_connect_raises_each_qps_timeout_as_connecting_them_one_by_one_would(
+        driver: VerbsDriver, make_vrnic: Callable[..., AttachInfo], monkeypatch: pytest.MonkeyPatch) -> None:
+    """connect_qps keeps the drain rate and the count of connected QPs through the batch instead of walking
+    every vRNIC and QP at each RTS: QP i of the batch must still get the floor for i + 1 connected QPs (one
+    was connected before it), and the drain rate is asked once per batch, not once per QP."""
+    asked: list[str] = []
+
+    def drain(device: str, vrnic_id: str) -> int | None:
+        asked.append(vrnic_id)
+        return 12_000 if device == "fake0" else None
+
+    monkeypatch.setattr(driver, "_qos_drain_kbit", drain)
+    info_a, info_b = make_vrnic(), make_vrnic(device="fake1")
+    with Context.attach(info_b, ARENA) as cb, Context.attach(info_a, ARENA) as ca:
+        pd_a, cq_a, pd_b, cq_b = PD(ca), CQ(ca, 64), PD(cb), CQ(cb, 64)
+        lone, lone_peer = QP(pd_a, cq_a, cq_a), QP(pd_b, cq_b, cq_b)
+        lone.connect(cb.gid, lone_peer.qpn)
+        mine, peers = QP.create_many(pd_a, cq_a, cq_a, 8), QP.create_many(pd_b, cq_b, cq_b, 8)
+        asked.clear()
+        QP.connect_many(ca, [(m, cb.gid, p.qpn) for m, p in zip(mine, peers, strict=True)])
+        assert len(asked) == 1
+        floors = [rc_timeout_floor(1024, 2 + i, 12_000) for i in range(8)]
+        assert [m.query()["timeout"] for m in mine] == floors
+        assert floors[0] < floors[-1]  # the count moved the floor within the batch
+
+
 def test_an_unshaped_devices_link_speed_is_read_once_not_on_every_connect(
         driver: VerbsDriver, monkeypatch: pytest.MonkeyPatch) -> None:
     """The RC timeout floor needs the uplink's speed at every RTS; sysfs is read once per device (as a shaper

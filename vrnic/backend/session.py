@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 # engine thread compete with the verb for the CPU (issue 14).
 ENGINE_OPS = frozenset({"busy_poll"})
 RESOLVED_OPS = frozenset({"connect", "modify_qp"})
+RcFloor = tuple[int | None, int]  # rc_timeout's inputs kept through a batch: the QoS drain rate, connected RC QPs
+# connect's path settings (INIT qkey, RTR and RTS): modify_qp's defaults, built once
+CONNECT_LINK = verb_args.ModifyQp(qp=1, state="rts")  # the handle is never read
+
 LIVE_SESSIONS: weakref.WeakSet[GuestSession] = weakref.WeakSet()  # for the daemon's debug dump (SIGUSR1)
 
 
@@ -353,41 +357,13 @@ class GuestSession:
         # do not depend on its state, and draining all of them made connecting N QPs cost O(N^2).
         self.engine.drain_queues([qp])
         if args.state == "init":
-            self.device.qp_to_init(qp.obj, qp.qp_type, args.access, args.qkey)
-            qp.access, qp.qkey = args.access, args.qkey
+            self._to_init(qp, args.access, args.qkey)
         elif args.state == "rtr" and qp.qp_type == "ud":
             self.device.qp_to_rtr(qp.obj, qp.qp_type, None)  # UD destinations come per WR
         elif args.state == "rtr":
-            peer, phys_qpn = resolved or self._resolve(args.remote_gid, args.remote_qpn)
-            flow = None
-            if self.guard is not None:  # the guard lets this QP's packets out to that peer QP, and nowhere else
-                flow = self.guard.flow(self.vrnic_id, self.vrnic.phys_gid, qp.phys_qpn, peer.phys_gid, phys_qpn)
-                if flow != qp.guard_flow:
-                    self.guard.allow(flow)
-            try:
-                self.device.qp_to_rtr(qp.obj, qp.qp_type, RtrParams(
-                    dgid=peer.phys_gid, sgid_index=self.vrnic.gid_index, path_mtu=args.path_mtu, dest_qpn=phys_qpn,
-                    rq_psn=args.rq_psn, max_dest_rd_atomic=args.max_dest_rd_atomic,
-                    min_rnr_timer=args.min_rnr_timer))
-            except BaseException:
-                if self.guard is not None and flow != qp.guard_flow:
-                    self.guard.drop(flow)
-                raise
-            if self.guard is not None and qp.guard_flow not in (None, flow):
-                self.guard.drop(qp.guard_flow)
-            qp.guard_flow = flow
-            qp.dest_qpn = phys_qpn
-            self._classify(qp, phys_qpn)
-            qp.peer_id, qp.peer_gid, qp.peer_vqpn = peer.vrnic_id, args.remote_gid, args.remote_qpn
-            qp.link.update(path_mtu=args.path_mtu, max_dest_rd_atomic=args.max_dest_rd_atomic,
-                           min_rnr_timer=args.min_rnr_timer)
+            self._to_rtr(qp, resolved or self._resolve(args.remote_gid, args.remote_qpn), args)
         elif args.state == "rts":
-            timeout = self.rc_timeout(qp.qp_type, qp.link.get("path_mtu", args.path_mtu), args.timeout)
-            self.device.qp_to_rts(qp.obj, qp.qp_type, RtsParams(sq_psn=args.sq_psn, timeout=timeout,
-                                                                retry_cnt=args.retry_cnt, rnr_retry=args.rnr_retry,
-                                                                max_rd_atomic=args.max_rd_atomic))
-            qp.link.update(timeout=args.timeout, retry_cnt=args.retry_cnt, rnr_retry=args.rnr_retry,
-                           max_rd_atomic=args.max_rd_atomic)
+            self._to_rts(qp, args)
         else:
             self.device.qp_to_state(qp.obj, args.state)
             if args.state == "reset":
@@ -404,15 +380,63 @@ class GuestSession:
         qp.state = args.state
         return {"state": args.state}
 
-    def rc_timeout(self, qp_type: str, path_mtu: int, asked: int) -> int:
+    def _to_init(self, qp: QpEntry, access: int, qkey: int) -> None:
+        self.device.qp_to_init(qp.obj, qp.qp_type, access, qkey)
+        qp.access, qp.qkey = access, qkey
+
+    def _to_rtr(self, qp: QpEntry, resolved: tuple[Peer, int], args: verb_args.ModifyQp | verb_args.Connect) -> None:
+        """An RC QP to RTR towards the resolved peer QP (args: the guest's virtual peer and path settings)."""
+        peer, phys_qpn = resolved
+        link = args if isinstance(args, verb_args.ModifyQp) else CONNECT_LINK
+        flow = None
+        if self.guard is not None:  # the guard lets this QP's packets out to that peer QP, and nowhere else
+            flow = self.guard.flow(self.vrnic_id, self.vrnic.phys_gid, qp.phys_qpn, peer.phys_gid, phys_qpn)
+            if flow != qp.guard_flow:
+                self.guard.allow(flow)
+        try:
+            self.device.qp_to_rtr(qp.obj, qp.qp_type, RtrParams(
+                dgid=peer.phys_gid, sgid_index=self.vrnic.gid_index, path_mtu=link.path_mtu, dest_qpn=phys_qpn,
+                rq_psn=link.rq_psn, max_dest_rd_atomic=link.max_dest_rd_atomic, min_rnr_timer=link.min_rnr_timer))
+        except BaseException:
+            if self.guard is not None and flow != qp.guard_flow:
+                self.guard.drop(flow)
+            raise
+        if self.guard is not None and qp.guard_flow not in (None, flow):
+            self.guard.drop(qp.guard_flow)
+        qp.guard_flow = flow
+        qp.dest_qpn = phys_qpn
+        self._classify(qp, phys_qpn)
+        qp.peer_id, qp.peer_gid, qp.peer_vqpn = peer.vrnic_id, args.remote_gid, args.remote_qpn
+        qp.link.update(path_mtu=link.path_mtu, max_dest_rd_atomic=link.max_dest_rd_atomic,
+                       min_rnr_timer=link.min_rnr_timer)
+
+    def _to_rts(self, qp: QpEntry, link: verb_args.ModifyQp, floor: RcFloor | None = None) -> None:
+        timeout = self.rc_timeout(qp.qp_type, qp.link.get("path_mtu", link.path_mtu), link.timeout, floor)
+        self.device.qp_to_rts(qp.obj, qp.qp_type, RtsParams(sq_psn=link.sq_psn, timeout=timeout,
+                                                            retry_cnt=link.retry_cnt, rnr_retry=link.rnr_retry,
+                                                            max_rd_atomic=link.max_rd_atomic))
+        qp.link.update(timeout=link.timeout, retry_cnt=link.retry_cnt, rnr_retry=link.rnr_retry,
+                       max_rd_atomic=link.max_rd_atomic)
+
+    def rc_timeout(self, qp_type: str, path_mtu: int, asked: int, floor: RcFloor | None = None) -> int:
         """The RC timeout a physical QP gets: the guest's, raised so that its packets waiting in the QoS queue
         never make rxe retransmit (vrnic.core.qos.rc_timeout_floor: every connected RC QP of this vRNIC, this
-        one included, with its packets in flight ahead, drained at the class's rate)."""
-        drain = self.qos_drain_kbit() if qp_type == "rc" and self.qos_drain_kbit is not None else None
+        one included, with its packets in flight ahead, drained at the class's rate). floor: the drain rate and
+        that count, when a batch keeps them (each costs a walk over every vRNIC or QP)."""
+        if qp_type != "rc":
+            return asked
+        drain, connected = floor if floor is not None else (self._drain_kbit(), None)
         if drain is None:
             return asked
-        connected = sum(1 for _, q in self.state.qps.items() if q.qp_type == "rc" and q.dest_qpn is not None)
+        if connected is None:
+            connected = self._rc_connected()
         return rc_timeout(asked, rc_timeout_floor(path_mtu, max(connected, 1), drain))
+
+    def _drain_kbit(self) -> int | None:
+        return self.qos_drain_kbit() if self.qos_drain_kbit is not None else None
+
+    def _rc_connected(self) -> int:
+        return sum(1 for _, q in self.state.qps.items() if q.qp_type == "rc" and q.dest_qpn is not None)
 
     def _classify(self, qp: QpEntry, dest_qpn: int | None, obj_qpn: int | None = None) -> None:
         """Put the QP's packets (to dest_qpn; None for UD) in its vRNIC's QoS class."""
@@ -471,14 +495,20 @@ class GuestSession:
             return None
         return self.registry.peer_qp(self.vrnic, gid, vqpn)
 
-    def op_connect(self, args: verb_args.Connect, resolved: tuple[Peer, int] | None = None) -> dict[str, Any]:
+    def op_connect(self, args: verb_args.Connect, resolved: tuple[Peer, int] | None = None,
+                   floor: RcFloor | None = None) -> dict[str, Any]:
+        """INIT, RTR and RTS with the default path settings (CONNECT_LINK), as three modify_qp would do them; the
+        guest's earlier WRs reach the NIC first. The QP's state is each step's, so a failure leaves it there."""
         qp = self.state.qps.get(args.qp)
         if qp.qp_type != "rc":
             raise InvalidArgument("connect is for RC QPs; UD QPs name their peer per work request")
-        for state in ("init", "rtr", "rts"):
-            self.op_modify_qp(verb_args.ModifyQp(qp=args.qp, state=state, access=args.access,
-                                                 remote_gid=args.remote_gid, remote_qpn=args.remote_qpn),
-                              resolved=resolved if state == "rtr" else None)
+        self.engine.drain_queues([qp])
+        self._to_init(qp, args.access, CONNECT_LINK.qkey)
+        qp.state = "init"
+        self._to_rtr(qp, resolved or self._resolve(args.remote_gid, args.remote_qpn), args)
+        qp.state = "rtr"
+        self._to_rts(qp, CONNECT_LINK, floor)
+        qp.state = "rts"
         return {"state": "rts"}
 
     def op_null_rpc(self, _: verb_args.NoArgs) -> dict[str, Any]:
@@ -508,10 +538,14 @@ class GuestSession:
         if any(qp.qp_type != "rc" for qp in qps):
             raise InvalidArgument("connect is for RC QPs; UD QPs name their peer per work request")
         was_reset = [qp.state == "reset" for qp in qps]
+        drain = self._drain_kbit()
+        connected = self._rc_connected() if drain is not None else 0
         index = 0
         try:
             for index, c in enumerate(args.connections):
-                self.op_connect(c, resolved=None if resolved is None else resolved[index])
+                connected += qps[index].dest_qpn is None  # counted once connected, as rc_timeout counts it
+                self.op_connect(c, resolved=None if resolved is None else resolved[index],
+                                floor=(drain, connected))
         except BaseException:
             for qp, reset in zip(qps[:index + 1], was_reset, strict=False):  # the failed one may be half-way
                 if reset and qp.state != "reset":
