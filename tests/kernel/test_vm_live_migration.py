@@ -20,9 +20,11 @@ Run: vrnic lab run --topology pair --timeout 900 -e PYTHONPATH=$PWD -- pytest -m
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +35,7 @@ import httpx
 import pytest
 
 from vrnic.backend.rdma_tool import resource_counts
+from vrnic.backend.session import LIVE_SESSIONS
 from vrnic.core.specs import AttachInfo
 from vrnic.errors import LabError
 from vrnic.lab.live_migration import ApiMigration, migrate_vm
@@ -97,7 +100,15 @@ def test_migration_under_traffic_keeps_every_write_and_send(accel: Literal["kvm"
               f"vrnicd prepare {result.prepare_ms:.1f} ms, switchover {switched}")
         source.stop()
         time.sleep(1.0)  # traffic after
-        done = peer.ask({"op": "stop"})
+        seen = sessions_now()  # shown if the stream turns out to have failed or stalled by now
+        try:
+            done = peer.ask({"op": "stop"})
+        except RuntimeError:  # the peer gave up on a completion: show what every session held, and holds
+            print("before stop:", seen)
+            print("after:", sessions_now())
+            raise
+        if done["errors"]:
+            print("before stop:", seen)
         assert not done["errors"], done["errors"]
         writes, sends = done["writes"], done["sends"]
         assert len(writes) > 50 and writes == list(range(1, len(writes) + 1))
@@ -193,6 +204,14 @@ def test_peer_killed_during_the_migration(accel: Literal["kvm", "tcg"], image: P
         for qemu in (source, dest):
             if qemu is not None:
                 qemu.stop()
+
+
+def sessions_now() -> str:
+    """Every live guest session of the in-process vrnicd (engine counters, each QP's held flag, rings and NIC
+    state), and rdma res: what a stalled or failed stream needs looked at."""
+    states = [json.dumps(session.debug_state(), default=str) for session in list(LIVE_SESSIONS)]
+    qps = subprocess.run(["rdma", "res", "show", "qp"], capture_output=True, text=True, check=False).stdout
+    return "\n".join([*states, qps])
 
 
 class _Api:

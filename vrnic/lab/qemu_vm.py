@@ -255,9 +255,9 @@ def migrate(source: QemuVm, dest: QemuVm, uri: str, *, pause_before_switchover: 
     while True:
         try:
             info = qmp.execute("query-migrate")
-        except LabError as exc:
+        except (LabError, OSError) as exc:  # a QMP socket reset or broken under the command: say how QEMU ended
             ended = [report for vm in (source, dest) if (report := vm.exit_report()) is not None]
-            raise LabError("; ".join([str(exc), *ended])) from exc
+            raise LabError("; ".join([f"QMP query-migrate: {exc}", *ended])) from exc
         stats.polls += 1
         status = info.get("status")
         now = time.monotonic()
