@@ -106,9 +106,11 @@ def test_migration_under_traffic_keeps_every_write_and_send(accel: Literal["kvm"
         except RuntimeError:  # the peer gave up on a completion: show what every session held, and holds
             print("before stop:", seen)
             print("after:", sessions_now())
+            print("destination:", vm_now(dest))
             raise
         if done["errors"]:
             print("before stop:", seen)
+            print("destination:", vm_now(dest))
         assert not done["errors"], done["errors"]
         writes, sends = done["writes"], done["sends"]
         assert len(writes) > 50 and writes == list(range(1, len(writes) + 1))
@@ -212,6 +214,23 @@ def sessions_now() -> str:
     states = [json.dumps(session.debug_state(), default=str) for session in list(LIVE_SESSIONS)]
     qps = subprocess.run(["rdma", "res", "show", "qp"], capture_output=True, text=True, check=False).stdout
     return "\n".join([*states, qps])
+
+
+def vm_now(vm: Any) -> str:
+    """Whether the VM runs and its program answers: a stream that stalls after `cont` may be a VM that did not."""
+    try:
+        status = vm.qmp.execute("query-status")
+    except (LabError, OSError) as exc:
+        status = f"QMP: {exc}"
+    try:
+        port = ControlPort(channel_socket(vm.spec, CONTROL_PORT), timeout=5, connect_timeout=5)
+        try:
+            answer: Any = port.call("whoami")
+        finally:
+            port.close()
+    except Exception as exc:  # a diagnosis reports what it can
+        answer = f"control port: {type(exc).__name__}: {exc}"
+    return f"{status}; program: {answer}; console: {vm.console(600)}"
 
 
 class _Api:
