@@ -230,7 +230,7 @@ def vm_now(vm: Any) -> str:
             port.close()
     except Exception as exc:  # a diagnosis reports what it can
         answer = f"control port: {type(exc).__name__}: {exc}"
-    return f"{status}; program: {answer}; console: {vm.console(600)}"
+    return f"{status}; program: {answer}; {vm.exit_report(0.5) or 'QEMU runs'}; console: {vm.console(600)}"
 
 
 class _Api:

@@ -153,7 +153,9 @@ class QemuVm:
         except subprocess.TimeoutExpired:
             return None
         how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
-        return f"QEMU {self.spec.name} {how}: {self.log_tail(1000).strip() or '(nothing in its log)'}"
+        console = self.console(1500).strip()  # a guest that powered off or panicked says so here (-no-reboot)
+        return (f"QEMU {self.spec.name} {how}: {self.log_tail(1000).strip() or '(nothing in its log)'}"
+                f"{f'; its console ends: {console}' if console else ''}")
 
     def log_tail(self, chars: int = 2000) -> str:
         try:
