@@ -361,7 +361,8 @@ class GuestSession:
         elif args.state == "rtr" and qp.qp_type == "ud":
             self.device.qp_to_rtr(qp.obj, qp.qp_type, None)  # UD destinations come per WR
         elif args.state == "rtr":
-            self._to_rtr(qp, resolved or self._resolve(args.remote_gid, args.remote_qpn), args)
+            self._to_rtr(qp, resolved or self._resolve(args.remote_gid, args.remote_qpn), args.remote_gid,
+                         args.remote_qpn, args)
         elif args.state == "rts":
             self._to_rts(qp, args)
         else:
@@ -384,10 +385,10 @@ class GuestSession:
         self.device.qp_to_init(qp.obj, qp.qp_type, access, qkey)
         qp.access, qp.qkey = access, qkey
 
-    def _to_rtr(self, qp: QpEntry, resolved: tuple[Peer, int], args: verb_args.ModifyQp | verb_args.Connect) -> None:
-        """An RC QP to RTR towards the resolved peer QP (args: the guest's virtual peer and path settings)."""
+    def _to_rtr(self, qp: QpEntry, resolved: tuple[Peer, int], remote_gid: str | None, remote_qpn: int | None,
+                link: verb_args.ModifyQp) -> None:
+        """An RC QP to RTR towards the resolved peer QP (the guest's virtual name for it; link: path settings)."""
         peer, phys_qpn = resolved
-        link = args if isinstance(args, verb_args.ModifyQp) else CONNECT_LINK
         flow = None
         if self.guard is not None:  # the guard lets this QP's packets out to that peer QP, and nowhere else
             flow = self.guard.flow(self.vrnic_id, self.vrnic.phys_gid, qp.phys_qpn, peer.phys_gid, phys_qpn)
@@ -406,7 +407,7 @@ class GuestSession:
         qp.guard_flow = flow
         qp.dest_qpn = phys_qpn
         self._classify(qp, phys_qpn)
-        qp.peer_id, qp.peer_gid, qp.peer_vqpn = peer.vrnic_id, args.remote_gid, args.remote_qpn
+        qp.peer_id, qp.peer_gid, qp.peer_vqpn = peer.vrnic_id, remote_gid, remote_qpn
         qp.link.update(path_mtu=link.path_mtu, max_dest_rd_atomic=link.max_dest_rd_atomic,
                        min_rnr_timer=link.min_rnr_timer)
 
@@ -505,7 +506,8 @@ class GuestSession:
         self.engine.drain_queues([qp])
         self._to_init(qp, args.access, CONNECT_LINK.qkey)
         qp.state = "init"
-        self._to_rtr(qp, resolved or self._resolve(args.remote_gid, args.remote_qpn), args)
+        self._to_rtr(qp, resolved or self._resolve(args.remote_gid, args.remote_qpn), args.remote_gid,
+                     args.remote_qpn, CONNECT_LINK)
         qp.state = "rtr"
         self._to_rts(qp, CONNECT_LINK, floor)
         qp.state = "rts"
