@@ -7,6 +7,7 @@ two-hosts topology (tests/two_hosts/conftest.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Generator
@@ -14,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from vrnic.lab import progress
+from vrnic.lab import hang_watch, progress
 from vrnic.lab.guest import EXIT_GUEST_LOST
 from vrnic.lab.guest_faults import LogMark
-from vrnic.lab.hang_watch import HangWatch
+from vrnic.lab.hang_watch import Backstop, HangWatch
 
 TIERS = ("unit", "api", "kernel", "libvirt", "two_hosts")
 
@@ -65,11 +66,12 @@ def _resume(config: pytest.Config, items: list[pytest.Item]) -> None:
 
 
 _WATCH: HangWatch | None = None  # inside the lab, with a progress file: a test phase that hangs ends the command
+_BACKSTOP: Backstop | None = None  # the same from another process, for a hang that holds the GIL
 _MARK: LogMark | None = None  # where the lab's kernel and QEMU logs ended when the running test's call began
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    global _WATCH
+    global _WATCH, _BACKSTOP
     path = _progress_file()
     if path is None or os.environ.get("VRNIC_LAB") != "1":
         return
@@ -83,16 +85,25 @@ def pytest_configure(config: pytest.Config) -> None:
         return out + err
 
     _WATCH = HangWatch(path, uncapture=uncapture)
+    capture = config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+        console = os.fdopen(os.dup(2), "w", buffering=1)  # the real stderr, which the backstop writes to
+    grace = float(os.environ.get(hang_watch.BACKSTOP_GRACE_ENV, hang_watch.BACKSTOP_GRACE_S))
+    _BACKSTOP = Backstop(path, _WATCH.after_s + grace, console, reboot=os.environ.get("VRNIC_HANG_REBOOT") != "0")
 
 
 def _watched(item: pytest.Item, when: str) -> Generator[None, object, object]:
     if _WATCH is None:
         return (yield)
     _WATCH.arm(item.nodeid, when)
+    if _BACKSTOP is not None:
+        _BACKSTOP.arm(item.nodeid, when)
     try:
         return (yield)
     finally:
         _WATCH.disarm()
+        if _BACKSTOP is not None:
+            _BACKSTOP.disarm()
 
 
 @pytest.hookimpl(wrapper=True)

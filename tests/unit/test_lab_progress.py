@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from vrnic.cli import lab as lab_cli
 from vrnic.lab import guest_faults, hang_watch, progress
 from vrnic.lab.guest import EXIT_GUEST_LOST
 
@@ -114,6 +117,59 @@ def test_a_hung_test_ends_the_command_as_a_lost_guest_and_runs_again(tmp_path: P
         assert "[hang-watch]" not in second.stderr  # each phase disarms the watch when it ends
     finally:
         tests.unlink(missing_ok=True)
+
+
+def test_a_hang_that_holds_the_gil_is_ended_by_the_backstop_process(tmp_path: Path) -> None:
+    """A test stuck in a C call that keeps the GIL (ctypes.PyDLL, as pyverbs' calls into the kernel do) stops the
+    in-process watch's timer; the backstop process still names it, has it print its Python stack, shows its
+    threads' kernel stacks, records `hung` and kills it, and `vrnic lab run` counts that as a lost guest."""
+    tests = ROOT / "tests" / "unit" / f"_gil_probe_{os.getpid()}_test.py"
+    tests.write_text(
+        "import ctypes\n"
+        "def test_a(): pass\n"
+        # system() waits for its child again after a signal: the dump's signal cannot end this call
+        "def test_holds_the_gil():\n    ctypes.PyDLL(None).system(b'exec sleep 60 </dev/null >/dev/null 2>&1')\n"
+    )
+    progress_file = tmp_path / "progress.txt"
+    env = os.environ | {progress.ENV: str(progress_file), "PYTHONPATH": str(ROOT), "VRNIC_LAB": "1",
+                        "VRNIC_HANG_WATCH_S": "2", hang_watch.BACKSTOP_GRACE_ENV: "1", "VRNIC_HANG_REBOOT": "0"}
+    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", str(tests)]
+    try:
+        started = time.monotonic()
+        run = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=50)
+        assert run.returncode == -signal.SIGKILL, run.stdout + run.stderr
+        assert time.monotonic() - started < 30  # not the 60 s sleep
+        assert "test_holds_the_gil (call) made no progress for 3 s and its process runs no Python" in run.stderr
+        assert "in test_holds_the_gil" in run.stderr  # the Python stack, printed from the C signal handler
+        assert "[hang-watch] thread " in run.stderr and " wchan " in run.stderr
+        assert "[hang-watch] killing the test process" in run.stderr
+        done = progress.Progress.read(progress_file)
+        assert done.running is not None and done.running.endswith("::test_holds_the_gil")
+        assert done.hung == [done.running] and list(done.outcomes.values()) == ["passed"]
+        assert lab_cli._hung(progress_file)  # what makes `vrnic lab run` run it once more in a new guest
+    finally:
+        tests.unlink(missing_ok=True)
+
+
+def test_the_backstop_is_quiet_while_each_phase_ends_in_time(tmp_path: Path) -> None:
+    """Armed and disarmed over its pipe, the backstop never fires, and it ends with the process it watches."""
+    progress_file = tmp_path / "progress.txt"
+    watcher = subprocess.Popen([sys.executable, "-m", "vrnic.lab.hang_watch", "--pid", str(os.getpid()),
+                                "--progress", str(progress_file), "--after", "0.5"],
+                               stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                               env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert watcher.stdin is not None and watcher.stderr is not None
+    for phase in ("setup", "call", "teardown"):
+        watcher.stdin.write(f"arm {phase} tests/x.py::test_x\n")
+        watcher.stdin.flush()
+        time.sleep(0.2)
+        watcher.stdin.write("disarm\n")
+        watcher.stdin.flush()
+    time.sleep(0.8)  # past the bound: disarmed, nothing fires
+    watcher.stdin.close()
+    assert watcher.wait(10) == 0
+    assert watcher.stderr.read() == ""
+    assert not progress_file.exists()
 
 
 def test_blocked_tasks_show_the_kernel_stacks_of_tasks_in_d_state(tmp_path: Path) -> None:
