@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -73,6 +74,11 @@ class FakeQmp:
                     f.write(reply[:70])
                     f.flush()
                     f.write(reply[70:])
+                elif name == "bye":  # answers, then QEMU ends: its last event is left unread on the socket
+                    f.write(json.dumps({"return": {}, "id": request_id}).encode() + b"\r\n"
+                            + b'{"event": "SHUTDOWN", "data": {"guest": true, "reason": "guest-reset"}}\r\n')
+                    f.flush()
+                    return
                 elif name == "fail":
                     f.write(json.dumps({"error": {"class": "GenericError", "desc": "nope"},
                                         "id": request_id}).encode() + b"\r\n")
@@ -121,3 +127,14 @@ def test_client_commands_from_two_threads_get_their_own_replies(qmp: tuple[QmpCl
 def test_client_gives_up_without_a_socket(tmp_path: Path) -> None:
     with pytest.raises(LabError, match="no QMP socket"):
         QmpClient(tmp_path / "absent.sock", connect_timeout=0.1)
+
+
+def test_drain_reads_the_events_left_after_qemu_ended(qmp: tuple[QmpClient, FakeQmp]) -> None:
+    client, server = qmp
+    assert client.execute("bye") == {}
+    server.thread.join(5)
+    shutdown = {"event": "SHUTDOWN", "data": {"guest": True, "reason": "guest-reset"}}
+    deadline = time.monotonic() + 5
+    while shutdown not in client.drain() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.drain() == [shutdown]  # read once, kept

@@ -154,8 +154,18 @@ class QemuVm:
             return None
         how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
         console = self.console(1500).strip()  # a guest that powered off or panicked says so here (-no-reboot)
+        events = self._last_events()
         return (f"QEMU {self.spec.name} {how}: {self.log_tail(1000).strip() or '(nothing in its log)'}"
+                f"{f'; its last QMP events: {events}' if events else ''}"
                 f"{f'; its console ends: {console}' if console else ''}")
+
+    def _last_events(self) -> str:
+        """SHUTDOWN's reason tells a guest reset (a triple fault under -no-reboot) from a poweroff or a panic."""
+        if self._qmp is None:
+            return ""
+        shown = [f"{e['event']}{e.get('data') or ''}" for e in self._qmp.drain()
+                 if e.get("event") in ("SHUTDOWN", "RESET", "GUEST_PANICKED", "STOP", "RESUME", "MIGRATION")]
+        return ", ".join(shown[-8:])
 
     def log_tail(self, chars: int = 2000) -> str:
         try:

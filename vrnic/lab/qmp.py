@@ -139,6 +139,24 @@ class QmpClient:
                 if kind(message) == "event":
                     self.events.append(message)
 
+    def drain(self) -> list[dict[str, Any]]:
+        """Every event received so far, reading what is left on the socket without waiting: after QEMU ended,
+        its last events (SHUTDOWN with its reason, RESET, GUEST_PANICKED) say why."""
+        with self._lock:
+            try:
+                self.sock.setblocking(False)
+                while True:
+                    chunk = self.sock.recv(65536)
+                    if not chunk:
+                        break
+                    lines, self._buffer = split_lines(self._buffer + chunk)
+                    self._pending += [parse_message(line) for line in lines]
+            except (BlockingIOError, OSError):
+                pass
+            self.events += [m for m in self._pending if kind(m) == "event"]
+            self._pending = [m for m in self._pending if kind(m) != "event"]
+            return list(self.events)
+
     def close(self) -> None:
         self.sock.close()
 
