@@ -32,7 +32,7 @@ from vrnic.backend.drivers.paravirtual import VerbsDriver
 from vrnic.core.specs import Quota, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
 from vrnic.lab.live_migration import migrate_vm
-from vrnic.lab.migration_rig import WRITE_AT, binding, largest_gap_ms, start_vm, stream_into_vm
+from vrnic.lab.migration_rig import WRITE_AT, binding, largest_gap_ms, start_vm, stream_into_vm, stream_problems
 from vrnic.lab.vm_guest import build_migratable_initramfs
 from vrnic.lab.vm_host import ensure_kvm
 
@@ -104,14 +104,8 @@ def run() -> list[Record]:
 
 def _check(rig: Any, done: dict[str, Any]) -> None:
     """Nothing the peer saw complete may be missing in the VM, and nothing may be doubled."""
-    if done["errors"]:
-        raise RuntimeError(f"the peer's traffic failed during the migrations: {done['errors']}")
-    writes, sends = done["writes"], done["sends"]
-    stream = rig.control.call("recv_stream_stop", expect=len(sends), timeout=60)
-    if stream["errors"] or stream["seqs"] != sends:
-        raise RuntimeError(f"SENDs lost or doubled: sent {len(sends)}, received {len(stream['seqs'])}, "
-                           f"errors {stream['errors'][:3]}")
-    slots = rig.control.call("check_slots", offset=WRITE_AT, count=len(writes) + 1, size=8)["seqs"]
-    if slots[1:] != writes:
-        missing = [s for s in writes if slots[s] != s]
-        raise RuntimeError(f"{len(missing)} completed RDMA WRITEs are not in the VM's memory: {missing[:10]}")
+    received = rig.control.call("recv_stream_stop", expect=len(done["sends"]), timeout=60)
+    slots = rig.control.call("check_slots", offset=WRITE_AT, count=len(done["writes"]) + 1, size=8)["seqs"]
+    problems = stream_problems(done, received, slots)
+    if problems:
+        raise RuntimeError(f"the migrations lost or broke traffic: {problems}")

@@ -29,7 +29,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -106,17 +105,9 @@ def _one_move(rig: Rig, token: str, image: Path, accel: Any, n: int) -> dict[str
             if moving is not None:
                 moving.close()
             for row in (vm_row, peer_row):
-                _release(api, row["id"])
+                if (answer := rig.release(row["id"])).status_code != 200:
+                    print(f"migration.two_hosts: releasing {row['id']}: {answer.status_code} {answer.text}", flush=True)
             api.close()
-
-
-def _release(api: Any, vrnic_id: str) -> None:
-    """DELETE it; a peer killed a moment ago may count as attached until its agent notices (409)."""
-    deadline = time.monotonic() + 15
-    while (reply := api.delete(f"/vrnics/{vrnic_id}")).status_code == 409 and time.monotonic() < deadline:
-        time.sleep(0.25)
-    if reply.status_code != 200:
-        print(f"migration.two_hosts: releasing {vrnic_id}: {reply.status_code} {reply.text}", flush=True)
 
 
 def main() -> int:

@@ -131,6 +131,25 @@ def start_stream(control: ControlPort, info: dict[str, Any], peer_info: AttachIn
     return peer
 
 
+def stream_problems(done: dict[str, Any], received: dict[str, Any], slots: list[int]) -> list[str]:
+    """What the VM got wrong, given the peer's stop report (done), the VM program's receive stream
+    (recv_stream_stop) and its write slots (check_slots, from slot 0): every write the peer saw complete must be
+    in the VM's RAM and every SEND received once, in order. Empty if nothing."""
+    found: list[str] = []
+    writes, sends = done["writes"], done["sends"]
+    if done["errors"]:
+        found.append(f"the peer's traffic failed: {done['errors']}")
+    if writes != list(range(1, len(writes) + 1)):
+        found.append("the peer's completed writes are not 1..n")
+    if received["errors"] or received["seqs"] != sends:
+        found.append(f"SENDs: sent {len(sends)}, received {len(received['seqs'])}, errors {received['errors'][:3]}")
+    missing = [s for s in writes if s >= len(slots) or slots[s] != s]
+    if missing:
+        found.append(f"{len(missing)} completed writes are not in the VM's RAM as its program reads it: "
+                     f"{missing[:10]}")
+    return found
+
+
 def identity(whoami: dict[str, Any]) -> tuple[Any, ...]:
     """What must not change across a migration: the same process of the same boot."""
     return whoami["pid"], whoami["instance"], whoami["boot_id"]

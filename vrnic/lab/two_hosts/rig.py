@@ -151,6 +151,15 @@ class Rig:
             raise LabError(f"asked for a vRNIC on {host}, got one on {vrnic['host']}")
         return vrnic
 
+    def release(self, vrnic_id: str, timeout: float = 15.0) -> httpx.Response:
+        """DELETE it through a's API, the operator's token; a guest killed a moment ago may count as attached
+        until its agent notices (409), so that answer is asked again until timeout. The last answer."""
+        deadline = time.monotonic() + timeout
+        with self.client("a") as api:
+            while (answer := api.delete(f"/vrnics/{vrnic_id}")).status_code == 409 and time.monotonic() < deadline:
+                time.sleep(0.25)
+        return answer
+
     def run_on_b(self, argv: list[str], timeout: float = 120.0,
                  env: Mapping[str, str] | None = None) -> dict[str, object]:
         """Run a program on host b to its end: rc, stdout, stderr."""

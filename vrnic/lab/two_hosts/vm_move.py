@@ -20,7 +20,7 @@ import httpx
 
 from vrnic.core.specs import AttachInfo, VmBinding, VmVrnic
 from vrnic.errors import LabError
-from vrnic.lab.migration_rig import WRITE_AT, Streaming, identity, start_vm, stream_into_vm
+from vrnic.lab.migration_rig import WRITE_AT, Streaming, identity, start_vm, stream_into_vm, stream_problems
 from vrnic.lab.two_hosts.rig import Rig, lab_addrs
 from vrnic.lab.two_hosts.vm_target import RemoteVm, migrate_source_only
 
@@ -124,24 +124,13 @@ class MovingVm:
         in b's guest RAM (the program's reading and QMP's), every SEND received once, in order, and the program
         must be the same one. Empty if nothing."""
         assert self.dest is not None
-        found: list[str] = []
         writes, sends = done["writes"], done["sends"]
-        if done["errors"]:
-            found.append(f"the peer's traffic failed: {done['errors']}")
-        if writes != list(range(1, len(writes) + 1)):
-            found.append("the peer's completed writes are not 1..n")
-        if identity(self.dest.call("control", verb="whoami")) != identity(self.who):
-            found.append("the program on b is not the one that ran on a")
-        got = self.dest.call("control", verb="recv_stream_stop", args={"expect": len(sends), "timeout": 30})
-        if got["errors"] or got["seqs"] != sends:
-            found.append(f"SENDs: sent {len(sends)}, received {len(got['seqs'])}, errors {got['errors'][:3]}")
+        same = identity(self.dest.call("control", verb="whoami")) == identity(self.who)
+        received = self.dest.call("control", verb="recv_stream_stop", args={"expect": len(sends), "timeout": 30})
         slots = self.dest.call("control", verb="check_slots",
                                args={"offset": WRITE_AT, "count": len(writes) + 1, "size": 8})["seqs"]
-        missing = [s for s in writes if slots[s] != s]
-        if missing:
-            found.append(f"{len(missing)} completed writes are not in b's guest RAM as the program reads it: "
-                         f"{missing[:10]}")
-        return found
+        found = stream_problems(done, received, slots)
+        return found if same else ["the program on b is not the one that ran on a", *found]
 
     def close(self) -> None:
         self.stream.close()
