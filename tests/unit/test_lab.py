@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
 import queue
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -20,13 +22,14 @@ from vrnic.lab.guest import (
     GuestPlan,
     Topology,
     guest_script,
+    heartbeat_file,
     initramfs_init,
     ipv4_gid_suffix,
     lab_env,
 )
 from vrnic.lab.kernel import choose_kernel, parse_show_depends
 from vrnic.lab.qemu import DgramLink, GuestSpec, kernel_cmdline, qemu_argv
-from vrnic.lab.runner import LabRunner, _Guest, locked_up
+from vrnic.lab.runner import LabRunner, _Guest, locked_up, quiet_for
 
 SPEC = GuestSpec(kernel=Path("/boot/vmlinuz-6.1.0-56-amd64"), initrd=Path("/var/cache/vrnic/i.cpio.gz"),
                  work_dir=Path("/work/main"), run_dir=Path("/work/main/.lab/runs/1"))
@@ -217,6 +220,67 @@ def test_a_locked_up_guest_is_given_up_at_once_and_counts_as_a_panic(tmp_path: P
     assert events.get_nowait() == ("a", "never read")  # it did not wait for the lab's timeout
     assert runner._verdict([guest], False, started, 60) == EXIT_GUEST_LOST
     assert runner.panicked is not None and "stuck for 131s" in runner.panicked  # --rerun-on-panic reruns
+
+
+def test_the_guest_beats_into_a_file_beside_its_rc_file_while_the_command_runs() -> None:
+    script = guest_script(_plan())
+    beat = script.index("/work/main/.lab/runs/1/rc-a.heartbeat")
+    assert script.index(f"{MARKER}ready") < beat < script.index("\nrdma link show </dev/null\n")
+    assert heartbeat_file(Path("/r/rc-b")) == Path("/r/rc-b.heartbeat")
+
+
+def test_quiet_for_counts_from_the_last_beat_or_from_ready(tmp_path: Path) -> None:
+    beat = tmp_path / "rc-a.heartbeat"
+    assert quiet_for(beat, ready_at=1000.0, now=1030.0) == 30.0  # not beaten yet
+    beat.write_text("1")
+    os.utime(beat, (2000.0, 2000.0))
+    assert quiet_for(beat, ready_at=1000.0, now=2010.0) == 10.0
+    assert quiet_for(beat, ready_at=3000.0, now=3005.0) == 5.0  # a beat from before ready (a rerun) is not one
+
+
+def test_a_guest_whose_heartbeat_stopped_is_given_up_and_counts_as_lost(tmp_path: Path) -> None:
+    runner = LabRunner(LabSettings(work_dir=tmp_path), console=Console(file=io.StringIO()), out=io.StringIO(),
+                       stalled_after=1.0)
+    runner.panicked = None
+    process = subprocess.Popen(["sleep", "60"])
+    guest = _Guest(role="a", process=process, rc_file=tmp_path / "rc-a", log=io.StringIO())
+    events: queue.Queue[tuple[str, str | None]] = queue.Queue()
+    events.put(("a", f"{MARKER}ready"))
+    heartbeat_file(guest.rc_file).write_text("1")  # it beat once, then stopped
+    started = time.monotonic()
+    try:
+        assert runner._stream([guest], events, started, timeout=60, prefix=False) is False
+    finally:
+        process.kill()
+        process.wait()
+    assert time.monotonic() - started < 10  # given up after about a second of silence, not at the timeout
+    assert runner._verdict([guest], False, started, 60) == EXIT_GUEST_LOST
+    assert runner.panicked is not None and "no heartbeat for" in runner.panicked
+
+
+def test_a_beating_guest_is_left_alone(tmp_path: Path) -> None:
+    runner = LabRunner(LabSettings(work_dir=tmp_path), console=Console(file=io.StringIO()), out=io.StringIO(),
+                       stalled_after=1.5)
+    guest = _Guest(role="a", process=subprocess.Popen(["true"]), rc_file=tmp_path / "rc-a", log=io.StringIO())
+    guest.process.wait()
+    events: queue.Queue[tuple[str, str | None]] = queue.Queue()
+    events.put(("a", f"{MARKER}ready"))
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(0.3):
+            heartbeat_file(guest.rc_file).write_text("1")
+        events.put(("a", None))  # the console closes: the run ends normally
+
+    beater = threading.Thread(target=beat)
+    beater.start()
+    threading.Timer(4.0, stop.set).start()
+    try:
+        assert runner._stream([guest], events, time.monotonic(), timeout=60, prefix=False) is False
+    finally:
+        stop.set()
+        beater.join()
+    assert guest.locked_up is None
 
 
 def test_the_guest_learns_the_labs_writable_output_dir(monkeypatch: pytest.MonkeyPatch) -> None:

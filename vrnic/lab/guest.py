@@ -54,6 +54,14 @@ class GuestPlan:
     output_dir: Path | None = None
 
 
+HEARTBEAT_S = 5  # how often a guest that runs its command touches its heartbeat file
+
+
+def heartbeat_file(rc_file: Path) -> Path:
+    """Where the guest writes its heartbeat while the command runs: next to its rc file, on the work share."""
+    return rc_file.with_name(rc_file.name + ".heartbeat")
+
+
 def ipv4_gid_suffix(addr: str) -> str:
     """The tail of the IPv4-mapped GID sysfs shows for addr ('10.77.1.1' -> 'ffff:0a4d:0101')."""
     packed = ipaddress.IPv4Address(addr).packed
@@ -195,6 +203,7 @@ def guest_script(plan: GuestPlan) -> str:
         raise InvalidArgument(f"netdevsim VF count must be 1..64, not {plan.netdevsim_vfs}")
     venv = shlex.quote(str(plan.venv))
     rc = shlex.quote(str(plan.rc_file))
+    heartbeat = shlex.quote(str(heartbeat_file(plan.rc_file)))
     if plan.topology is Topology.TWO_HOSTS:
         topology = _two_hosts_setup(plan.role)
     else:
@@ -230,6 +239,9 @@ modprobe rdma_rxe || fail 'modprobe rdma_rxe'
 {body}
 {exports}
 echo "{MARKER}ready"
+# The host watches this file: a guest whose CPU is stuck in nested KVM stops beating (vrnic/lab/runner.py).
+( while :; do date +%s > {heartbeat}.tmp && mv {heartbeat}.tmp {heartbeat}; sleep {HEARTBEAT_S}; done ) \
+  </dev/null >/dev/null 2>&1 &
 cd {shlex.quote(str(plan.cwd))} 2>/dev/null || cd /
 {command} </dev/null
 finish $?

@@ -35,6 +35,7 @@ from vrnic.lab.guest import (
     GuestPlan,
     Topology,
     guest_script,
+    heartbeat_file,
 )
 from vrnic.lab.initramfs import ensure_initramfs
 from vrnic.lab.kernel import choose_kernel, installed_kernels, kernel_image
@@ -48,6 +49,19 @@ KEEP_RUNS = 20
 # kworker on the other): nothing in the guest runs any more, so no timeout inside it can fire.
 SOFT_LOCKUP = re.compile(r"watchdog: BUG: soft lockup - CPU#\d+ stuck for (\d+)s!")
 LOCKED_UP_S = 120  # a CPU stuck this long is a dead kernel, not a slow host starving the guest for a moment
+# The same wedge without a console line: the CPU stuck in the nested guest never takes its timer interrupt, so
+# its own lockup watchdog never runs, and every task whose timer sits on that CPU sleeps for good (the test, its
+# hang watch). The guest's heartbeat (vrnic/lab/guest.py) stops with them.
+STALLED_S = 150.0
+
+
+def quiet_for(heartbeat: Path, ready_at: float, now: float) -> float:
+    """Seconds (wall clock) since the guest last beat, or since it became ready if it has not beaten yet."""
+    try:
+        last = heartbeat.stat().st_mtime
+    except FileNotFoundError:
+        last = ready_at
+    return now - max(last, ready_at)
 
 
 def locked_up(line: str, limit: int = LOCKED_UP_S) -> bool:
@@ -75,7 +89,8 @@ class _Guest:
     log: IO[str]
     ready: bool = False  # the guest reached the command
     finished: bool = False  # the command ended; later lines are shutdown noise
-    locked_up: str | None = None  # the soft-lockup line that made us give the guest up
+    locked_up: str | None = None  # the soft-lockup line (or stopped heartbeat) that made us give the guest up
+    ready_at: float = 0.0  # wall clock, when it reached the command
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
 
 
@@ -87,8 +102,9 @@ def _free_udp_port() -> int:
 
 class LabRunner:
     def __init__(self, settings: LabSettings | None = None, console: Console | None = None,
-                 out: IO[str] | None = None) -> None:
+                 out: IO[str] | None = None, stalled_after: float = STALLED_S) -> None:
         self.settings = settings or LabSettings()
+        self.stalled_after = stalled_after
         self.console = console or Console(stderr=True, highlight=False, markup=False, soft_wrap=True)
         self.out = out or sys.stdout
 
@@ -210,10 +226,15 @@ class LabRunner:
                 timeout: float, prefix: bool) -> bool:
         by_role = {g.role: g for g in guests}
         open_streams = len(guests)
+        next_beat_check = 0.0
         with self.console.status("[lab] booting kernel", spinner="dots") as status:
             while open_streams:
                 if time.monotonic() - started > timeout:
                     return True
+                if time.monotonic() >= next_beat_check:
+                    next_beat_check = time.monotonic() + 2.0
+                    if self._stalled(guests, prefix) is not None:
+                        return False
                 try:
                     role, line = events.get(timeout=0.2)
                 except queue.Empty:
@@ -235,7 +256,7 @@ class LabRunner:
                     kind, _, detail = line.removeprefix(MARKER).partition(" ")
                     elapsed = time.monotonic() - started
                     if kind == "ready":
-                        guest.ready = True
+                        guest.ready, guest.ready_at = True, time.time()
                         self.console.print(f"[lab] {tag}guest ready after {elapsed:.1f} s; running the command")
                         if all(g.ready for g in guests):
                             status.stop()
@@ -248,6 +269,20 @@ class LabRunner:
                     self.out.write(f"{tag}{line}\n")
                     self.out.flush()
         return False
+
+    def _stalled(self, guests: list[_Guest], prefix: bool) -> _Guest | None:
+        """A guest running its command whose heartbeat stopped: marked locked up (a lost guest) and returned."""
+        for guest in guests:
+            if not guest.ready or guest.finished:
+                continue
+            quiet = quiet_for(heartbeat_file(guest.rc_file), guest.ready_at, time.time())
+            if quiet >= self.stalled_after:
+                guest.locked_up = (f"no heartbeat for {quiet:.0f} s: the guest runs nothing any more (a CPU stuck "
+                                   "in nested KVM under TCG takes no interrupts, and no console line says so)")
+                tag = f"[{guest.role}] " if prefix else ""
+                self.console.print(f"[lab] {tag}{guest.locked_up}; stopping it", style="red")
+                return guest
+        return None
 
     def _verdict(self, guests: list[_Guest], timed_out: bool, started: float, timeout: float) -> int:
         elapsed = time.monotonic() - started
