@@ -51,7 +51,8 @@ SOFT_LOCKUP = re.compile(r"watchdog: BUG: soft lockup - CPU#\d+ stuck for (\d+)s
 LOCKED_UP_S = 120  # a CPU stuck this long is a dead kernel, not a slow host starving the guest for a moment
 # The same wedge without a console line: the CPU stuck in the nested guest never takes its timer interrupt, so
 # its own lockup watchdog never runs, and every task whose timer sits on that CPU sleeps for good (the test, its
-# hang watch). The guest's heartbeat (vrnic/lab/guest.py) stops with them.
+# hang watch), while the other CPUs carry on. Each beat of the guest's heartbeat (vrnic/lab/guest.py) runs a
+# task on every CPU, so it stops.
 STALLED_S = 150.0
 
 
