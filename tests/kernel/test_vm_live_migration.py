@@ -41,9 +41,12 @@ from vrnic.errors import LabError
 from vrnic.lab.live_migration import ApiMigration, migrate_vm
 from vrnic.lab.migration_rig import (
     WRITE_AT,
+    NestedGuestFault,
     binding,
+    guest_stopped,
     identity,
     largest_gap_ms,
+    retry_on_guest_fault,
     start_vm,
     stream_into_vm,
 )
@@ -84,128 +87,167 @@ def image(accel: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_migration_under_traffic_keeps_every_write_and_send(accel: Literal["kvm", "tcg"], image: Path, driver: Any,
                                                             make_vrnic: Callable[..., AttachInfo],
                                                             device_pair: tuple[str, str], tmp_path: Path) -> None:
-    vm_info, peer_info = make_vrnic(device=device_pair[0]), make_vrnic(device=device_pair[1])
-    rig = stream_into_vm(driver, DOMAIN, start_vm("src", image, tmp_path, accel), vm_info, peer_info)
-    source, control, vm, peer = rig.vm, rig.control, rig.info, rig.peer
-    TIMINGS["boot_to_ready_s"] = rig.ready_s
-    dest = None
-    try:
-        who = control.call("whoami")
-        time.sleep(1.0)  # traffic before
-        objects_before = resource_counts()
-        dest = start_vm("dst", image, tmp_path, accel, incoming=URI.format(tmp_path))
-        result = migrate_vm(driver, DOMAIN, source, dest, binding(DOMAIN, dest, vm_info.vrnic_id), URI.format(tmp_path))
-        switched = result.switchover
-        print(f"\nmigration: QEMU total {result.stats.total_ms} ms, downtime {result.stats.downtime_ms} ms; "
-              f"vrnicd prepare {result.prepare_ms:.1f} ms, switchover {switched}")
-        source.stop()
-        time.sleep(1.0)  # traffic after
-        seen = sessions_now()  # shown if the stream turns out to have failed or stalled by now
+    def attempt(n: int) -> None:
+        workdir = tmp_path / f"attempt{n}"
+        workdir.mkdir()
+        vm_info, peer_info = make_vrnic(device=device_pair[0]), make_vrnic(device=device_pair[1])
+        rig = stream_into_vm(driver, DOMAIN, start_vm("src", image, workdir, accel), vm_info, peer_info)
+        source, control, vm, peer = rig.vm, rig.control, rig.info, rig.peer
+        TIMINGS["boot_to_ready_s"] = rig.ready_s
+        dest = None
+        lives_on = source  # the QEMU the VM runs in: a failure while it stopped running is the nested guest's
         try:
-            done = peer.ask({"op": "stop"})
-        except RuntimeError:  # the peer gave up on a completion: show what every session held, and holds
-            print("before stop:", seen)
-            print("after:", sessions_now())
-            print("destination:", vm_now(dest))
+            who = control.call("whoami")
+            time.sleep(1.0)  # traffic before
+            objects_before = resource_counts()
+            dest = start_vm("dst", image, workdir, accel, incoming=URI.format(workdir))
+            result = migrate_vm(driver, DOMAIN, source, dest, binding(DOMAIN, dest, vm_info.vrnic_id),
+                                URI.format(workdir))
+            lives_on = dest
+            switched = result.switchover
+            print(f"\nmigration: QEMU total {result.stats.total_ms} ms, downtime {result.stats.downtime_ms} ms; "
+                  f"vrnicd prepare {result.prepare_ms:.1f} ms, switchover {switched}")
+            source.stop()
+            time.sleep(1.0)  # traffic after
+            seen = sessions_now()  # shown if the stream turns out to have failed or stalled by now
+            try:
+                done = peer.ask({"op": "stop"})
+            except RuntimeError:  # the peer gave up on a completion: show what every session held, and holds
+                print("before stop:", seen)
+                print("after:", sessions_now())
+                print("destination:", vm_now(dest))
+                raise
+            if done["errors"]:
+                print("before stop:", seen)
+                print("destination:", vm_now(dest))
+            assert not done["errors"], done["errors"]
+            writes, sends = done["writes"], done["sends"]
+            assert len(writes) > 50 and writes == list(range(1, len(writes) + 1))
+            control.close()
+            control = ControlPort(channel_socket(dest.spec, CONTROL_PORT))
+            assert identity(control.call("whoami")) == identity(who)  # the same program, never restarted
+            stream = control.call("recv_stream_stop", expect=len(sends), timeout=30)
+            assert stream["errors"] == [] and stream["seqs"] == sends, (stream, sends)
+            slots = control.call("check_slots", offset=WRITE_AT, count=len(writes) + 1, size=8)["seqs"]
+            assert slots[1:] == writes  # every completed write, in the destination's RAM, seen by the program
+            saved = workdir / "slots.bin"
+            dest.qmp.execute("pmemsave", val=vm["addr"] + WRITE_AT, size=8 * (len(writes) + 1), filename=str(saved))
+            raw = saved.read_bytes()
+            assert [int.from_bytes(raw[8 * s:8 * s + 8], "little") for s in writes] == writes  # and through QMP
+            assert resource_counts() == objects_before  # the source's objects went, the destination's replaced them
+            assert switched["peers_repointed"] == 1 and switched["broken_qps"] == 0
+            TIMINGS.update(qemu_total_ms=result.stats.total_ms or 0, qemu_downtime_ms=result.stats.downtime_ms or 0,
+                           switchover_ms=switched["total_ms"], peer_blackout_ms=largest_gap_ms(done["times"]),
+                           writes=len(writes), sends=len(sends))
+        except Exception as exc:
+            raise_if_guest_stopped(lives_on, exc)
             raise
-        if done["errors"]:
-            print("before stop:", seen)
-            print("destination:", vm_now(dest))
-        assert not done["errors"], done["errors"]
-        writes, sends = done["writes"], done["sends"]
-        assert len(writes) > 50 and writes == list(range(1, len(writes) + 1))
-        control.close()
-        control = ControlPort(channel_socket(dest.spec, CONTROL_PORT))
-        assert identity(control.call("whoami")) == identity(who)  # the same program, never restarted
-        stream = control.call("recv_stream_stop", expect=len(sends), timeout=30)
-        assert stream["errors"] == [] and stream["seqs"] == sends, (stream, sends)
-        slots = control.call("check_slots", offset=WRITE_AT, count=len(writes) + 1, size=8)["seqs"]
-        assert slots[1:] == writes  # every completed write, in the destination's RAM, seen by the program
-        saved = tmp_path / "slots.bin"
-        dest.qmp.execute("pmemsave", val=vm["addr"] + WRITE_AT, size=8 * (len(writes) + 1), filename=str(saved))
-        raw = saved.read_bytes()
-        assert [int.from_bytes(raw[8 * s:8 * s + 8], "little") for s in writes] == writes  # and through QMP
-        assert resource_counts() == objects_before  # the source's objects went, the destination's replaced them
-        assert switched["peers_repointed"] == 1 and switched["broken_qps"] == 0
-        TIMINGS.update(qemu_total_ms=result.stats.total_ms or 0, qemu_downtime_ms=result.stats.downtime_ms or 0,
-                       switchover_ms=switched["total_ms"], peer_blackout_ms=largest_gap_ms(done["times"]),
-                       writes=len(writes), sends=len(sends))
-    finally:
-        peer.close()
-        control.close()
-        driver.unbind_vm(DOMAIN)
-        for qemu in (source, dest):
-            if qemu is not None:
-                qemu.stop()
+        finally:
+            peer.close()
+            control.close()
+            driver.unbind_vm(DOMAIN)
+            for qemu in (source, dest):
+                if qemu is not None:
+                    qemu.stop()
+
+    retry_on_guest_fault(attempt, "the migration under traffic")
 
 
 def test_cancelled_migration_and_absent_vrnicd_leave_the_vm_on_the_source(
         accel: Literal["kvm", "tcg"], image: Path, driver: Any, make_vrnic: Callable[..., AttachInfo],
         device_pair: tuple[str, str], tmp_path: Path) -> None:
-    vm_info, peer_info = make_vrnic(device=device_pair[0]), make_vrnic(device=device_pair[1])
-    rig = stream_into_vm(driver, DOMAIN, start_vm("src", image, tmp_path, accel), vm_info, peer_info)
-    source, control, peer = rig.vm, rig.control, rig.peer
-    try:
-        who = control.call("whoami")
-        objects = resource_counts()
-        # no vrnicd answers at the destination's API: nothing starts, the VM never stops
-        nobody = httpx.Client(base_url="http://127.0.0.1:9", timeout=2)
-        with pytest.raises(httpx.HTTPError):
-            migrate_vm(ApiMigration(_Api(nobody)), DOMAIN, source, source, binding(DOMAIN, source, vm_info.vrnic_id),
-                       "unix:/nonexistent")
-        assert source.qmp.execute("query-status")["running"]
-        # cancelled midway (throttled so that it is still copying): vrnicd drops its pre-setup, the source runs on
-        dest = start_vm("dst", image, tmp_path, accel, incoming=URI.format(tmp_path))
-        with pytest.raises(LabError, match="cancelled"):
-            migrate_vm(driver, DOMAIN, source, dest, binding(DOMAIN, dest, vm_info.vrnic_id), URI.format(tmp_path),
-                       parameters={"max-bandwidth": 8 << 20}, cancel_after=1.0)
-        assert source.qmp.execute("query-status")["running"]
-        assert driver.vm_bindings()[DOMAIN].ram_path == str(source.ram_path)
-        assert wait_for_baseline(objects) == objects  # the pre-setup is gone, the source's objects are intact
-        time.sleep(0.5)
-        done = peer.ask({"op": "stop"})
-        assert not done["errors"] and len(done["writes"]) > 20
-        assert identity(control.call("whoami")) == identity(who)
-        stream = control.call("recv_stream_stop", expect=len(done["sends"]), timeout=30)
-        assert stream["errors"] == [] and stream["seqs"] == done["sends"]
-        slots = control.call("check_slots", offset=WRITE_AT, count=len(done["writes"]) + 1, size=8)["seqs"]
-        assert slots[1:] == done["writes"]
-    finally:
-        peer.close()
-        control.close()
-        driver.unbind_vm(DOMAIN)
-        source.stop()
+    def attempt(n: int) -> None:
+        workdir = tmp_path / f"attempt{n}"
+        workdir.mkdir()
+        vm_info, peer_info = make_vrnic(device=device_pair[0]), make_vrnic(device=device_pair[1])
+        rig = stream_into_vm(driver, DOMAIN, start_vm("src", image, workdir, accel), vm_info, peer_info)
+        source, control, peer = rig.vm, rig.control, rig.peer
+        try:
+            who = control.call("whoami")
+            objects = resource_counts()
+            # no vrnicd answers at the destination's API: nothing starts, the VM never stops
+            nobody = httpx.Client(base_url="http://127.0.0.1:9", timeout=2)
+            with pytest.raises(httpx.HTTPError):
+                migrate_vm(ApiMigration(_Api(nobody)), DOMAIN, source, source,
+                           binding(DOMAIN, source, vm_info.vrnic_id), "unix:/nonexistent")
+            assert source.qmp.execute("query-status")["running"]
+            # cancelled midway (throttled so that it is still copying): vrnicd drops its pre-setup, the source
+            # runs on
+            dest = start_vm("dst", image, workdir, accel, incoming=URI.format(workdir))
+            with pytest.raises(LabError, match="cancelled"):
+                migrate_vm(driver, DOMAIN, source, dest, binding(DOMAIN, dest, vm_info.vrnic_id), URI.format(workdir),
+                           parameters={"max-bandwidth": 8 << 20}, cancel_after=1.0)
+            assert source.qmp.execute("query-status")["running"]
+            assert driver.vm_bindings()[DOMAIN].ram_path == str(source.ram_path)
+            assert wait_for_baseline(objects) == objects  # the pre-setup is gone, the source's objects are intact
+            time.sleep(0.5)
+            done = peer.ask({"op": "stop"})
+            assert not done["errors"] and len(done["writes"]) > 20
+            assert identity(control.call("whoami")) == identity(who)
+            stream = control.call("recv_stream_stop", expect=len(done["sends"]), timeout=30)
+            assert stream["errors"] == [] and stream["seqs"] == done["sends"]
+            slots = control.call("check_slots", offset=WRITE_AT, count=len(done["writes"]) + 1, size=8)["seqs"]
+            assert slots[1:] == done["writes"]
+        except Exception as exc:
+            raise_if_guest_stopped(source, exc)
+            raise
+        finally:
+            peer.close()
+            control.close()
+            driver.unbind_vm(DOMAIN)
+            source.stop()
+
+    retry_on_guest_fault(attempt, "the cancelled migration")
 
 
 def test_peer_killed_during_the_migration(accel: Literal["kvm", "tcg"], image: Path, driver: Any,
                                           make_vrnic: Callable[..., AttachInfo], device_pair: tuple[str, str],
                                           tmp_path: Path) -> None:
-    vm_info, peer_info = make_vrnic(device=device_pair[0]), make_vrnic(device=device_pair[1])
-    rig = stream_into_vm(driver, DOMAIN, start_vm("src", image, tmp_path, accel), vm_info, peer_info)
-    source, control, peer = rig.vm, rig.control, rig.peer
-    dest = None
-    try:
-        who = control.call("whoami")
-        dest = start_vm("dst", image, tmp_path, accel, incoming=URI.format(tmp_path))
-        killer = threading.Timer(0.5, lambda: os.kill(peer.proc.pid, signal.SIGKILL))
-        killer.start()
-        result = migrate_vm(driver, DOMAIN, source, dest, binding(DOMAIN, dest, vm_info.vrnic_id), URI.format(tmp_path),
-                            parameters={"max-bandwidth": 32 << 20})
-        killer.join()
-        source.stop()
-        assert result.switchover["broken_qps"] == 1, result.switchover
-        control.close()
-        control = ControlPort(channel_socket(dest.spec, CONTROL_PORT))
-        assert control.call("whoami")["instance"] == who["instance"]
-        stream = control.call("recv_stream_stop", expect=10 ** 6, timeout=5)
-        assert any("FLUSH" in e for e in stream["errors"]), stream  # a defined error, not silence
-    finally:
-        peer.close()
-        control.close()
-        driver.unbind_vm(DOMAIN)
-        for qemu in (source, dest):
-            if qemu is not None:
-                qemu.stop()
+    def attempt(n: int) -> None:
+        workdir = tmp_path / f"attempt{n}"
+        workdir.mkdir()
+        vm_info, peer_info = make_vrnic(device=device_pair[0]), make_vrnic(device=device_pair[1])
+        rig = stream_into_vm(driver, DOMAIN, start_vm("src", image, workdir, accel), vm_info, peer_info)
+        source, control, peer = rig.vm, rig.control, rig.peer
+        dest = None
+        lives_on = source
+        try:
+            who = control.call("whoami")
+            dest = start_vm("dst", image, workdir, accel, incoming=URI.format(workdir))
+            killer = threading.Timer(0.5, lambda: os.kill(peer.proc.pid, signal.SIGKILL))
+            killer.start()
+            result = migrate_vm(driver, DOMAIN, source, dest, binding(DOMAIN, dest, vm_info.vrnic_id),
+                                URI.format(workdir), parameters={"max-bandwidth": 32 << 20})
+            lives_on = dest
+            killer.join()
+            source.stop()
+            assert result.switchover["broken_qps"] == 1, result.switchover
+            control.close()
+            control = ControlPort(channel_socket(dest.spec, CONTROL_PORT))
+            assert control.call("whoami")["instance"] == who["instance"]
+            stream = control.call("recv_stream_stop", expect=10 ** 6, timeout=5)
+            assert any("FLUSH" in e for e in stream["errors"]), stream  # a defined error, not silence
+        except Exception as exc:
+            raise_if_guest_stopped(lives_on, exc)
+            raise
+        finally:
+            peer.close()
+            control.close()
+            driver.unbind_vm(DOMAIN)
+            for qemu in (source, dest):
+                if qemu is not None:
+                    qemu.stop()
+
+    retry_on_guest_fault(attempt, "the migration with the peer killed")
+
+
+def raise_if_guest_stopped(vm: Any, failure: Exception) -> None:
+    """The test failed while the VM's nested guest had stopped running on its own: NestedGuestFault (run once
+    more by retry_on_guest_fault), with the failure it caused."""
+    stopped = guest_stopped(vm)
+    if stopped is not None:
+        raise NestedGuestFault(f"{stopped} (the test then failed: {type(failure).__name__}: {failure})"[:4000]) \
+            from failure
 
 
 def sessions_now() -> str:

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from vrnic.lab.migration_rig import stream_problems
+import pytest
+
+from vrnic.lab.migration_rig import (
+    NestedGuestFault,
+    NestedGuestRetried,
+    guest_stopped,
+    retry_on_guest_fault,
+    stream_problems,
+)
 
 
 def _done(writes: list[int], sends: list[int], errors: list[str] | None = None) -> dict[str, object]:
@@ -28,3 +36,48 @@ def test_a_doubled_send_and_a_short_slot_read_count_as_losses() -> None:
     found = stream_problems(_done([1, 2, 3], [4]), {"seqs": [4, 4], "errors": []}, [0, 1, 2])
     assert found == ["SENDs: sent 1, received 2, errors []",
                      "1 completed writes are not in the VM's RAM as its program reads it: [3]"]
+
+
+class _EndedVm:
+    def __init__(self, report: str) -> None:
+        self.report = report
+
+    def exit_report(self, wait_s: float = 1.0) -> str:
+        return self.report
+
+
+def test_a_qemu_that_ended_without_a_panic_is_the_nested_guests_doing_and_a_panic_is_not() -> None:
+    reset = "QEMU dst exited with status 0: (nothing in its log); its console ends: vrnic-vm: init"
+    assert guest_stopped(_EndedVm(reset)) == reset  # type: ignore[arg-type]
+    panicked = "QEMU dst exited with status 0: ...; its console ends: Kernel panic - not syncing: Fatal exception"
+    assert guest_stopped(_EndedVm(panicked)) is None  # type: ignore[arg-type]
+
+
+def test_retry_on_guest_fault_runs_once_more_only_for_a_nested_guest_fault() -> None:
+    said: list[str] = []
+    calls: list[int] = []
+
+    def flaky(n: int) -> str:
+        calls.append(n)
+        if n == 1:
+            raise NestedGuestFault("QEMU src exited with status 0")
+        return "ok"
+
+    with pytest.warns(NestedGuestRetried, match="the move: the nested guest stopped running"):
+        assert retry_on_guest_fault(flaky, "the move", say=said.append) == "ok"
+    assert calls == [1, 2] and "QEMU src exited with status 0" in said[0]
+
+    def wrong(n: int) -> None:
+        calls.append(n)
+        raise AssertionError("a write is missing")
+
+    calls.clear()
+    with pytest.raises(AssertionError, match="a write is missing"):
+        retry_on_guest_fault(wrong, "the move", say=said.append)
+    assert calls == [1]  # the feature's failure is never retried
+
+    def always(n: int) -> None:
+        raise NestedGuestFault(f"frozen {n}")
+
+    with pytest.warns(NestedGuestRetried), pytest.raises(NestedGuestFault, match="second attempt too: frozen 2"):
+        retry_on_guest_fault(always, "the move", say=said.append)

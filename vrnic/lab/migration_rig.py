@@ -13,11 +13,14 @@ import os
 import subprocess
 import sys
 import time
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 from vrnic.core.specs import AttachInfo, VmBinding, VmVrnic
+from vrnic.errors import LabError
 from vrnic.lab.qemu_vm import QemuVm
 from vrnic.lab.vm_guest import CONTROL_PORT, ControlPort, channel_socket, migratable_vm_spec
 from vrnic.vm.domain_xml import DEFAULT_CHANNEL
@@ -25,6 +28,71 @@ from vrnic.vm.domain_xml import DEFAULT_CHANNEL
 PROJECT = Path(__file__).resolve().parents[2]
 WRITE_AT = 512 << 10  # the peer's slots in the VM's MR (1 MiB): 8 bytes per sequence number
 SLOTS = 60000
+
+
+T = TypeVar("T")
+
+
+class NestedGuestFault(LabError):
+    """A nested guest stopped running under a migration test, and not by a panic: its QEMU ended on its own
+    (under -no-reboot a guest reset ends QEMU with status 0), or it runs and its program's control port, which
+    vrnicd has no part in, stays silent (a frozen guest). Nested KVM inside the TCG lab, not the feature."""
+
+
+class NestedGuestRetried(UserWarning):
+    """A migration test's nested guest stopped running (NestedGuestFault) and the test ran once more."""
+
+
+def guest_stopped(vm: QemuVm, answer_within: float = 10.0) -> str | None:
+    """Why vm, which should be running, is not, when that is the nested guest's own doing; None if it runs and
+    its program answers, or if its kernel panicked (a panic may be the feature's doing: a write into the wrong
+    guest page)."""
+    ended = vm.exit_report(0.5)
+    if ended is not None:
+        return None if "panic" in ended.lower() else ended
+    try:
+        port = ControlPort(channel_socket(vm.spec, CONTROL_PORT), timeout=answer_within, connect_timeout=5)
+        try:
+            port.call("whoami")
+        finally:
+            port.close()
+    except Exception as exc:  # a silent program is the finding, whatever the error
+        return (f"QEMU {vm.spec.name} runs ({_status(vm)}) but its program does not answer its control port: "
+                f"{type(exc).__name__}: {exc}; {_cpu_state(vm)}")
+    return None
+
+
+def _status(vm: QemuVm) -> str:
+    try:
+        return str(vm.qmp.execute("query-status").get("status"))
+    except (LabError, OSError) as exc:
+        return f"QMP: {exc}"
+
+
+def _cpu_state(vm: QemuVm) -> str:
+    """Where the guest's CPU is (RIP, and HLT=1 for a CPU waiting for an interrupt that does not come)."""
+    try:
+        lines = vm.qmp.hmp("info registers").splitlines()
+    except (LabError, OSError) as exc:
+        return f"registers: {exc}"
+    return "registers: " + " | ".join(line.strip() for line in lines if "RIP=" in line or "HLT=" in line)
+
+
+def retry_on_guest_fault(attempt: Callable[[int], T], what: str, say: Callable[[str], None] = print) -> T:
+    """attempt(1), and attempt(2) if it raised NestedGuestFault, saying so on `say` and as a NestedGuestRetried
+    warning. Anything else -- an assertion about the feature above all -- goes straight to the caller, and so
+    does a second fault."""
+    try:
+        return attempt(1)
+    except NestedGuestFault as first:
+        message = f"{what}: the nested guest stopped running, running it once more: {first}"
+        say(message)
+        warnings.warn(message.splitlines()[0][:400], NestedGuestRetried, stacklevel=2)
+    try:
+        return attempt(2)
+    except NestedGuestFault as second:
+        raise NestedGuestFault(f"{what}: the nested guest stopped running in the second attempt too: {second}") \
+            from None
 
 
 class Binder(Protocol):
