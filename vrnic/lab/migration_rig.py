@@ -8,6 +8,7 @@ sequence-numbered RDMA WRITEs and SENDs into it. Each migration needs a fresh de
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -126,6 +127,10 @@ class PeerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(BrokenPipeError):  # stdin's unflushed rest, to a process that is gone
+                    pipe.close()
 
 
 def start_vm(name: str, image: Path, workdir: Path, accel: Literal["kvm", "tcg"], incoming: str | None = None,
