@@ -28,6 +28,8 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,6 +44,7 @@ from vrnic.lab.live_migration import ApiMigration, migrate_vm
 from vrnic.lab.migration_rig import (
     WRITE_AT,
     NestedGuestFault,
+    Streaming,
     binding,
     guest_stopped,
     identity,
@@ -50,6 +53,7 @@ from vrnic.lab.migration_rig import (
     start_vm,
     stream_into_vm,
 )
+from vrnic.lab.qemu_vm import QemuVm
 from vrnic.lab.vm_guest import CONTROL_PORT, ControlPort, build_migratable_initramfs, channel_socket
 from vrnic.lab.vm_host import ensure_kvm
 
@@ -92,18 +96,16 @@ def test_migration_under_traffic_keeps_every_write_and_send(accel: Literal["kvm"
         workdir.mkdir()
         vm_info, peer_info = make_vrnic(device=device_pair[0]), make_vrnic(device=device_pair[1])
         rig = stream_into_vm(driver, DOMAIN, start_vm("src", image, workdir, accel), vm_info, peer_info)
-        source, control, vm, peer = rig.vm, rig.control, rig.info, rig.peer
+        source, vm, peer = rig.vm, rig.info, rig.peer
         TIMINGS["boot_to_ready_s"] = rig.ready_s
-        dest = None
-        lives_on = source  # the QEMU the VM runs in: a failure while it stopped running is the nested guest's
-        try:
-            who = control.call("whoami")
+        with attempt_on(driver, rig) as run:
+            who = rig.control.call("whoami")
             time.sleep(1.0)  # traffic before
             objects_before = resource_counts()
-            dest = start_vm("dst", image, workdir, accel, incoming=URI.format(workdir))
+            dest = run.dest = start_vm("dst", image, workdir, accel, incoming=URI.format(workdir))
             result = migrate_vm(driver, DOMAIN, source, dest, binding(DOMAIN, dest, vm_info.vrnic_id),
                                 URI.format(workdir))
-            lives_on = dest
+            rig.follow(dest)
             switched = result.switchover
             print(f"\nmigration: QEMU total {result.stats.total_ms} ms, downtime {result.stats.downtime_ms} ms; "
                   f"vrnicd prepare {result.prepare_ms:.1f} ms, switchover {switched}")
@@ -123,12 +125,10 @@ def test_migration_under_traffic_keeps_every_write_and_send(accel: Literal["kvm"
             assert not done["errors"], done["errors"]
             writes, sends = done["writes"], done["sends"]
             assert len(writes) > 50 and writes == list(range(1, len(writes) + 1))
-            control.close()
-            control = ControlPort(channel_socket(dest.spec, CONTROL_PORT))
-            assert identity(control.call("whoami")) == identity(who)  # the same program, never restarted
-            stream = control.call("recv_stream_stop", expect=len(sends), timeout=30)
+            assert identity(rig.control.call("whoami")) == identity(who)  # the same program, never restarted
+            stream = rig.control.call("recv_stream_stop", expect=len(sends), timeout=30)
             assert stream["errors"] == [] and stream["seqs"] == sends, (stream, sends)
-            slots = control.call("check_slots", offset=WRITE_AT, count=len(writes) + 1, size=8)["seqs"]
+            slots = rig.control.call("check_slots", offset=WRITE_AT, count=len(writes) + 1, size=8)["seqs"]
             assert slots[1:] == writes  # every completed write, in the destination's RAM, seen by the program
             saved = workdir / "slots.bin"
             dest.qmp.execute("pmemsave", val=vm["addr"] + WRITE_AT, size=8 * (len(writes) + 1), filename=str(saved))
@@ -139,16 +139,6 @@ def test_migration_under_traffic_keeps_every_write_and_send(accel: Literal["kvm"
             TIMINGS.update(qemu_total_ms=result.stats.total_ms or 0, qemu_downtime_ms=result.stats.downtime_ms or 0,
                            switchover_ms=switched["total_ms"], peer_blackout_ms=largest_gap_ms(done["times"]),
                            writes=len(writes), sends=len(sends))
-        except Exception as exc:
-            raise_if_guest_stopped(lives_on, exc)
-            raise
-        finally:
-            peer.close()
-            control.close()
-            driver.unbind_vm(DOMAIN)
-            for qemu in (source, dest):
-                if qemu is not None:
-                    qemu.stop()
 
     retry_on_guest_fault(attempt, "the migration under traffic")
 
@@ -162,7 +152,7 @@ def test_cancelled_migration_and_absent_vrnicd_leave_the_vm_on_the_source(
         vm_info, peer_info = make_vrnic(device=device_pair[0]), make_vrnic(device=device_pair[1])
         rig = stream_into_vm(driver, DOMAIN, start_vm("src", image, workdir, accel), vm_info, peer_info)
         source, control, peer = rig.vm, rig.control, rig.peer
-        try:
+        with attempt_on(driver, rig):
             who = control.call("whoami")
             objects = resource_counts()
             # no vrnicd answers at the destination's API: nothing starts, the VM never stops
@@ -188,14 +178,6 @@ def test_cancelled_migration_and_absent_vrnicd_leave_the_vm_on_the_source(
             assert stream["errors"] == [] and stream["seqs"] == done["sends"]
             slots = control.call("check_slots", offset=WRITE_AT, count=len(done["writes"]) + 1, size=8)["seqs"]
             assert slots[1:] == done["writes"]
-        except Exception as exc:
-            raise_if_guest_stopped(source, exc)
-            raise
-        finally:
-            peer.close()
-            control.close()
-            driver.unbind_vm(DOMAIN)
-            source.stop()
 
     retry_on_guest_fault(attempt, "the cancelled migration")
 
@@ -208,46 +190,51 @@ def test_peer_killed_during_the_migration(accel: Literal["kvm", "tcg"], image: P
         workdir.mkdir()
         vm_info, peer_info = make_vrnic(device=device_pair[0]), make_vrnic(device=device_pair[1])
         rig = stream_into_vm(driver, DOMAIN, start_vm("src", image, workdir, accel), vm_info, peer_info)
-        source, control, peer = rig.vm, rig.control, rig.peer
-        dest = None
-        lives_on = source
-        try:
-            who = control.call("whoami")
-            dest = start_vm("dst", image, workdir, accel, incoming=URI.format(workdir))
+        source, peer = rig.vm, rig.peer
+        with attempt_on(driver, rig) as run:
+            who = rig.control.call("whoami")
+            dest = run.dest = start_vm("dst", image, workdir, accel, incoming=URI.format(workdir))
             killer = threading.Timer(0.5, lambda: os.kill(peer.proc.pid, signal.SIGKILL))
             killer.start()
             result = migrate_vm(driver, DOMAIN, source, dest, binding(DOMAIN, dest, vm_info.vrnic_id),
                                 URI.format(workdir), parameters={"max-bandwidth": 32 << 20})
-            lives_on = dest
+            rig.follow(dest)
             killer.join()
             source.stop()
             assert result.switchover["broken_qps"] == 1, result.switchover
-            control.close()
-            control = ControlPort(channel_socket(dest.spec, CONTROL_PORT))
-            assert control.call("whoami")["instance"] == who["instance"]
-            stream = control.call("recv_stream_stop", expect=10 ** 6, timeout=5)
+            assert rig.control.call("whoami")["instance"] == who["instance"]
+            stream = rig.control.call("recv_stream_stop", expect=10 ** 6, timeout=5)
             assert any("FLUSH" in e for e in stream["errors"]), stream  # a defined error, not silence
-        except Exception as exc:
-            raise_if_guest_stopped(lives_on, exc)
-            raise
-        finally:
-            peer.close()
-            control.close()
-            driver.unbind_vm(DOMAIN)
-            for qemu in (source, dest):
-                if qemu is not None:
-                    qemu.stop()
 
     retry_on_guest_fault(attempt, "the migration with the peer killed")
 
 
-def raise_if_guest_stopped(vm: Any, failure: Exception) -> None:
-    """The test failed while the VM's nested guest had stopped running on its own: NestedGuestFault (run once
-    more by retry_on_guest_fault), with the failure it caused."""
-    stopped = guest_stopped(vm)
-    if stopped is not None:
-        raise NestedGuestFault(f"{stopped} (the test then failed: {type(failure).__name__}: {failure})"[:4000]) \
-            from failure
+@dataclass
+class Attempt:
+    rig: Streaming
+    dest: QemuVm | None = None  # set once started: stopped at the end with the source
+
+
+@contextmanager
+def attempt_on(driver: Any, rig: Streaming) -> Iterator[Attempt]:
+    """One attempt of a test on a streaming VM. A failure while the QEMU the VM runs in (rig.vm: the source
+    until rig.follow(dest)) stopped running on its own becomes NestedGuestFault, which retry_on_guest_fault
+    runs once more; at the end the peer, the control port, the binding and both QEMUs go."""
+    run, source = Attempt(rig), rig.vm
+    try:
+        yield run
+    except Exception as exc:
+        stopped = guest_stopped(rig.vm)
+        if stopped is not None:
+            raise NestedGuestFault(f"{stopped} (the test then failed: {type(exc).__name__}: {exc})"[:4000]) \
+                from exc
+        raise
+    finally:
+        rig.close()
+        driver.unbind_vm(DOMAIN)
+        for qemu in (source, run.dest):
+            if qemu is not None:
+                qemu.stop()
 
 
 def sessions_now() -> str:

@@ -203,20 +203,32 @@ def test_locked_up_is_a_cpu_stuck_for_two_minutes() -> None:
     assert not locked_up("watchdog: BUG: soft lockup in a test's own output, no CPU")
 
 
-def test_a_locked_up_guest_is_given_up_at_once_and_counts_as_a_panic(tmp_path: Path) -> None:
-    runner = LabRunner(LabSettings(work_dir=tmp_path), console=Console(file=io.StringIO()), out=io.StringIO())
+def _stream_a_running_guest(tmp_path: Path, lines: list[str], stalled_after: float = 150.0, beat_once: bool = False,
+                            ) -> tuple[LabRunner, _Guest, queue.Queue[tuple[str, str | None]], float]:
+    """The runner streaming `lines` from one guest whose QEMU (a sleep) runs on; its runner, the guest, what
+    was left unread and when it started."""
+    runner = LabRunner(LabSettings(work_dir=tmp_path), console=Console(file=io.StringIO()), out=io.StringIO(),
+                       stalled_after=stalled_after)
     runner.panicked = None
     process = subprocess.Popen(["sleep", "60"])
     guest = _Guest(role="a", process=process, rc_file=tmp_path / "rc-a", log=io.StringIO())
     events: queue.Queue[tuple[str, str | None]] = queue.Queue()
-    for line in (f"{MARKER}ready", LOCKUP.format(26), LOCKUP.format(52), LOCKUP.format(131), "never read"):
+    for line in lines:
         events.put(("a", line))
+    if beat_once:
+        heartbeat_file(guest.rc_file).write_text("1")  # then stopped
     started = time.monotonic()
     try:
         assert runner._stream([guest], events, started, timeout=60, prefix=False) is False
     finally:
         process.kill()
         process.wait()
+    return runner, guest, events, started
+
+
+def test_a_locked_up_guest_is_given_up_at_once_and_counts_as_a_panic(tmp_path: Path) -> None:
+    lines = [f"{MARKER}ready", LOCKUP.format(26), LOCKUP.format(52), LOCKUP.format(131), "never read"]
+    runner, guest, events, started = _stream_a_running_guest(tmp_path, lines)
     assert events.get_nowait() == ("a", "never read")  # it did not wait for the lab's timeout
     assert runner._verdict([guest], False, started, 60) == EXIT_GUEST_LOST
     assert runner.panicked is not None and "stuck for 131s" in runner.panicked  # --rerun-on-panic reruns
@@ -239,20 +251,8 @@ def test_quiet_for_counts_from_the_last_beat_or_from_ready(tmp_path: Path) -> No
 
 
 def test_a_guest_whose_heartbeat_stopped_is_given_up_and_counts_as_lost(tmp_path: Path) -> None:
-    runner = LabRunner(LabSettings(work_dir=tmp_path), console=Console(file=io.StringIO()), out=io.StringIO(),
-                       stalled_after=1.0)
-    runner.panicked = None
-    process = subprocess.Popen(["sleep", "60"])
-    guest = _Guest(role="a", process=process, rc_file=tmp_path / "rc-a", log=io.StringIO())
-    events: queue.Queue[tuple[str, str | None]] = queue.Queue()
-    events.put(("a", f"{MARKER}ready"))
-    heartbeat_file(guest.rc_file).write_text("1")  # it beat once, then stopped
-    started = time.monotonic()
-    try:
-        assert runner._stream([guest], events, started, timeout=60, prefix=False) is False
-    finally:
-        process.kill()
-        process.wait()
+    runner, guest, _, started = _stream_a_running_guest(tmp_path, [f"{MARKER}ready"], stalled_after=1.0,
+                                                        beat_once=True)
     assert time.monotonic() - started < 10  # given up after about a second of silence, not at the timeout
     assert runner._verdict([guest], False, started, 60) == EXIT_GUEST_LOST
     assert runner.panicked is not None and "no heartbeat for" in runner.panicked

@@ -54,7 +54,9 @@ def run(
         request = LabRequest(command=command, topology=topology, netdevsim=netdevsim, sriov_nic=sriov_nic,
                              timeout=timeout, env=pairs)
         rc = runner.run(request)
-        if progress_file is not None and (rc == EXIT_GUEST_LOST or (rc != 0 and _hung(progress_file))):
+        # The hang watch's backstop kills the stuck test: its exit status is then SIGKILL's, not the lost guest's.
+        hung = progress_file is not None and rc != 0 and progress.Progress.read(progress_file).running_hung
+        if progress_file is not None and (rc == EXIT_GUEST_LOST or hung):
             rc = _rerun(runner, request, progress_file)
         if rc == EXIT_TIMEOUT and progress_file is not None:
             # Last, so that a log cut to its tail still names the test that hung.
@@ -65,15 +67,6 @@ def run(
     raise typer.Exit(rc)
 
 
-def _hung(progress_file: Path) -> bool:
-    """The hang watch's backstop killed the test running last (its exit status is then SIGKILL's, not the
-    lost-guest one)."""
-    from vrnic.lab import progress
-
-    done = progress.Progress.read(progress_file)
-    return bool(done.hung) and done.hung[-1] == done.running
-
-
 def _rerun(runner: LabRunner, request: LabRequest, progress_file: Path) -> int:
     from vrnic.lab import progress
 
@@ -81,8 +74,7 @@ def _rerun(runner: LabRunner, request: LabRequest, progress_file: Path) -> int:
     # The lab guest (Debian's kernel under QEMU TCG) running nested KVM has been seen to panic with "TASK stack
     # guard page was hit" in the KVM run loop, to lock up with the nested QEMU stuck on one CPU, and to vanish
     # without a console line: the emulator's failure, not the command's.
-    hung = _hung(progress_file)
-    faulted = bool(before.faulted) and before.faulted[-1] == before.running
+    hung, faulted = before.running_hung, before.running_faulted
     if hung:
         what = "a test hung (vrnic/lab/hang_watch.py printed where) and the command was ended"
     elif faulted:

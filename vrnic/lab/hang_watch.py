@@ -157,10 +157,17 @@ def _backstop_fired(pid: int, progress_file: Path, after_s: float, nodeid: str, 
         Path("/proc/sysrq-trigger").write_text("b")
 
 
+def name_and_state(stat: Path) -> tuple[str, str]:
+    """A task's command name and state letter from its /proc stat file (the name may hold spaces and
+    parentheses). OSError or IndexError if the task ended meanwhile."""
+    head, tail = stat.read_text().rsplit(")", 1)
+    return head.split("(", 1)[1], tail.split()[0]
+
+
 def _alive(pid: int, proc: Path = Path("/proc")) -> bool:
     try:
-        return (proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
+        return name_and_state(proc / str(pid) / "stat")[1] != "Z"
+    except (OSError, IndexError, ValueError):
         return False
 
 
@@ -170,11 +177,10 @@ def thread_stacks(pid: int, proc: Path = Path("/proc")) -> str:
     lines: list[str] = []
     for task in sorted((proc / str(pid) / "task").glob("[0-9]*"), key=lambda t: int(t.name)):
         try:
-            fields = (task / "stat").read_text().rsplit(")", 1)
-            name, state = fields[0].split("(", 1)[1], fields[1].split()[0]
+            name, state = name_and_state(task / "stat")
             wchan = (task / "wchan").read_text().strip() or "-"
             stack = (task / "stack").read_text()
-        except (OSError, IndexError):
+        except (OSError, IndexError, ValueError):
             continue
         lines.append(f"[hang-watch] thread {task.name} ({name}) state {state} wchan {wchan}:\n{stack}")
     return "".join(lines) or f"[hang-watch] no threads of {pid} to show\n"
@@ -185,12 +191,11 @@ def blocked_tasks(proc: Path = Path("/proc")) -> str:
     lines: list[str] = []
     for stat in proc.glob("[0-9]*/task/[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)
-            if fields[1].split()[0] != "D":
+            name, state = name_and_state(stat)
+            if state != "D":
                 continue
-            name = fields[0].split("(", 1)[1]
             stack = (stat.parent / "stack").read_text()
-        except (OSError, IndexError):
+        except (OSError, IndexError, ValueError):
             continue  # the task ended meanwhile
         lines.append(f"[hang-watch] task {stat.parent.name} ({name}) in D state:\n{stack}")
     return "".join(lines) or "[hang-watch] no task in D state\n"

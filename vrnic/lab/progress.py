@@ -54,6 +54,16 @@ class Progress:
         except FileNotFoundError:
             return cls()
 
+    @property
+    def running_hung(self) -> bool:
+        """The hang watch ended the command under the test running last."""
+        return bool(self.hung) and self.hung[-1] == self.running
+
+    @property
+    def running_faulted(self) -> bool:
+        """The test running last failed while the emulator under it faulted."""
+        return bool(self.faulted) and self.faulted[-1] == self.running
+
     def summary(self, when: str) -> str:
         """One line: the test running at that moment and the outcomes so far."""
         failed = self.failed
