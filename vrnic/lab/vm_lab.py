@@ -42,6 +42,37 @@ from vrnic.vm.domain_xml import DomainType
 PROJECT = Path(__file__).resolve().parents[2]
 
 
+def boot_until_ready(name: str, start: Callable[[], None], connect: Callable[[], ControlPort], console: Path,
+                     report: Callable[[], str], ready_timeout: float = 240, undo: Callable[[], None] = lambda: None,
+                     say: Callable[[str], None] = print) -> tuple[ControlPort, dict[str, Any]]:
+    """start() a defined domain, then the VM program's `ready` on connect()'s port: (the port, the message).
+
+    A nested guest that stops before its /init printed anything (early_stop) is undo()ne and booted once
+    more, and `say` tells. Whatever start() raises goes straight to the caller; a program that does not say
+    ready is LabError with report() (the domain's state and logs)."""
+
+    def boot() -> tuple[ControlPort, dict[str, Any]]:
+        offset = console.stat().st_size if console.exists() else 0  # the log is appended to, boot after boot
+        start()
+        control = None
+        try:
+            control = connect()
+            return control, control.ready(ready_timeout)
+        except (OSError, VrnicError) as exc:  # ConnectionError and TimeoutError are OSErrors
+            if control is not None:
+                control.close()
+            if isinstance(exc, ConnectionError):  # QEMU hung up: give libvirt a moment to notice
+                with contextlib.suppress(LabError):
+                    wait_until(lambda: not domain_running(name), 15, f"{name} stopping")
+            reason = early_stop(domain_running(name), read_from(console, offset), MARK)
+            if reason is not None:
+                undo()
+                raise NestedBootFailed(f"{name}: {reason}\n{report()}") from exc
+            raise LabError(f"{name}: the VM program did not say ready: {exc}\n{report()}") from exc
+
+    return retry_boot_once(boot, f"VM {name}", say)
+
+
 class VmLab:
     def __init__(self, workdir: Path, say: Callable[[str], None] = lambda _: None, port: int = 8470) -> None:
         self.workdir = workdir
@@ -129,32 +160,16 @@ class VmLab:
     def start_vm(self, name: str, files: Path, ready_timeout: float = 240) -> tuple[ControlPort, dict[str, Any]]:
         """`virsh start NAME`, then the VM program's `ready` on its control port: (the port, the message).
 
-        A nested guest that stops before its /init printed anything (early_stop) is booted once more, and
-        `say` tells. LabError, with the domain's report, when `virsh start` fails (a hook's refusal: that is
-        the feature's answer, never retried) or the program does not say ready."""
-        console = files / "console.log"
+        A failed `virsh start` (a hook's refusal: that is the feature's answer) is LabError, never retried;
+        the rest is boot_until_ready's."""
 
-        def boot() -> tuple[ControlPort, dict[str, Any]]:
-            offset = console.stat().st_size if console.exists() else 0  # the log is appended to, boot after boot
+        def start() -> None:
             started = self.virsh("start", name)
             if started.returncode != 0:
                 raise LabError(f"virsh start {name} failed: {(started.stderr or started.stdout).strip()}")
-            control = None
-            try:
-                control = self.control(files)
-                return control, control.ready(ready_timeout)
-            except (OSError, VrnicError) as exc:  # ConnectionError and TimeoutError are OSErrors
-                if control is not None:
-                    control.close()
-                if isinstance(exc, ConnectionError):  # QEMU hung up: give libvirt a moment to notice
-                    with contextlib.suppress(LabError):
-                        wait_until(lambda: not domain_running(name), 15, f"{name} stopping")
-                reason = early_stop(domain_running(name), read_from(console, offset), MARK)
-                if reason is not None:
-                    raise NestedBootFailed(f"{name}: {reason}\n{self.report(name)}") from exc
-                raise LabError(f"{name}: the VM program did not say ready: {exc}\n{self.report(name)}") from exc
 
-        return retry_boot_once(boot, f"VM {name}", self.say)
+        return boot_until_ready(name, start, lambda: self.control(files), files / "console.log",
+                                lambda: self.report(name), ready_timeout, say=self.say)
 
     def api(self, token: str | None = None) -> httpx.Client:
         return httpx.Client(base_url=f"{self.url}/api/v1", timeout=60,
