@@ -42,6 +42,7 @@ from vrnic.lab.two_hosts.libvirt_target import LibvirtTarget, hook_log
 from vrnic.lab.two_hosts.rig import OPERATOR_TOKEN, Rig, lab_addrs
 from vrnic.lab.vm_guest import CONTROL_PORT, ControlPort, build_migratable_initramfs
 from vrnic.lab.vm_host import domain_report
+from vrnic.lab.vm_lab import boot_until_ready
 from vrnic.vm.domain_xml import (
     DEFAULT_CHANNEL,
     DirectKernelBoot,
@@ -146,14 +147,16 @@ def test_virsh_migrate_cancelled_then_done_under_rdma_traffic(
         xml_file.write_text(domain_xml(vm_row["id"], image, kvm))
         SOCKETS.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        created = local.do_virsh(["create", str(xml_file)], timeout=300)
-        assert created["rc"] == 0, (created, hook_ops("a"))
-        assert ("started", "bound") in hook_ops("a"), hook_ops("a")
-        control = ControlPort(SOCKETS / "ctl.sock", timeout=120)
-        try:
-            info = control.ready(600)  # a loaded lab: a nested VM reached /init after 97 s once
-        except Exception as exc:
-            raise AssertionError(f"{exc}\n{domain_report(DOMAIN, SOCKETS / 'console.log')}") from exc
+
+        def create() -> None:
+            created = local.do_virsh(["create", str(xml_file)], timeout=300)
+            assert created["rc"] == 0, (created, hook_ops("a"))
+            assert ("started", "bound") in hook_ops("a"), hook_ops("a")
+
+        console = SOCKETS / "console.log"
+        # a loaded lab: a nested VM reached /init after 97 s once; one that dies unborn is created once more
+        control, info = boot_until_ready(DOMAIN, create, lambda: ControlPort(SOCKETS / "ctl.sock", timeout=120),
+                                         console, lambda: domain_report(DOMAIN, console), ready_timeout=600)
         timings["boot_to_ready_s"] = time.monotonic() - t0
         peer = start_stream(control, info, AttachInfo.model_validate(peer_row["attach"]))
         who = control.call("whoami")
