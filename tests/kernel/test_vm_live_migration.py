@@ -43,15 +43,14 @@ from vrnic.errors import LabError
 from vrnic.lab.live_migration import ApiMigration, migrate_vm
 from vrnic.lab.migration_rig import (
     WRITE_AT,
-    NestedGuestFault,
     Streaming,
+    as_fault,
     binding,
-    guest_stopped,
     identity,
     largest_gap_ms,
     retry_on_guest_fault,
     start_vm,
-    stream_into_vm,
+    stream_into_new_vm,
 )
 from vrnic.lab.qemu_vm import QemuVm
 from vrnic.lab.vm_guest import CONTROL_PORT, ControlPort, build_migratable_initramfs, channel_socket
@@ -88,17 +87,38 @@ def image(accel: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
                                       PROJECT, program_args=("--mr-bytes", str(MR_BYTES)))
 
 
-def test_migration_under_traffic_keeps_every_write_and_send(accel: Literal["kvm", "tcg"], image: Path, driver: Any,
-                                                            make_vrnic: Callable[..., AttachInfo],
-                                                            device_pair: tuple[str, str], tmp_path: Path) -> None:
-    def attempt(n: int) -> None:
+@dataclass
+class Attempt:
+    workdir: Path  # the QEMUs' files, one directory per attempt
+    vm_info: AttachInfo
+    rig: Streaming
+    dest: QemuVm | None = None  # set once started: stopped at the end with the source
+
+
+@pytest.fixture
+def streaming(accel: Literal["kvm", "tcg"], image: Path, driver: Any, make_vrnic: Callable[..., AttachInfo],
+              device_pair: tuple[str, str], tmp_path: Path) -> Callable[[int], Attempt]:
+    """Attempt n's start: two vRNICs, the source VM booted and bound, the peer streaming into it. A nested guest
+    that stopped on its own meanwhile (died unborn, most often) is NestedGuestFault; what was started goes."""
+
+    def start(n: int) -> Attempt:
         workdir = tmp_path / f"attempt{n}"
         workdir.mkdir()
         vm_info, peer_info = make_vrnic(device=device_pair[0]), make_vrnic(device=device_pair[1])
-        rig = stream_into_vm(driver, DOMAIN, start_vm("src", image, workdir, accel), vm_info, peer_info)
-        source, vm, peer = rig.vm, rig.info, rig.peer
-        TIMINGS["boot_to_ready_s"] = rig.ready_s
-        with attempt_on(driver, rig) as run:
+        return Attempt(workdir, vm_info, stream_into_new_vm(
+            driver, lambda: driver.unbind_vm(DOMAIN), DOMAIN, lambda: start_vm("src", image, workdir, accel),
+            vm_info, peer_info))
+
+    return start
+
+
+def test_migration_under_traffic_keeps_every_write_and_send(accel: Literal["kvm", "tcg"], image: Path, driver: Any,
+                                                            streaming: Callable[[int], Attempt]) -> None:
+    def attempt(n: int) -> None:
+        with attempt_on(driver, streaming(n)) as run:
+            rig, workdir, vm_info = run.rig, run.workdir, run.vm_info
+            source, vm, peer = rig.vm, rig.info, rig.peer
+            TIMINGS["boot_to_ready_s"] = rig.ready_s
             who = rig.control.call("whoami")
             time.sleep(1.0)  # traffic before
             objects_before = resource_counts()
@@ -144,15 +164,11 @@ def test_migration_under_traffic_keeps_every_write_and_send(accel: Literal["kvm"
 
 
 def test_cancelled_migration_and_absent_vrnicd_leave_the_vm_on_the_source(
-        accel: Literal["kvm", "tcg"], image: Path, driver: Any, make_vrnic: Callable[..., AttachInfo],
-        device_pair: tuple[str, str], tmp_path: Path) -> None:
+        accel: Literal["kvm", "tcg"], image: Path, driver: Any, streaming: Callable[[int], Attempt]) -> None:
     def attempt(n: int) -> None:
-        workdir = tmp_path / f"attempt{n}"
-        workdir.mkdir()
-        vm_info, peer_info = make_vrnic(device=device_pair[0]), make_vrnic(device=device_pair[1])
-        rig = stream_into_vm(driver, DOMAIN, start_vm("src", image, workdir, accel), vm_info, peer_info)
-        source, control, peer = rig.vm, rig.control, rig.peer
-        with attempt_on(driver, rig):
+        with attempt_on(driver, streaming(n)) as run:
+            rig, workdir, vm_info = run.rig, run.workdir, run.vm_info
+            source, control, peer = rig.vm, rig.control, rig.peer
             who = control.call("whoami")
             objects = resource_counts()
             # no vrnicd answers at the destination's API: nothing starts, the VM never stops
@@ -183,15 +199,11 @@ def test_cancelled_migration_and_absent_vrnicd_leave_the_vm_on_the_source(
 
 
 def test_peer_killed_during_the_migration(accel: Literal["kvm", "tcg"], image: Path, driver: Any,
-                                          make_vrnic: Callable[..., AttachInfo], device_pair: tuple[str, str],
-                                          tmp_path: Path) -> None:
+                                          streaming: Callable[[int], Attempt]) -> None:
     def attempt(n: int) -> None:
-        workdir = tmp_path / f"attempt{n}"
-        workdir.mkdir()
-        vm_info, peer_info = make_vrnic(device=device_pair[0]), make_vrnic(device=device_pair[1])
-        rig = stream_into_vm(driver, DOMAIN, start_vm("src", image, workdir, accel), vm_info, peer_info)
-        source, peer = rig.vm, rig.peer
-        with attempt_on(driver, rig) as run:
+        with attempt_on(driver, streaming(n)) as run:
+            rig, workdir, vm_info = run.rig, run.workdir, run.vm_info
+            source, peer = rig.vm, rig.peer
             who = rig.control.call("whoami")
             dest = run.dest = start_vm("dst", image, workdir, accel, incoming=URI.format(workdir))
             killer = threading.Timer(0.5, lambda: os.kill(peer.proc.pid, signal.SIGKILL))
@@ -209,26 +221,20 @@ def test_peer_killed_during_the_migration(accel: Literal["kvm", "tcg"], image: P
     retry_on_guest_fault(attempt, "the migration with the peer killed")
 
 
-@dataclass
-class Attempt:
-    rig: Streaming
-    dest: QemuVm | None = None  # set once started: stopped at the end with the source
-
-
 @contextmanager
-def attempt_on(driver: Any, rig: Streaming) -> Iterator[Attempt]:
+def attempt_on(driver: Any, run: Attempt) -> Iterator[Attempt]:
     """One attempt of a test on a streaming VM. A failure while the QEMU the VM runs in (rig.vm: the source
     until rig.follow(dest)) stopped running on its own becomes NestedGuestFault, which retry_on_guest_fault
     runs once more; at the end the peer, the control port, the binding and both QEMUs go."""
-    run, source = Attempt(rig), rig.vm
+    rig = run.rig
+    source = rig.vm
     try:
         yield run
     except Exception as exc:
-        stopped = guest_stopped(rig.vm)
-        if stopped is not None:
-            raise NestedGuestFault(f"{stopped} (the test then failed: {type(exc).__name__}: {exc})"[:4000]) \
-                from exc
-        raise
+        fault = as_fault(rig.vm, exc)
+        if fault is exc:
+            raise
+        raise fault from exc
     finally:
         rig.close()
         driver.unbind_vm(DOMAIN)

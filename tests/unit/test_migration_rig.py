@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from vrnic.lab.migration_rig import (
@@ -9,8 +11,10 @@ from vrnic.lab.migration_rig import (
     NestedGuestRetried,
     guest_stopped,
     retry_on_guest_fault,
+    stream_into_new_vm,
     stream_problems,
 )
+from vrnic.lab.vm_guest import migratable_vm_spec
 
 
 def _done(writes: list[int], sends: list[int], errors: list[str] | None = None) -> dict[str, object]:
@@ -81,3 +85,42 @@ def test_retry_on_guest_fault_runs_once_more_only_for_a_nested_guest_fault() -> 
 
     with pytest.warns(NestedGuestRetried), pytest.raises(NestedGuestFault, match="second attempt too: frozen 2"):
         retry_on_guest_fault(always, "the move", say=said.append)
+
+
+class _Vm(_EndedVm):
+    """Enough of a QemuVm for binding() and a stop."""
+
+    stopped = False
+    ram_path = Path("/dev/shm/vm.ram")
+    spec = migratable_vm_spec("src", Path("/tmp/src"), Path("/tmp/image.cpio.gz"))
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+class _RefusingBinder:
+    def bind_vm(self, binding: object) -> None:
+        raise RuntimeError("the VM program did not say ready")
+
+
+def _attach() -> object:
+    from vrnic.core.specs import AttachInfo
+
+    return AttachInfo.model_construct(vrnic_id="vr-1")
+
+
+def test_a_vm_that_stopped_on_its_own_while_starting_to_stream_is_a_fault_and_everything_started_goes() -> None:
+    vm, unbound = _Vm("QEMU src exited with status 0: (nothing in its log); its console is empty"), []
+    with pytest.raises(NestedGuestFault, match="console is empty .the test then failed: RuntimeError") as raised:
+        stream_into_new_vm(_RefusingBinder(), lambda: unbound.append(1), "mig", lambda: vm,  # type: ignore[arg-type,return-value]
+                           _attach(), _attach())  # type: ignore[arg-type]
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    assert vm.stopped and unbound == [1]
+
+
+def test_a_vm_that_panicked_while_starting_to_stream_fails_as_it_failed() -> None:
+    vm, unbound = _Vm("QEMU src exited: its console ends: Kernel panic - not syncing: Fatal exception"), []
+    with pytest.raises(RuntimeError, match="did not say ready"):
+        stream_into_new_vm(_RefusingBinder(), lambda: unbound.append(1), "mig", lambda: vm,  # type: ignore[arg-type,return-value]
+                           _attach(), _attach())  # type: ignore[arg-type]
+    assert vm.stopped and unbound == [1]

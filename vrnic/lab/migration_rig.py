@@ -96,6 +96,16 @@ def retry_on_guest_fault(attempt: Callable[[int], T], what: str, say: Callable[[
             from None
 
 
+def as_fault(vm: QemuVm, exc: Exception) -> Exception:
+    """NestedGuestFault (caused by exc) if vm stopped running on its own (guest_stopped), else exc itself."""
+    stopped = guest_stopped(vm)
+    if stopped is None:
+        return exc
+    fault = NestedGuestFault(f"{stopped} (the test then failed: {type(exc).__name__}: {exc})"[:4000])
+    fault.__cause__ = exc
+    return fault
+
+
 class Binder(Protocol):
     def bind_vm(self, binding: VmBinding) -> None: ...
 
@@ -180,6 +190,22 @@ def stream_into_vm(vrnicd: Binder, domain: str, vm: QemuVm, vm_info: AttachInfo,
     ready_s = time.monotonic() - t0
     peer = start_stream(control, info, peer_info, send_every)
     return Streaming(vm, control, info, peer, ready_s)
+
+
+def stream_into_new_vm(vrnicd: Binder, unbind: Callable[[], object], domain: str, start: Callable[[], QemuVm],
+                       vm_info: AttachInfo, peer_info: AttachInfo, ready_timeout: float = 180.0) -> Streaming:
+    """start() a VM, then stream_into_vm. If that fails, the VM is unbound and stopped, and the error is
+    NestedGuestFault when the VM had stopped on its own (a nested guest that died unborn, most often)."""
+    vm = start()
+    try:
+        return stream_into_vm(vrnicd, domain, vm, vm_info, peer_info, ready_timeout=ready_timeout)
+    except Exception as exc:
+        fault = as_fault(vm, exc)
+        unbind()
+        vm.stop()
+        if fault is exc:
+            raise
+        raise fault from exc
 
 
 def start_stream(control: ControlPort, info: dict[str, Any], peer_info: AttachInfo,

@@ -20,7 +20,15 @@ import httpx
 
 from vrnic.core.specs import AttachInfo, VmBinding, VmVrnic
 from vrnic.errors import LabError
-from vrnic.lab.migration_rig import WRITE_AT, Streaming, identity, start_vm, stream_into_vm, stream_problems
+from vrnic.lab.migration_rig import (
+    WRITE_AT,
+    Streaming,
+    identity,
+    retry_on_guest_fault,
+    start_vm,
+    stream_into_new_vm,
+    stream_problems,
+)
 from vrnic.lab.two_hosts.rig import Rig, lab_addrs
 from vrnic.lab.two_hosts.vm_target import RemoteVm, migrate_source_only
 
@@ -58,13 +66,17 @@ class MovingVm:
     @classmethod
     def start(cls, rig: Rig, api: httpx.Client, domain: str, image: Path, accel: Literal["kvm", "tcg"],
               workdir: Path, vm_row: dict[str, Any], peer_row: dict[str, Any], memory_mib: int = 256) -> MovingVm:
-        source = start_vm(f"{domain}-a", image, workdir, accel, memory_mib=memory_mib)
-        try:  # a loaded lab: the nested VM reached /init after 97 s once
-            stream = stream_into_vm(RestBinder(api), domain, source, AttachInfo.model_validate(vm_row["attach"]),
-                                    AttachInfo.model_validate(peer_row["attach"]), ready_timeout=600)
-        except BaseException:
-            source.stop()
-            raise
+        vm_info, peer_info = (AttachInfo.model_validate(row["attach"]) for row in (vm_row, peer_row))
+
+        def boot(n: int) -> Streaming:
+            (workdir / f"boot{n}").mkdir()
+            # a loaded lab: the nested VM reached /init after 97 s once
+            return stream_into_new_vm(RestBinder(api), lambda: api.delete(f"/vms/{domain}/binding"), domain,
+                                      lambda: start_vm(f"{domain}-a", image, workdir / f"boot{n}", accel,
+                                                       memory_mib=memory_mib),
+                                      vm_info, peer_info, ready_timeout=600)
+
+        stream = retry_on_guest_fault(boot, f"VM {domain}'s boot on a")
         moving = cls(rig, api, domain, image, accel, str(vm_row["id"]), stream, stream.control.call("whoami"),
                      memory_mib)
         moving.timings["boot_to_ready_s"] = stream.ready_s
