@@ -31,24 +31,18 @@ import pytest
 from vrnic.backend.guest_memory import GuestMemory
 from vrnic.backend.sysfs import rdma_devices
 from vrnic.core.proto import MAX_BODY, FrameDecoder, encode
-from vrnic.errors import LabError
 from vrnic.lab.kernel import kernel_image
 from vrnic.lab.vm_guest import busybox_initramfs
 from vrnic.lab.vm_host import (
     URI,
-    NestedBootFailed,
     VmHost,
     VmHostConfig,
+    boot_and_wait,
     bounded,
     domain_report,
-    domain_running,
-    early_stop,
     leftover_processes,
     ram_file,
-    read_from,
-    retry_boot_once,
     virsh,
-    wait_until,
 )
 from vrnic.vm.domain_xml import (
     DEFAULT_CHANNEL,
@@ -209,39 +203,35 @@ def _connect(channel: Path, deadline: float) -> socket.socket:
 
 
 def _boot(domain: Any, name: str, channel: Path, console: Path) -> tuple[socket.socket, bytearray, float]:
-    """Start the domain and wait for the guest's `ready` on its channel: (socket, buffer, start time).
-
-    NestedBootFailed when the domain stopped before the guest's /init printed its first line (early_stop);
-    LabError, with the domain's report, on any other failure to get `ready` (never retried)."""
+    """Start the domain and wait for the guest's `ready` on its channel: (socket, buffer, start time). A guest
+    that died unborn is booted once more (boot_and_wait)."""
     import libvirt
 
-    offset = console.stat().st_size if console.exists() else 0  # the console log is appended to
     report = partial(domain_report, name, console)
-    t0 = time.monotonic()
-    bounded(domain.create, 180, f"starting {name} (virDomainCreate)", report)
-    TIMINGS["domain_create_s"] = time.monotonic() - t0
-    # (a) running
-    assert bounded(domain.state, 30, "virDomainGetState", report)[0] == libvirt.VIR_DOMAIN_RUNNING
-    assert bounded(domain.isActive, 30, "virDomainIsActive", report) == 1
-    # the guest says ready once it opened its port
-    sock = None
-    buf = bytearray()
-    try:
+    t0 = 0.0
+
+    def start() -> None:
+        nonlocal t0
+        t0 = time.monotonic()
+        bounded(domain.create, 180, f"starting {name} (virDomainCreate)", report)
+        TIMINGS["domain_create_s"] = time.monotonic() - t0
+        # (a) running
+        assert bounded(domain.state, 30, "virDomainGetState", report)[0] == libvirt.VIR_DOMAIN_RUNNING
+        assert bounded(domain.isActive, 30, "virDomainIsActive", report) == 1
+
+    def ready() -> tuple[socket.socket, bytearray, str]:
+        # the guest says ready once it opened its port
         deadline = time.monotonic() + 240  # a bound on a hang, not a budget: a loaded lab is slow
-        sock = _connect(channel, deadline)
-        ready = _readline(sock, buf, deadline)
-    except (TimeoutError, ConnectionError) as exc:
-        if sock is not None:
+        sock, buf = _connect(channel, deadline), bytearray()
+        try:
+            return sock, buf, _readline(sock, buf, deadline)
+        except BaseException:
             sock.close()
-        if isinstance(exc, ConnectionError):  # QEMU hung up: give libvirt a moment to notice
-            with contextlib.suppress(LabError):
-                wait_until(lambda: not domain_running(name), 15, f"{name} stopping")
-        reason = early_stop(domain_running(name), read_from(console, offset), NESTED_MARK)
-        if reason is not None:
-            raise NestedBootFailed(f"{name}: {reason}\n{report()}") from exc
-        raise LabError(f"the guest never said ready on {channel} ({exc})\n{report()}") from exc
+            raise
+
+    sock, buf, said = boot_and_wait(name, start, ready, console, report, NESTED_MARK)
     TIMINGS["create_to_guest_ready_s"] = time.monotonic() - t0
-    assert ready == "ready", f"{ready!r}\n{report()}"
+    assert said == "ready", f"{said!r}\n{report()}"
     return sock, buf, t0
 
 
@@ -271,7 +261,7 @@ def test_nested_vm_ram_file_and_channel(host: VmHost, tmp_path: Path) -> None:
     domain = bounded(lambda: conn.defineXML(spec.to_xml()), 60, f"defining {name} (virDomainDefineXML)")
     try:
         # (a) running, and the guest's ready on the channel; a guest that died unborn is booted once more
-        sock, buf, t0 = retry_boot_once(lambda: _boot(domain, name, channel, console), name)
+        sock, buf, t0 = _boot(domain, name, channel, console)
         # (b1) the RAM file, where libvirt puts it
         ram_path = ram_file(host.config, bounded(domain.ID, 30, "virDomainGetID", report), name)
         assert ram_path.exists(), sorted(str(p) for p in host.config.memory_backing_dir.rglob("*"))

@@ -1,5 +1,6 @@
-"""boot_until_ready (vrnic.lab.vm_lab): which failures of a nested boot are booted once more, and what is undone
-first. libvirt is replaced by plain callables and a console file; the real boots are the lab's VM tests."""
+"""boot_until_ready (vrnic.lab.vm_lab, over vm_host.boot_and_wait): which failures of a nested boot are booted
+once more, and what is undone first. libvirt is replaced by plain callables and a console file; the real boots
+are the lab's VM tests."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 import pytest
 
 from vrnic.errors import LabError
-from vrnic.lab import vm_lab
+from vrnic.lab import vm_host, vm_lab
 from vrnic.lab.vm_guest import MARK
 from vrnic.lab.vm_host import NestedBootFailed, NestedBootRetried
 
@@ -57,7 +58,7 @@ class Rig:
 
 @pytest.fixture(autouse=True)
 def domain_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vm_lab, "domain_running", lambda name: False)
+    monkeypatch.setattr(vm_host, "domain_running", lambda name: False)
 
 
 def test_a_guest_that_died_unborn_is_undone_and_booted_once_more(tmp_path: Path) -> None:

@@ -43,7 +43,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
 
-from vrnic.errors import LabError
+from vrnic.errors import LabError, VrnicError
 from vrnic.vm.guest_ram import libvirt_ram_file
 
 URI = "qemu:///system"
@@ -329,6 +329,33 @@ def retry_boot_once(boot: Callable[[], T], what: str, say: Callable[[str], None]
         return boot()
     except NestedBootFailed as second:
         raise NestedBootFailed(f"{what}: the second boot failed too: {second}") from None
+
+
+def boot_and_wait(name: str, start: Callable[[], None], ready: Callable[[], T], console: Path,
+                  report: Callable[[], str], marker: str, undo: Callable[[], object] = lambda: None,
+                  say: Callable[[str], None] = print) -> T:
+    """start() a defined domain, then ready() (which closes what it opened when it raises): what ready() returns.
+
+    A nested guest that stops before its /init printed `marker` (early_stop) is undo()ne and booted once more,
+    and `say` tells. Whatever start() raises goes straight to the caller (a hook's refusal is the feature's
+    answer); ready()'s OSError or VrnicError otherwise becomes LabError with report() (the domain's logs)."""
+
+    def boot() -> T:
+        offset = console.stat().st_size if console.exists() else 0  # the log is appended to, boot after boot
+        start()
+        try:
+            return ready()
+        except (OSError, VrnicError) as exc:  # ConnectionError and TimeoutError are OSErrors
+            if isinstance(exc, ConnectionError):  # QEMU hung up: give libvirt a moment to notice
+                with contextlib.suppress(LabError):
+                    wait_until(lambda: not domain_running(name), 15, f"{name} stopping")
+            reason = early_stop(domain_running(name), read_from(console, offset), marker)
+            if reason is not None:
+                undo()
+                raise NestedBootFailed(f"{name}: {reason}\n{report()}") from exc
+            raise LabError(f"{name}: the guest did not say ready: {exc}\n{report()}") from exc
+
+    return retry_boot_once(boot, f"VM {name}", say)
 
 
 class VmHost:

@@ -22,20 +22,15 @@ from typing import Any
 
 import httpx
 
-from vrnic.errors import LabError, VrnicError
+from vrnic.errors import LabError
 from vrnic.lab.vm_guest import MARK, ControlPort, peer_domain
 from vrnic.lab.vm_host import (
     URI,
-    NestedBootFailed,
     VmHost,
     VmHostConfig,
+    boot_and_wait,
     define_domain,
     domain_report,
-    domain_running,
-    early_stop,
-    read_from,
-    retry_boot_once,
-    wait_until,
 )
 from vrnic.vm.domain_xml import DomainType
 
@@ -43,34 +38,20 @@ PROJECT = Path(__file__).resolve().parents[2]
 
 
 def boot_until_ready(name: str, start: Callable[[], None], connect: Callable[[], ControlPort], console: Path,
-                     report: Callable[[], str], ready_timeout: float = 240, undo: Callable[[], None] = lambda: None,
+                     report: Callable[[], str], ready_timeout: float = 240, undo: Callable[[], object] = lambda: None,
                      say: Callable[[str], None] = print) -> tuple[ControlPort, dict[str, Any]]:
     """start() a defined domain, then the VM program's `ready` on connect()'s port: (the port, the message).
+    A guest that died unborn is booted once more (boot_and_wait)."""
 
-    A nested guest that stops before its /init printed anything (early_stop) is undo()ne and booted once
-    more, and `say` tells. Whatever start() raises goes straight to the caller; a program that does not say
-    ready is LabError with report() (the domain's state and logs)."""
-
-    def boot() -> tuple[ControlPort, dict[str, Any]]:
-        offset = console.stat().st_size if console.exists() else 0  # the log is appended to, boot after boot
-        start()
-        control = None
+    def ready() -> tuple[ControlPort, dict[str, Any]]:
+        control = connect()
         try:
-            control = connect()
             return control, control.ready(ready_timeout)
-        except (OSError, VrnicError) as exc:  # ConnectionError and TimeoutError are OSErrors
-            if control is not None:
-                control.close()
-            if isinstance(exc, ConnectionError):  # QEMU hung up: give libvirt a moment to notice
-                with contextlib.suppress(LabError):
-                    wait_until(lambda: not domain_running(name), 15, f"{name} stopping")
-            reason = early_stop(domain_running(name), read_from(console, offset), MARK)
-            if reason is not None:
-                undo()
-                raise NestedBootFailed(f"{name}: {reason}\n{report()}") from exc
-            raise LabError(f"{name}: the VM program did not say ready: {exc}\n{report()}") from exc
+        except BaseException:
+            control.close()
+            raise
 
-    return retry_boot_once(boot, f"VM {name}", say)
+    return boot_and_wait(name, start, ready, console, report, MARK, undo=undo, say=say)
 
 
 class VmLab:
