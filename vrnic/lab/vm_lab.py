@@ -80,9 +80,9 @@ class VmLab:
             self.say(f"libvirtd up ({self.timings['libvirtd_s']:.1f} s), domain types: "
                      f"{', '.join(sorted(self.host.domain_types))}")
             self.vrnic("db", "upgrade")
-            log = (self.workdir / "daemon.log").open("ab")
-            self.daemon = subprocess.Popen([sys.executable, "-m", "vrnic.cli.main", "daemon"], env=self.env,
-                                           stdout=log, stderr=subprocess.STDOUT)
+            with (self.workdir / "daemon.log").open("ab") as log:  # the daemon holds its own copy of the fd
+                self.daemon = subprocess.Popen([sys.executable, "-m", "vrnic.cli.main", "daemon"], env=self.env,
+                                               stdout=log, stderr=subprocess.STDOUT)
             self._wait_api()
             self.say(f"vrnic daemon serving {self.url} (log {self.workdir / 'daemon.log'})")
             token_file = self.state / "hook-token"  # what the hook reads: libvirtd gives it no environment
