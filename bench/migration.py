@@ -32,7 +32,16 @@ from vrnic.backend.drivers.paravirtual import VerbsDriver
 from vrnic.core.specs import Quota, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
 from vrnic.lab.live_migration import migrate_vm
-from vrnic.lab.migration_rig import WRITE_AT, binding, largest_gap_ms, start_vm, stream_into_vm, stream_problems
+from vrnic.lab.migration_rig import (
+    WRITE_AT,
+    Streaming,
+    binding,
+    largest_gap_ms,
+    retry_on_guest_fault,
+    start_vm,
+    stream_into_new_vm,
+    stream_problems,
+)
 from vrnic.lab.vm_guest import build_migratable_initramfs
 from vrnic.lab.vm_host import ensure_kvm
 
@@ -57,8 +66,14 @@ def run() -> list[Record]:
             vm_info, peer_info = (driver.create_vrnic(VrnicSpec(id=f"m{i}", tenant="bench", vpc_id=1, quota=Quota(),
                                                                 virtual_gid=make_virtual_gid(1, 900 + i)), device)
                                   for i, device in enumerate(("rxe0", "rxe1")))
-            rig = stream_into_vm(driver, DOMAIN, start_vm("mig0", image, work, accel, memory_mib=MEMORY_MIB),
-                                 vm_info, peer_info)
+
+            def boot(n: int) -> Streaming:  # a nested guest that dies unborn is booted once more, and said so
+                (work / f"boot{n}").mkdir()
+                return stream_into_new_vm(driver, lambda: driver.unbind_vm(DOMAIN), DOMAIN,
+                                          lambda: start_vm("mig0", image, work / f"boot{n}", accel,
+                                                           memory_mib=MEMORY_MIB), vm_info, peer_info)
+
+            rig = retry_on_guest_fault(boot, "the VM's boot")
             runs: list[dict[str, Any]] = []
             try:
                 for n in range(1, MIGRATIONS + 1):

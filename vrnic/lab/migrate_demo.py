@@ -39,8 +39,9 @@ from vrnic.lab.migration_rig import (
     binding,
     identity,
     largest_gap_ms,
+    retry_on_guest_fault,
     start_vm,
-    stream_into_vm,
+    stream_into_new_vm,
 )
 from vrnic.lab.qemu_vm import QemuVm
 from vrnic.lab.vm_guest import build_migratable_initramfs
@@ -158,8 +159,14 @@ def run(out: Steps, work: Path) -> None:
                               for i, (name, device) in enumerate((("vm", devices[0]), ("peer", devices[1]))))
         out.say(f"vrnicd (in-process verbs driver): vRNIC {vm_info.vrnic_id} on {devices[0]} for the VM, "
                 f"{peer_info.vrnic_id} on {devices[1]} for the peer; tenant {TENANT}, VPC {VPC}")
-        vms.append(start_vm("src", image, work, accel))
-        rig = stream_into_vm(driver, DOMAIN, vms[0], vm_info, peer_info)
+
+        def boot(n: int) -> Streaming:  # a nested guest that dies unborn is booted once more, and said so
+            (work / f"boot{n}").mkdir()
+            return stream_into_new_vm(driver, lambda: driver.unbind_vm(DOMAIN), DOMAIN,
+                                      lambda: start_vm("src", image, work / f"boot{n}", accel), vm_info, peer_info)
+
+        rig = retry_on_guest_fault(boot, "the VM's boot", say=out.say)
+        vms.append(rig.vm)
         who = rig.control.call("whoami")
         out.say(f"QEMU pid {vms[0].pid} booted; vrnicd bound {DOMAIN}; its program was ready {rig.ready_s:.1f} s "
                 f"later: pid {who['pid']}, instance {who['instance']}, virtual GID {rig.info['gid']}")
