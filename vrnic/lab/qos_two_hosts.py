@@ -223,6 +223,15 @@ def rxe_counters() -> dict[str, int]:
     return counted
 
 
+def capped_rate_floor(cap_mbps: float, window_s: float, retransmissions: int, rc_timeout_s: float,
+                      tolerance: float = 0.10) -> float:
+    """The lowest rate (Mbit/s) a stream held at cap_mbps may show over a window in which its requester
+    retransmitted `retransmissions` times: each may have stalled it for up to one RC timeout (QEMU's dgram
+    link drops packets on a loaded machine, and rxe retransmits them by design), less the tolerance."""
+    stalled_s = min(window_s, retransmissions * rc_timeout_s)
+    return cap_mbps * (1 - tolerance) * (window_s - stalled_s) / window_s
+
+
 def find_classes(api: httpx.Client, pairs: Mapping[str, Pair], seconds: float = 0.6) -> dict[str, str]:
     """Each streamer's HTB class on this host (name -> class id): each streams alone in turn, and its class is
     the one whose byte count grew meanwhile; at rest, the count the API reports for the vRNIC must be that
