@@ -34,12 +34,10 @@ from vrnic.core.vaddr import make_virtual_gid
 from vrnic.lab.live_migration import migrate_vm
 from vrnic.lab.migration_rig import (
     WRITE_AT,
-    Streaming,
     binding,
+    boot_and_stream,
     largest_gap_ms,
-    retry_on_guest_fault,
     start_vm,
-    stream_into_new_vm,
     stream_problems,
 )
 from vrnic.lab.vm_guest import build_migratable_initramfs
@@ -67,13 +65,9 @@ def run() -> list[Record]:
                                                                 virtual_gid=make_virtual_gid(1, 900 + i)), device)
                                   for i, device in enumerate(("rxe0", "rxe1")))
 
-            def boot(n: int) -> Streaming:  # a nested guest that dies unborn is booted once more, and said so
-                (work / f"boot{n}").mkdir()
-                return stream_into_new_vm(driver, lambda: driver.unbind_vm(DOMAIN), DOMAIN,
-                                          lambda: start_vm("mig0", image, work / f"boot{n}", accel,
-                                                           memory_mib=MEMORY_MIB), vm_info, peer_info)
-
-            rig = retry_on_guest_fault(boot, "the VM's boot")
+            rig = boot_and_stream(driver, lambda: driver.unbind_vm(DOMAIN), DOMAIN,  # an unborn death boots again
+                                  lambda boot_dir: start_vm("mig0", image, boot_dir, accel, memory_mib=MEMORY_MIB),
+                                  work, vm_info, peer_info)
             runs: list[dict[str, Any]] = []
             try:
                 for n in range(1, MIGRATIONS + 1):

@@ -44,8 +44,8 @@ from vrnic.lab.live_migration import ApiMigration, migrate_vm
 from vrnic.lab.migration_rig import (
     WRITE_AT,
     Streaming,
-    as_fault,
     binding,
+    fault_of,
     identity,
     largest_gap_ms,
     retry_on_guest_fault,
@@ -231,10 +231,10 @@ def attempt_on(driver: Any, run: Attempt) -> Iterator[Attempt]:
     try:
         yield run
     except Exception as exc:
-        fault = as_fault(rig.vm, exc)
-        if fault is exc:
-            raise
-        raise fault from exc
+        fault = fault_of(rig.vm, exc)
+        if fault is not None:
+            raise fault from exc
+        raise
     finally:
         rig.close()
         driver.unbind_vm(DOMAIN)

@@ -37,11 +37,10 @@ from vrnic.lab.migration_rig import (
     WRITE_AT,
     Streaming,
     binding,
+    boot_and_stream,
     identity,
     largest_gap_ms,
-    retry_on_guest_fault,
     start_vm,
-    stream_into_new_vm,
 )
 from vrnic.lab.qemu_vm import QemuVm
 from vrnic.lab.vm_guest import build_migratable_initramfs
@@ -160,12 +159,9 @@ def run(out: Steps, work: Path) -> None:
         out.say(f"vrnicd (in-process verbs driver): vRNIC {vm_info.vrnic_id} on {devices[0]} for the VM, "
                 f"{peer_info.vrnic_id} on {devices[1]} for the peer; tenant {TENANT}, VPC {VPC}")
 
-        def boot(n: int) -> Streaming:  # a nested guest that dies unborn is booted once more, and said so
-            (work / f"boot{n}").mkdir()
-            return stream_into_new_vm(driver, lambda: driver.unbind_vm(DOMAIN), DOMAIN,
-                                      lambda: start_vm("src", image, work / f"boot{n}", accel), vm_info, peer_info)
-
-        rig = retry_on_guest_fault(boot, "the VM's boot", say=out.say)
+        rig = boot_and_stream(driver, lambda: driver.unbind_vm(DOMAIN), DOMAIN,  # an unborn death boots again
+                              lambda boot_dir: start_vm("src", image, boot_dir, accel), work, vm_info, peer_info,
+                              say=out.say)
         vms.append(rig.vm)
         who = rig.control.call("whoami")
         out.say(f"QEMU pid {vms[0].pid} booted; vrnicd bound {DOMAIN}; its program was ready {rig.ready_s:.1f} s "

@@ -96,14 +96,12 @@ def retry_on_guest_fault(attempt: Callable[[int], T], what: str, say: Callable[[
             from None
 
 
-def as_fault(vm: QemuVm, exc: Exception) -> Exception:
-    """NestedGuestFault (caused by exc) if vm stopped running on its own (guest_stopped), else exc itself."""
+def fault_of(vm: QemuVm, exc: Exception) -> NestedGuestFault | None:
+    """The NestedGuestFault to raise for exc if vm stopped running on its own (guest_stopped), else None."""
     stopped = guest_stopped(vm)
     if stopped is None:
-        return exc
-    fault = NestedGuestFault(f"{stopped} (the test then failed: {type(exc).__name__}: {exc})"[:4000])
-    fault.__cause__ = exc
-    return fault
+        return None
+    return NestedGuestFault(f"{stopped} (the test then failed: {type(exc).__name__}: {exc})"[:4000])
 
 
 class Binder(Protocol):
@@ -200,12 +198,27 @@ def stream_into_new_vm(vrnicd: Binder, unbind: Callable[[], object], domain: str
     try:
         return stream_into_vm(vrnicd, domain, vm, vm_info, peer_info, ready_timeout=ready_timeout)
     except Exception as exc:
-        fault = as_fault(vm, exc)
+        fault = fault_of(vm, exc)
         unbind()
         vm.stop()
-        if fault is exc:
-            raise
-        raise fault from exc
+        if fault is not None:
+            raise fault from exc
+        raise
+
+
+def boot_and_stream(vrnicd: Binder, unbind: Callable[[], object], domain: str, start: Callable[[Path], QemuVm],
+                    workdir: Path, vm_info: AttachInfo, peer_info: AttachInfo, ready_timeout: float = 180.0,
+                    say: Callable[[str], None] = print) -> Streaming:
+    """stream_into_new_vm on a VM that start(dir) boots in a fresh workdir/boot<n>; a nested guest that stopped
+    on its own meanwhile is booted once more (retry_on_guest_fault), and `say` tells."""
+
+    def attempt(n: int) -> Streaming:
+        boot_dir = workdir / f"boot{n}"
+        boot_dir.mkdir()
+        return stream_into_new_vm(vrnicd, unbind, domain, lambda: start(boot_dir), vm_info, peer_info,
+                                  ready_timeout)
+
+    return retry_on_guest_fault(attempt, f"VM {domain}'s boot", say)
 
 
 def start_stream(control: ControlPort, info: dict[str, Any], peer_info: AttachInfo,

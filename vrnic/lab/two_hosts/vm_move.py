@@ -23,10 +23,9 @@ from vrnic.errors import LabError
 from vrnic.lab.migration_rig import (
     WRITE_AT,
     Streaming,
+    boot_and_stream,
     identity,
-    retry_on_guest_fault,
     start_vm,
-    stream_into_new_vm,
     stream_problems,
 )
 from vrnic.lab.two_hosts.rig import Rig, lab_addrs
@@ -68,15 +67,11 @@ class MovingVm:
               workdir: Path, vm_row: dict[str, Any], peer_row: dict[str, Any], memory_mib: int = 256) -> MovingVm:
         vm_info, peer_info = (AttachInfo.model_validate(row["attach"]) for row in (vm_row, peer_row))
 
-        def boot(n: int) -> Streaming:
-            (workdir / f"boot{n}").mkdir()
-            # a loaded lab: the nested VM reached /init after 97 s once
-            return stream_into_new_vm(RestBinder(api), lambda: api.delete(f"/vms/{domain}/binding"), domain,
-                                      lambda: start_vm(f"{domain}-a", image, workdir / f"boot{n}", accel,
-                                                       memory_mib=memory_mib),
-                                      vm_info, peer_info, ready_timeout=600)
-
-        stream = retry_on_guest_fault(boot, f"VM {domain}'s boot on a")
+        # a loaded lab: the nested VM reached /init after 97 s once
+        stream = boot_and_stream(RestBinder(api), lambda: api.delete(f"/vms/{domain}/binding"), domain,
+                                 lambda boot_dir: start_vm(f"{domain}-a", image, boot_dir, accel,
+                                                           memory_mib=memory_mib),
+                                 workdir, vm_info, peer_info, ready_timeout=600)
         moving = cls(rig, api, domain, image, accel, str(vm_row["id"]), stream, stream.control.call("whoami"),
                      memory_mib)
         moving.timings["boot_to_ready_s"] = stream.ready_s
