@@ -4,6 +4,7 @@ the shared-ring one (vrnicd posts) and the direct one (the guest drives the NIC'
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from vrnic.frontend import (
     WcStatus,
     WrOpcode,
 )
+from vrnic.frontend.guest_library import CQ_POOL
 
 ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ | Access.REMOTE_ATOMIC
 
@@ -254,3 +256,40 @@ def test_direct_guest_gets_a_mapped_nic_queue_and_vrnicd_posts_nothing(
     finally:
         _close(a)
         _close(b)
+
+
+def test_cqs_are_real_rxe_cqs_handed_out_from_a_pool_and_come_back_empty(
+        make_vrnic: Callable[..., AttachInfo]) -> None:
+    """Pre-setup on the shared-ring engine: the first CQ of a size brings CQ_POOL real CQs onto rxe, a closed one
+    goes back to the pool, and what a destroyed QP left never shows up in the CQ's next life."""
+    before = resource_counts()
+    a, b = _guest(make_vrnic(device="rxe0")), _guest(make_vrnic(device="rxe1"))
+    try:
+        assert resource_counts()["rxe0"]["cq"] == before["rxe0"]["cq"] + CQ_POOL
+        for _ in range(2):
+            a.qp.connect(b.ctx.gid, b.qp.qpn)
+            b.qp.connect(a.ctx.gid, a.qp.qpn)
+            # completions nobody polls: the WRs reach rxe as destroy_qp drains them (no doorbell)
+            a.qp.post_send([SendRequest(i, WrOpcode.RDMA_WRITE, (a.mr.sge(0, 64),), remote_addr=b.mr.addr,
+                                        rkey=b.mr.rkey) for i in range(32)], doorbell=False)
+            handle = a.cq.handle
+            a.qp.close()
+            a.cq.close()
+            a.cq = CQ(a.ctx, 128)
+            assert a.cq.handle == handle
+            time.sleep(0.5)  # anything still on its way would have arrived
+            assert a.cq.poll(128) == []
+            a.qp = QP(a.pd, a.cq, a.cq, max_send_wr=64, max_recv_wr=64, max_sge=2)
+            b.qp.modify("reset")
+        a.qp.connect(b.ctx.gid, b.qp.qpn)
+        b.qp.connect(a.ctx.gid, a.qp.qpn)
+        a.mr.write(b"pooled")
+        a.qp.post_send(SendRequest(7, WrOpcode.RDMA_WRITE, (a.mr.sge(0, 6),), remote_addr=b.mr.addr, rkey=b.mr.rkey))
+        [done] = a.cq.wait(1)
+        assert (done.wr_id, done.status, done.qp) == (7, WcStatus.SUCCESS, a.qp.qpn)
+        assert b.mr.read(6) == b"pooled"
+        assert resource_counts()["rxe0"]["cq"] == before["rxe0"]["cq"] + CQ_POOL  # handouts, not new CQs
+    finally:
+        _close(a)
+        _close(b)
+    assert resource_counts() == before  # the pools went with the contexts

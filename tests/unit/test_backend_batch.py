@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import pytest
 
 from vrnic.backend.fake_edge import FakeEdge
+from vrnic.core.rings import RingFlags
 from vrnic.core.specs import AttachInfo
 from vrnic.core.verb_args import MAX_BATCH
 from vrnic.errors import Conflict, InvalidArgument, NotFound, QuotaExceeded
 from vrnic.frontend import CQ, MR, PD, QP, Access, Context, SendRequest, WcStatus, WrOpcode
-from vrnic.frontend.guest_library import PD_POOL
+from vrnic.frontend.guest_library import CQ_POOL, PD_POOL
 
 ARENA = 4 << 20
 ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
@@ -128,3 +130,95 @@ def test_the_pd_pool_stops_at_the_quota(make_vrnic: Callable[..., AttachInfo]) -
         with pytest.raises(InvalidArgument, match="alloc_pds: count"):
             ctx.call("alloc_pds", count=0)
         assert b.handle != a.handle
+
+
+def test_cqs_are_handed_out_from_a_pool_per_size_that_counts_against_the_quota(
+        make_vrnic: Callable[..., AttachInfo], edge: FakeEdge) -> None:
+    with Context.attach(make_vrnic(), ARENA) as ctx:
+        live = len(edge.live)
+        first = CQ(ctx, 64)
+        assert ctx.call("query_device")["quota_used"]["cq"] == CQ_POOL  # one create_cqs filled the pool
+        assert len(edge.live) == live + CQ_POOL  # real CQs on the NIC, not promises
+        others = [CQ(ctx, 64) for _ in range(CQ_POOL - 1)]
+        assert len({cq.handle for cq in [first, *others]}) == CQ_POOL
+        assert ctx.call("query_device")["quota_used"]["cq"] == CQ_POOL  # handouts: no more CQs
+        small = CQ(ctx, 16)  # another size has its own pool
+        assert ctx.call("query_device")["quota_used"]["cq"] == 2 * CQ_POOL
+        first.close()
+        again = CQ(ctx, 64)
+        assert again.handle == first.handle  # a closed CQ went back to its size's pool
+        pd = PD(ctx)
+        qp = QP(pd, again, small)  # and works as any CQ
+        with pytest.raises(Conflict, match="still used by 1"):
+            again.close()
+        with pytest.raises(Conflict, match="still used by 1"):
+            small.close()
+        qp.close()
+        again.close()
+        small.close()
+        with pytest.raises(QuotaExceeded, match="max_cqe"):  # the size is over the quota: spares do not help
+            CQ(ctx, 1 << 14)
+        assert len(ctx.spare_cqs[64]) == 1  # the CQ closed above is still a spare
+        large = CQ(ctx, 4096)  # a ring this large is not pooled: no spares take the arena
+        assert ctx.call("query_device")["quota_used"]["cq"] == 2 * CQ_POOL + 1
+        large.close()
+        assert ctx.call("query_device")["quota_used"]["cq"] == 2 * CQ_POOL + 1  # back to its pool of one
+    assert len(edge.live) == live  # the pools go with the context
+
+
+def test_a_cq_handed_out_again_holds_nothing_of_its_last_user(make_vrnic: Callable[..., AttachInfo]) -> None:
+    with Context.attach(make_vrnic(), ARENA) as ca, Context.attach(make_vrnic(device="fake1"), ARENA) as cb:
+        pa, pb = PD(ca), PD(cb)
+        cqa, cqb = CQ(ca, 64), CQ(cb, 64)
+        src, dst = MR(pa, 4096, ALL), MR(pb, 4096, ALL)
+        for _ in range(3):
+            qa, qb = QP(pa, cqa, cqa), QP(pb, cqb, cqb)
+            qa.connect(cb.gid, qb.qpn)
+            qb.connect(ca.gid, qa.qpn)
+            # Completions nobody polls. No doorbell: the WRs reach the NIC only when destroy_qp drains them, and
+            # their completions are in the ring when it returns (none arrives later, in the next user's CQ).
+            qa.post_send([SendRequest(i, WrOpcode.RDMA_WRITE, (src.sge(0, 8),), remote_addr=dst.addr,
+                                      rkey=dst.rkey) for i in range(16)], doorbell=False)
+            handle = cqa.handle
+            qa.close()
+            assert cqa.ring.count() == 16
+            qb.close()
+            cqa.close()
+            cqa = CQ(ca, 64)
+            assert cqa.handle == handle  # the same CQ, from the pool
+            time.sleep(0.05)  # the engine had time to deliver anything left
+            assert cqa.poll(64) == []
+        fresh_a, fresh_b = QP(pa, cqa, cqa), QP(pb, cqb, cqb)  # and it serves its new QP as a new CQ would
+        fresh_a.connect(cb.gid, fresh_b.qpn)
+        fresh_b.connect(ca.gid, fresh_a.qpn)
+        fresh_a.post_send(SendRequest(99, WrOpcode.RDMA_WRITE, (src.sge(0, 8),), remote_addr=dst.addr, rkey=dst.rkey))
+        [done] = cqa.wait(1, timeout=5)
+        assert (done.wr_id, done.status, done.qp) == (99, WcStatus.SUCCESS, fresh_a.qpn)
+
+
+def test_a_cq_whose_ring_failed_is_destroyed_not_pooled(make_vrnic: Callable[..., AttachInfo]) -> None:
+    with Context.attach(make_vrnic(), ARENA) as ctx:
+        cq = CQ(ctx, 64)
+        cq.ring.set_flag(RingFlags.OVERFLOW)
+        cq.close()
+        assert ctx.call("query_device")["quota_used"]["cq"] == CQ_POOL - 1
+        assert cq.handle not in {h for h, _ in ctx.spare_cqs[64]}
+
+
+def test_the_cq_pool_stops_at_the_quota_and_gives_back_spares_of_other_sizes(
+        make_vrnic: Callable[..., AttachInfo]) -> None:
+    with Context.attach(make_vrnic(max_cqs=2), ARENA) as ctx:
+        in_use = ctx.allocator.in_use()
+        big = CQ(ctx, 64)
+        assert ctx.call("query_device")["quota_used"]["cq"] == 2  # the pool stopped at the quota
+        small = CQ(ctx, 16)  # the spare CQ of 64 entries made room for it
+        assert ctx.call("query_device")["quota_used"]["cq"] == 2
+        assert ctx.spare_cqs[64] == []
+        with pytest.raises(QuotaExceeded):
+            CQ(ctx, 32)
+        small.close()
+        assert CQ(ctx, 16).handle == small.handle
+        with pytest.raises(InvalidArgument, match="create_cqs: rings"):
+            ctx.call("create_cqs", cqe=16, rings=[])
+        big.close()
+        assert ctx.allocator.in_use() > in_use  # the pooled CQs keep their rings

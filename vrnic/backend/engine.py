@@ -21,7 +21,7 @@ import os
 import select
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from vrnic.backend.rnic_edge import DeviceContext, PhysRecv, PhysSend, SendQueueFull
@@ -127,6 +127,13 @@ class DataPathEngine(ABC):
         """Post receives that were on another QP on qp, in order (live migration; caller holds the lock)."""
         raise NotSupported(f"the {type(self).__name__} cannot be migrated")
 
+    def settle_cqs(self, cqs: Iterable[CqEntry]) -> None:
+        """Move what the NIC has on these CQs to the guest now (the caller holds the lock). After a QP is
+        destroyed: every completion it left is then in its CQs' rings when destroy_qp returns, so a CQ the
+        frontend hands out again (its pool) never receives one later. Nothing to do where the guest polls the
+        NIC's own CQ."""
+        return None
+
 
 class SharedRingEngine(DataPathEngine):
     def __init__(self, host: EngineHost, busy_poll: bool = False) -> None:
@@ -170,6 +177,11 @@ class SharedRingEngine(DataPathEngine):
             while self._drain_cq(cq):
                 pass
         return self.completed - before
+
+    def settle_cqs(self, cqs: Iterable[CqEntry]) -> None:
+        for cq in dict.fromkeys(cqs):
+            while self._drain_cq(cq):
+                pass
 
     def repost_recvs(self, qp: QpEntry, recvs: list[Any]) -> int:
         """Post receives that were on another QP (a migrated one) on qp, in their order (caller holds the lock)."""

@@ -290,6 +290,19 @@ class GuestSession:
             ring.reset()
         return {"cq": cq.handle, "cqe": args.cqe}
 
+    def op_create_cqs(self, args: verb_args.CreateCqs) -> dict[str, Any]:
+        """A CQ of args.cqe entries on each ring, up to the quota (at least one, else the quota error of the
+        first): the frontend's pool of CQs of that size."""
+        handles: list[int] = []
+        for ring in args.rings:
+            try:
+                handles.append(self.op_create_cq(verb_args.CreateCq(cqe=args.cqe, ring=ring))["cq"])
+            except QuotaExceeded:
+                if not handles:
+                    raise
+                break
+        return {"cqs": handles, "cqe": args.cqe}
+
     def op_destroy_cq(self, args: verb_args.CqRef) -> dict[str, Any]:
         self.device.destroy(self.state.take_cq(args.cq).obj)
         return {}
@@ -331,6 +344,7 @@ class GuestSession:
         # native post_send has put them there on return), rather than vanish with the rings.
         self.engine.drain_queues([qp])
         self._destroy_qp(self.state.take_qp(args.qp))
+        self.engine.settle_cqs((qp.send_cq, qp.recv_cq))
         return {}
 
     def _destroy_qp(self, qp: QpEntry, publish: bool = True) -> None:

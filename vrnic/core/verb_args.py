@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -132,6 +132,15 @@ class AllocPds(Args):
     count: int = Field(ge=1, le=MAX_BATCH)
 
 
+class CreateCqs(Args):
+    """Up to len(rings) CQs of cqe entries, one per ring, as many as the quota leaves room for (at least one):
+    the frontend's pool of CQs of that size (pre-setup), so that its later create_cq of that size is a handout.
+    Pooled CQs are ordinary CQs of the session: they count against the quota and go with the session."""
+
+    cqe: int = Field(ge=1)
+    rings: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, max_length=MAX_BATCH)
+
+
 class ResolveRkey(Args):
     """Direct engine: the physical rkey (and address base) behind a virtual rkey of qp's connected peer."""
 
@@ -192,7 +201,8 @@ OPS: dict[str, type[Args]] = {
     "create_cq": CreateCq, "destroy_cq": CqRef,
     "create_qp": CreateQp, "destroy_qp": QpRef, "modify_qp": ModifyQp, "query_qp": QpRef,
     "connect": Connect, "resolve_rkey": ResolveRkey, "translations": NoArgs,
-    "create_qps": CreateQps, "connect_qps": ConnectQps, "alloc_pds": AllocPds, "null_rpc": NoArgs,
+    "create_qps": CreateQps, "connect_qps": ConnectQps, "alloc_pds": AllocPds, "create_cqs": CreateCqs,
+    "null_rpc": NoArgs,
     "busy_poll": BusyPoll, "sync": NoArgs, "detach": NoArgs,
     "resolve_ip": ResolveIp, "cm_listen": CmPort, "cm_unlisten": CmPort, "cm_get_request": CmGetRequest,
     "cm_accept": CmAccept, "cm_reject": CmReject, "cm_connect": CmConnect,

@@ -19,6 +19,7 @@ from vrnic.core.rings import (
     Completion,
     RecvRequest,
     Ring,
+    RingCorrupt,
     RingFlags,
     SendRequest,
     Sge,
@@ -26,7 +27,7 @@ from vrnic.core.rings import (
     pack_send,
     unpack_completion,
 )
-from vrnic.errors import Conflict, DeviceError, InvalidArgument, VrnicError
+from vrnic.errors import Conflict, DeviceError, InvalidArgument, QuotaExceeded, VrnicError
 from vrnic.frontend.channel import DEFAULT_PORT, Channel, PortChannel, UnixChannel
 from vrnic.frontend.direct import DirectCq, DirectDevice, DirectQp
 from vrnic.frontend.memory import Arena, MemfdArena, VmArena
@@ -36,6 +37,8 @@ if TYPE_CHECKING:  # pydantic: not imported in a VM guest
 
 DEFAULT_ARENA = 16 << 20
 PD_POOL = 8  # PDs a context asks vrnicd for at once (fewer when the quota leaves less room)
+CQ_POOL = 4  # CQs of one size a context asks vrnicd for at once on the shared-ring engine (fewer likewise)
+CQ_POOL_RING_BYTES = 64 << 10  # larger rings are not pooled: spare ones would take too much of the arena
 DEFAULT_VM_ARENA = 8 << 20  # four 2 MiB hugepages
 VM_POLL_SLEEP_S = 0.0002  # a VM guest has no completion eventfd: it polls, sleeping this long between polls
 DIRECT_SPIN_S = 0.02  # a direct guest polls the NIC's CQ as native verbs programs do: it spins this long, then naps
@@ -128,6 +131,7 @@ class Context(_Resource):
             self._release_local()
             raise
         self.spare_pds: list[int] = []  # PDs vrnicd allocated for this context and no PD object holds
+        self.spare_cqs: dict[int, list[tuple[int, Buffer]]] = {}  # by size: CQs (and rings) no CQ object holds
         self.vrnic_id: str = info["vrnic_id"]
         self.gid: str = info["virtual_gid"]
         self.ip: str | None = info.get("virtual_ip")  # its address in the VPC, if it has one (frontend.cm)
@@ -287,9 +291,19 @@ class MR(_Resource):
 
 
 class CQ(_Resource):
+    """A completion queue. On the shared-ring engine it is handed out from the context's pool of CQs of its size
+    (pre-setup, as PDs are): vrnicd creates up to CQ_POOL of them in one request (within the quota, which they
+    count against), and a CQ closed here goes back to the pool, with what it still held discarded as destroying
+    a CQ discards it. When the quota refuses CQs of a new size, the spare CQs of other sizes are given back
+    first. On the direct engine a CQ is the NIC's own, created and destroyed by a round trip each."""
+
     def __init__(self, ctx: Context, cqe: int = 64) -> None:
         self.ctx = ctx
+        self.cqe = cqe
+        self.users = 0  # QPs using it: as vrnicd does, a CQ in use is not given up
         self.direct: DirectCq | None = None
+        if ctx.closed or ctx.channel is None:
+            raise VrnicError("the context is closed")
         if ctx.direct is not None:  # the NIC's own CQ, mapped here
             reply = ctx.call("create_cq", cqe=cqe)
             self.handle = int(reply["cq"])
@@ -299,12 +313,10 @@ class CQ(_Resource):
                 ctx.call("destroy_cq", cq=self.handle)
                 raise
             return
-        self.ring_buffer = ctx.alloc(Ring.bytes_needed(cqe, CQ_SLOT.size))
-        try:
-            self.handle = int(ctx.call("create_cq", cqe=cqe, ring=self.ring_buffer.addr)["cq"])
-        except BaseException:
-            ctx.free(self.ring_buffer)
-            raise
+        spares = ctx.spare_cqs.setdefault(cqe, [])
+        if not spares:
+            spares += _create_cqs(ctx, cqe)[::-1]
+        self.handle, self.ring_buffer = spares.pop()
         self.ring = Ring(ctx.view, self.ring_buffer.offset, cqe, CQ_SLOT, ctx.words)
 
     def poll(self, max_entries: int = 16) -> list[Completion]:
@@ -354,13 +366,71 @@ class CQ(_Resource):
         return done
 
     def close(self) -> None:
-        if not self.closed and not self.ctx.closed:
-            self.ctx.call("destroy_cq", cq=self.handle)
-            if self.direct is not None:
-                self.direct.close()
+        if self.closed:
+            return
+        if self.users:
+            raise Conflict(f"CQ {self.handle} is still used by {self.users} QP(s)", current_state="in_use")
+        if not self.ctx.closed:
+            if self.direct is None and self._reusable():
+                self.ring.consume(self.ring.entries)  # what it still held goes, as with a destroyed CQ
+                self.ctx.spare_cqs.setdefault(self.cqe, []).append((self.handle, self.ring_buffer))
             else:
-                self.ctx.free(self.ring_buffer)
+                self.ctx.call("destroy_cq", cq=self.handle)
+                if self.direct is not None:
+                    self.direct.close()
+                else:
+                    self.ctx.free(self.ring_buffer)
         self.closed = True
+
+    def _reusable(self) -> bool:
+        """Whether the pool may hand this CQ out again: its ring is sound and not full. vrnicd moves every
+        completion of a destroyed QP into the ring before destroy_qp returns, so with no QP left on the CQ
+        nothing arrives later; only a full ring may have left some with the NIC."""
+        try:
+            return not self.ring.flags & (RingFlags.OVERFLOW | RingFlags.CORRUPT | RingFlags.FAILED) \
+                and self.ring.count() < self.ring.entries
+        except RingCorrupt:
+            return False
+
+
+def _create_cqs(ctx: Context, cqe: int) -> list[tuple[int, Buffer]]:
+    """New CQs of cqe entries with their rings: up to CQ_POOL in one create_cqs, as many as the arena and the
+    quota allow (at least one). When the quota refuses, the spare CQs of other sizes are given back and the
+    request is made once more."""
+    size = Ring.bytes_needed(cqe, CQ_SLOT.size)
+    rings = [ctx.alloc(size)]
+    try:
+        while len(rings) < (CQ_POOL if size <= CQ_POOL_RING_BYTES else 1):
+            try:
+                rings.append(ctx.alloc(size))
+            except VrnicError:  # the arena is short: fewer spares
+                break
+        request = {"cqe": cqe, "rings": [ring.addr for ring in rings]}
+        try:
+            handles = [int(h) for h in ctx.call("create_cqs", **request)["cqs"]]
+        except QuotaExceeded as exc:
+            if exc.limit != "max_cqs" or not _give_back_spare_cqs(ctx):
+                raise
+            handles = [int(h) for h in ctx.call("create_cqs", **request)["cqs"]]
+    except BaseException:
+        for ring in rings:
+            ctx.free(ring)
+        raise
+    for ring in rings[len(handles):]:
+        ctx.free(ring)
+    return list(zip(handles, rings[:len(handles)], strict=True))
+
+
+def _give_back_spare_cqs(ctx: Context) -> int:
+    """Destroy the context's spare CQs (the quota needs the room); how many there were."""
+    given = 0
+    for spares in ctx.spare_cqs.values():
+        while spares:
+            handle, ring = spares.pop()
+            ctx.call("destroy_cq", cq=handle)
+            ctx.free(ring)
+            given += 1
+    return given
 
 
 def _ring_addrs(buffers: list[tuple[Buffer, Buffer]]) -> dict[str, int]:
@@ -369,6 +439,8 @@ def _ring_addrs(buffers: list[tuple[Buffer, Buffer]]) -> dict[str, int]:
 
 class QP(_Resource):
     pd: PD
+    send_cq: CQ
+    recv_cq: CQ
     qp_type: str
     direct: DirectQp | None
     handle: int
@@ -409,7 +481,7 @@ class QP(_Resource):
         qps: list[QP] = []
         for index, reply in enumerate(replies):
             qp = cls.__new__(cls)
-            qp.pd, qp.qp_type, qp.direct = pd, qp_type, None
+            qp.pd, qp.send_cq, qp.recv_cq, qp.qp_type, qp.direct = pd, send_cq, recv_cq, qp_type, None
             qp.handle = int(reply["qp"])
             qp.qpn = int(reply["qpn"])
             if ctx.direct is not None:  # the NIC's own queues, mapped here
@@ -427,6 +499,8 @@ class QP(_Resource):
                 qp.rq = Ring(ctx.view, qp.rq_buffer.offset, max_recv_wr, RQ_SLOT, ctx.words)
             qps.append(qp)
             pd.users += 1
+            send_cq.users += 1
+            recv_cq.users += 1
         return qps
 
     def connect(self, remote_gid: str, remote_qpn: int, access: int = 15) -> None:
@@ -484,4 +558,6 @@ class QP(_Resource):
                 ctx.free(self.rq_buffer)
         if not self.closed:
             self.pd.users -= 1
+            self.send_cq.users -= 1
+            self.recv_cq.users -= 1
         self.closed = True
