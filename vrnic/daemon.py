@@ -210,7 +210,7 @@ def serve_in_process(settings: DaemonSettings, backend: BackendService, *, migra
     from vrnic.db.migrate import upgrade
 
     settings = with_operator_token(settings)
-    engine = make_engine(settings.database)
+    engine = make_engine(settings.database, background_checkpoints=True)
     try:
         if migrate:
             upgrade(engine)

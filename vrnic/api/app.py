@@ -70,7 +70,8 @@ def create_app(settings: DaemonSettings, backend: BackendService, *, engine: Eng
     """
     if settings.operator_token is None:
         raise InvalidArgument("no operator token: set VRNIC_OPERATOR_TOKEN (the daemon generates one)")
-    engine = engine or make_engine(settings.database)
+    owns_engine = engine is None
+    engine = engine or make_engine(settings.database, background_checkpoints=True)
     check_schema(engine)
     operator_token = settings.operator_token.get_secret_value()
     agent_token = settings.agent_secret or operator_token
@@ -112,6 +113,8 @@ def create_app(settings: DaemonSettings, backend: BackendService, *, engine: Eng
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         cp.close()
+        if owns_engine:
+            engine.dispose()  # its last WAL checkpoint, too
 
     app = FastAPI(title="vrnic", version=__version__, lifespan=lifespan,
                   description="Virtual RDMA NICs for VMs and containers: tenants, vRNICs, devices, hosts, events.")
