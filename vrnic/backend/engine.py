@@ -173,9 +173,7 @@ class SharedRingEngine(DataPathEngine):
     def settle(self) -> int:
         """Move every completion the NIC has into the guest's CQ rings now (the caller holds the lock)."""
         before = self.completed
-        for _, cq in self.host.state.cqs.items():
-            while self._drain_cq(cq):
-                pass
+        self.settle_cqs(cq for _, cq in self.host.state.cqs.items())
         return self.completed - before
 
     def settle_cqs(self, cqs: Iterable[CqEntry]) -> None:

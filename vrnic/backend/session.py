@@ -14,8 +14,8 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
@@ -58,6 +58,22 @@ RcFloor = tuple[int | None, int]  # rc_timeout's inputs kept through a batch: th
 CONNECT_LINK = verb_args.ModifyQp(qp=1, state="rts")  # the handle is never read
 
 LIVE_SESSIONS: weakref.WeakSet[GuestSession] = weakref.WeakSet()  # for the daemon's debug dump (SIGUSR1)
+
+T = TypeVar("T")
+
+
+def _within_quota(create: Callable[[T], int], items: Iterable[T]) -> list[int]:
+    """create(item) for each item until the quota refuses one: the handles made, at least one (else the quota
+    error of the first). The frontend's pools (alloc_pds, create_cqs) take what the quota leaves room for."""
+    handles: list[int] = []
+    for item in items:
+        try:
+            handles.append(create(item))
+        except QuotaExceeded:
+            if not handles:
+                raise
+            break
+    return handles
 
 
 def _same_qp(qp: QpEntry, q: QpRecord) -> bool:
@@ -226,15 +242,7 @@ class GuestSession:
 
     def op_alloc_pds(self, args: verb_args.AllocPds) -> dict[str, Any]:
         """Up to args.count PDs within the quota, at least one (else the quota error of the first)."""
-        handles: list[int] = []
-        for _ in range(args.count):
-            try:
-                handles.append(self.op_alloc_pd(verb_args.NoArgs())["pd"])
-            except QuotaExceeded:
-                if not handles:
-                    raise
-                break
-        return {"pds": handles}
+        return {"pds": _within_quota(lambda _: self.op_alloc_pd(verb_args.NoArgs())["pd"], range(args.count))}
 
     def op_dealloc_pd(self, args: verb_args.PdRef) -> dict[str, Any]:
         self.device.destroy(self.state.take_pd(args.pd).obj)
@@ -293,15 +301,9 @@ class GuestSession:
     def op_create_cqs(self, args: verb_args.CreateCqs) -> dict[str, Any]:
         """A CQ of args.cqe entries on each ring, up to the quota (at least one, else the quota error of the
         first): the frontend's pool of CQs of that size."""
-        handles: list[int] = []
-        for ring in args.rings:
-            try:
-                handles.append(self.op_create_cq(verb_args.CreateCq(cqe=args.cqe, ring=ring))["cq"])
-            except QuotaExceeded:
-                if not handles:
-                    raise
-                break
-        return {"cqs": handles, "cqe": args.cqe}
+        cqs = _within_quota(lambda ring: self.op_create_cq(verb_args.CreateCq(cqe=args.cqe, ring=ring))["cq"],
+                            args.rings)
+        return {"cqs": cqs, "cqe": args.cqe}
 
     def op_destroy_cq(self, args: verb_args.CqRef) -> dict[str, Any]:
         self.device.destroy(self.state.take_cq(args.cq).obj)

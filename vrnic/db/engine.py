@@ -28,14 +28,14 @@ def make_engine(url: str, *, background_checkpoints: bool = False, **options: An
         options.setdefault("max_overflow", 40)
         options.setdefault("pool_pre_ping", True)
         return create_engine(url, **options)
-    on_file = bool(parsed.database) and parsed.database != ":memory:"
-    if on_file:
-        Path(str(parsed.database)).parent.mkdir(parents=True, exist_ok=True)
+    path = Path(parsed.database) if parsed.database and parsed.database != ":memory:" else None
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **options)
     event.listen(engine, "connect", _sqlite_connect)
     event.listen(engine, "begin", _sqlite_begin)
-    if background_checkpoints and on_file:
-        checkpoints = WalCheckpoints(Path(str(parsed.database)))
+    if background_checkpoints and path is not None:
+        checkpoints = WalCheckpoints(path)
         event.listen(engine, "connect", checkpoints.take_over)
         event.listen(engine, "engine_disposed", lambda _: checkpoints.stop())
     return engine

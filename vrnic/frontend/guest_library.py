@@ -158,9 +158,13 @@ class Context(_Resource):
         return ctx
 
     def call(self, op: str, **args: Any) -> dict[str, Any]:
+        return self.open_channel().call(op, **args)
+
+    def open_channel(self) -> Channel:
+        """The channel to vrnicd; VrnicError once the context is closed (also for handouts, which send nothing)."""
         if self.closed or self.channel is None:
             raise VrnicError("the context is closed")
-        return self.channel.call(op, **args)
+        return self.channel
 
     def null_rpc(self) -> None:
         """An empty round trip to vrnicd: the floor under every control verb (benchmarks)."""
@@ -223,8 +227,7 @@ class PD(_Resource):
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.users = 0  # MRs and QPs on it: as vrnicd does, a PD in use is not given up
-        if ctx.closed or ctx.channel is None:
-            raise VrnicError("the context is closed")
+        ctx.open_channel()
         if not ctx.spare_pds:
             ctx.spare_pds = [int(h) for h in ctx.call("alloc_pds", count=PD_POOL)["pds"]][::-1]
         self.handle = ctx.spare_pds.pop()
@@ -302,8 +305,7 @@ class CQ(_Resource):
         self.cqe = cqe
         self.users = 0  # QPs using it: as vrnicd does, a CQ in use is not given up
         self.direct: DirectCq | None = None
-        if ctx.closed or ctx.channel is None:
-            raise VrnicError("the context is closed")
+        ctx.open_channel()
         if ctx.direct is not None:  # the NIC's own CQ, mapped here
             reply = ctx.call("create_cq", cqe=cqe)
             self.handle = int(reply["cq"])
