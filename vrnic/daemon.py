@@ -161,7 +161,7 @@ def run(settings: DaemonSettings) -> None:
     logging.getLogger("alembic").setLevel(logging.WARNING)  # the schema check is not news
     settings = with_operator_token(settings)
     from vrnic.db.engine import make_engine
-    from vrnic.db.migrate import check_schema
+    from vrnic.db.schema import check_schema
 
     check_schema(make_engine(settings.database))  # before any driver touches a device
     backend = build_backend(settings)

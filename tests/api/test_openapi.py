@@ -136,6 +136,14 @@ def test_schema_documents_problem_json_and_bearer_auth(served: str) -> None:
     assert document["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
     allocate = document["paths"]["/api/v1/vrnics"]["post"]
     assert "application/problem+json" in allocate["responses"]["409"]["content"]
+    # every documented error answer is problem+json, the one type they are served as, naming the one schema
+    problem_ref = {"schema": {"$ref": "#/components/schemas/Problem"}}
+    errors = [(path, method, code, answer) for path, operations in document["paths"].items()
+              for method, operation in operations.items() for code, answer in operation["responses"].items()
+              if code in {"400", "401", "403", "404", "409"}]
+    assert len(errors) > 200
+    assert [e[:3] for e in errors if e[3]["content"] != {"application/problem+json": problem_ref}] == []
+    assert document["components"]["schemas"]["Problem"]["required"] == ["type", "title", "status", "detail", "code"]
     assert {p["name"] for p in allocate["parameters"]} == {"idempotency-key"}
     # attach state is observed by vrnicd: no client can set it
     assert not [path for path in document["paths"] if path.endswith(("/attach", "/detach"))]

@@ -9,7 +9,7 @@ from starlette.requests import Request
 
 from vrnic import errors
 from vrnic.api.problems import MEDIA_TYPE, problem, status_for, status_of
-from vrnic.db.migrate import SchemaOutOfDate
+from vrnic.db.schema import SchemaOutOfDate
 
 
 def _all_subclasses(cls: type) -> set[type]:

@@ -25,7 +25,7 @@ from vrnic.backend.service import BackendService
 from vrnic.config import DaemonSettings
 from vrnic.core.specs import VrnicMode
 from vrnic.db.engine import make_engine
-from vrnic.db.migrate import check_schema
+from vrnic.db.schema import check_schema
 from vrnic.errors import InvalidArgument, VrnicError
 
 log = logging.getLogger(__name__)

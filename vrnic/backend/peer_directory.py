@@ -8,6 +8,7 @@ The backend never touches the database itself: the Locator is handed in by the d
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -101,11 +102,18 @@ class AgentDirectory:
                  transport: httpx.BaseTransport | None = None) -> None:
         self.locator = locator
         self.timeout = timeout
-        self._client = httpx.Client(headers={"Authorization": f"Bearer {agent_token}"}, timeout=timeout,
-                                    transport=transport)
+        self._agent_token, self._transport = agent_token, transport
+
+    @functools.cached_property
+    def _client(self) -> httpx.Client:
+        # Made at the first lookup, not at the daemon's start: a client loads the CA bundle (0.5 s under TCG),
+        # and a single-host daemon never asks another agent.
+        return httpx.Client(headers={"Authorization": f"Bearer {self._agent_token}"}, timeout=self.timeout,
+                            transport=self._transport)
 
     def close(self) -> None:
-        self._client.close()
+        if "_client" in self.__dict__:
+            self._client.close()
 
     def _agent(self, virtual_gid: str) -> AgentRef:
         agent = self.locator.agent_of(virtual_gid)

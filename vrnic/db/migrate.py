@@ -1,4 +1,5 @@
-"""Alembic from code: upgrade, downgrade, and the daemon's check that the schema is at head."""
+"""Alembic from code: upgrade, downgrade, the head and the current revision (the daemon's check that the schema is
+at head is vrnic.db.schema, which does not load Alembic)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
 
 from vrnic.config import PROJECT_DIR
-from vrnic.errors import VrnicError
-
-SCRIPT_LOCATION = PROJECT_DIR / "migrations"
-UPGRADE_COMMAND = "vrnic db upgrade"
-
-
-class SchemaOutOfDate(VrnicError):
-    """The database schema is not the one this code was written for."""
-
-    code = "schema_out_of_date"
+from vrnic.db.schema import SCRIPT_LOCATION, SchemaOutOfDate
 
 
 def alembic_config(engine: Engine) -> Config:
@@ -48,18 +40,3 @@ def current_revision(engine: Engine) -> str | None:
     with engine.connect() as connection:
         return MigrationContext.configure(connection).get_current_revision()
 
-
-def check_schema(engine: Engine) -> None:
-    """SchemaOutOfDate, naming what to run, unless the database is exactly at head."""
-    head, current = head_revision(), current_revision(engine)
-    if current == head:
-        return
-    where = engine.url.render_as_string(hide_password=True)
-    if current is None:
-        raise SchemaOutOfDate(f"the database {where} has no vrnic schema; run `{UPGRADE_COMMAND}` first")
-    known = {rev.revision for rev in ScriptDirectory(str(SCRIPT_LOCATION)).walk_revisions()}
-    if current not in known:
-        raise SchemaOutOfDate(f"the database {where} is at schema {current}, newer than this vrnic knows "
-                              f"(head {head}); upgrade vrnic")
-    raise SchemaOutOfDate(f"the database {where} is at schema {current}, older than head {head}; "
-                          f"run `{UPGRADE_COMMAND}`")
