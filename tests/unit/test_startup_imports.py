@@ -15,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from vrnic.cli.main import SUBCOMMANDS, app
+from vrnic.vm.domain_xml import VRNIC_NS
 
 pytestmark = pytest.mark.unit
 
@@ -48,3 +49,18 @@ def test_each_command_group_loads_by_name_and_all_are_listed() -> None:
 
 def test_the_api_app_and_its_schema_check_do_not_load_alembic() -> None:
     assert "alembic" not in modules_after("import vrnic.api.app\nimport vrnic.db.schema")
+
+
+
+@pytest.mark.parametrize(("op", "with_vrnic"), [("start", True), ("restore", True), ("prepare", False)])
+def test_a_hook_call_with_nothing_to_do_imports_neither_httpx_nor_pydantic(op: str, with_vrnic: bool) -> None:
+    """libvirtd waits for the hook at every op of every domain: start and restore have nothing for vrnic, and
+    neither has any op of a domain without vRNICs (stopped and release excepted)."""
+    metadata = (f"<metadata><v:vrnics xmlns:v='{VRNIC_NS}'><v:vrnic id='vr-1'/></v:vrnics></metadata>"
+                if with_vrnic else "")
+    xml = f"<domain type='kvm' id='3'><name>d</name>{metadata}</domain>"
+    args = ["d", op, "begin", "-"]
+    loaded = modules_after("from vrnic.vm.hook import main, parse_hook_call\n"
+                           f"assert len(parse_hook_call({args!r}, {xml!r}).vrnics) == {int(with_vrnic)}\n"
+                           f"assert main(['--', *{args!r}], stdin={xml!r}) == 0")
+    assert not loaded & {"httpx", "pydantic", "pydantic_core"}

@@ -40,15 +40,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import quote
 
-import httpx
-
-from vrnic.core.specs import VmBinding, VmVrnic
 from vrnic.errors import InvalidArgument
 from vrnic.vm.domain_xml import VRNIC_NS, VrnicAttachment
 from vrnic.vm.guest_ram import libvirt_ram_file
+
+if TYPE_CHECKING:
+    from vrnic.core.specs import VmBinding
+
+# libvirtd waits for the hook at every op of every domain: a call with nothing to do imports only the standard
+# library and the XML readers; httpx and pydantic (seconds under the lab's TCG) come with the first REST call.
 
 REFUSE_EXIT = 1
 DEFAULT_MEMORY_BACKING_DIR = Path("/var/lib/libvirt/qemu/ram")  # libvirt's default memory_backing_dir
@@ -166,6 +169,8 @@ def check_xml(event: HookEvent) -> str | None:
 
 def binding_for(event: HookEvent, memory_backing_dir: Path) -> VmBinding:
     """What vrnicd needs to serve the running domain (its live id names the RAM file)."""
+    from vrnic.core.specs import VmBinding, VmVrnic
+
     if event.domain_id is None:
         raise InvalidArgument(f"{event.domain} is not running (no domain id): nothing to bind")
     sockets = dict(event.channels)
@@ -253,6 +258,15 @@ def _incoming_hook(event: HookEvent, api: HookApi, memory_backing_dir: Path, inc
     return "passed", None
 
 
+def passes_through(event: HookEvent) -> bool:
+    """The call has nothing for vrnic to do: a domain without vRNICs, or start, restore or attach (the vRNICs are
+    admitted at prepare and bound at started, a migrating domain's included). stopped and release always ask:
+    their XML is not trusted to list every vRNIC."""
+    if event.op in (HookOp.STOPPED, HookOp.RELEASE):
+        return False
+    return not event.vrnics or event.op not in (HookOp.PREPARE, HookOp.STARTED, HookOp.RECONNECT, HookOp.MIGRATE)
+
+
 def run_hook(event: HookEvent, api: HookApi, memory_backing_dir: Path, incoming: IncomingDomains | None = None,
              remote: RemoteApi | None = None) -> tuple[str, str | None]:
     """Do the vRNIC's part of one hook call: (outcome, the refusal to print, if any).
@@ -260,6 +274,10 @@ def run_hook(event: HookEvent, api: HookApi, memory_backing_dir: Path, incoming:
     outcome: passed (nothing to do), allowed, refused, bound, unbound, handover_prepared, handover_called_off,
     error (logged, not refused). incoming and remote: for migrations to this host (None: migrations refused).
     """
+    if passes_through(event):
+        return "passed", None
+    import httpx
+
     from vrnic.cli.client import ApiError  # httpx only: the hook never imports libvirt
 
     domain = quote(event.domain, safe="")
@@ -370,17 +388,19 @@ def main(argv: Sequence[str] | None = None, stdin: str | None = None, api: HookA
         print(f"vrnic hook: {exc}", file=sys.stderr)
         return REFUSE_EXIT
     ram_dir = Path(options.get("--memory-backing-dir", str(DEFAULT_MEMORY_BACKING_DIR)))
-    if api is None:
-        from vrnic.cli.client import ApiClient, ClientSettings
+    outcome, message = "passed", None
+    if not passes_through(event):
+        if api is None:
+            from vrnic.cli.client import ApiClient, ClientSettings
 
-        settings = ClientSettings()
-        settings = settings.model_copy(update={"timeout": max(settings.timeout, HANDOVER_TIMEOUT_S)})
-        api = ApiClient(settings)
+            settings = ClientSettings()
+            settings = settings.model_copy(update={"timeout": max(settings.timeout, HANDOVER_TIMEOUT_S)})
+            api = ApiClient(settings)
 
-        def remote(url: str) -> HookApi:
-            return ApiClient(settings.model_copy(update={"url": url}))  # the same operator token
-    incoming = IncomingDomains(Path(options.get("--state-dir", str(DEFAULT_STATE_DIR))))
-    outcome, message = run_hook(event, api, ram_dir, incoming, remote)
+            def remote(url: str) -> HookApi:
+                return ApiClient(settings.model_copy(update={"url": url}))  # the same operator token
+        incoming = IncomingDomains(Path(options.get("--state-dir", str(DEFAULT_STATE_DIR))))
+        outcome, message = run_hook(event, api, ram_dir, incoming, remote)
     record = {"domain": event.domain, "op": str(event.op), "sub_op": event.sub_op, "domain_id": event.domain_id,
               "vrnics": [v.vrnic_id for v in event.vrnics], "outcome": outcome,
               "duration_ms": (time.monotonic() - started) * 1000, "error": message}
