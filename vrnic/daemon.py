@@ -174,7 +174,8 @@ def run(settings: DaemonSettings) -> None:
         gc.collect()
         gc.freeze()
         signal.signal(signal.SIGUSR1, _debug_dump)
-        _Server(uvicorn.Config(app, host=settings.listen_host, port=settings.listen_port,
+        # ws="none": the API has no WebSocket route, and loading a WebSocket implementation costs start-up time
+        _Server(uvicorn.Config(app, host=settings.listen_host, port=settings.listen_port, ws="none",
                                log_level=settings.log_level, access_log=False)).run()
     finally:
         held = len(backend.vrnic_ids())
