@@ -1,7 +1,8 @@
 """The daemon's check that the database schema is the one this code was written for.
 
-It reads alembic_version and compares it with SCHEMA_HEAD. Alembic (vrnic.db.migrate) is loaded only to tell an
-older schema from a newer one: importing it is seconds under the lab's TCG, on every start of the daemon.
+It reads alembic_version and compares it with SCHEMA_HEAD. Alembic's script directory is loaded only when they
+differ, to tell an older schema from a newer one: importing Alembic is seconds under the lab's TCG, and the
+daemon checks at every start. (vrnic.db.migrate is Alembic itself: upgrade, downgrade.)
 """
 
 from __future__ import annotations

@@ -233,7 +233,7 @@ def _locate_source(event: HookEvent, api: HookApi) -> dict[str, str]:
 
 def _incoming_hook(event: HookEvent, api: HookApi, memory_backing_dir: Path, incoming: IncomingDomains,
                    remote: RemoteApi) -> tuple[str, str | None]:
-    """migrate, and prepare/start/started of a domain that migrates here (see the module's docstring)."""
+    """migrate, and prepare/started of a domain that migrates here; its start passes through (see the module)."""
     domain = quote(event.domain, safe="")
     if event.op is HookOp.MIGRATE:
         problem = check_xml(event)
@@ -297,10 +297,8 @@ def run_hook(event: HookEvent, api: HookApi, memory_backing_dir: Path, incoming:
                     return "error", f"vrnic: could not call off {event.domain}'s hand-over on {source['source']}: {exc}"
                 return "handover_called_off", None
         return ("unbound" if unbound else "passed"), None
-    if not event.vrnics:
-        return "passed", None
     migrating_here = incoming is not None and remote is not None and (
-        event.op is HookOp.MIGRATE or (event.op in (HookOp.PREPARE, HookOp.START, HookOp.STARTED)
+        event.op is HookOp.MIGRATE or (event.op in (HookOp.PREPARE, HookOp.STARTED)
                                        and incoming.get(event.domain) is not None))
     if event.op is HookOp.MIGRATE and not migrating_here:
         return "refused", (f"vrnic: libvirt migration of a VM with a vRNIC needs the hook's state dir and the other "
