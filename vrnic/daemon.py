@@ -158,12 +158,15 @@ def build_app(settings: DaemonSettings, backend: BackendService) -> FastAPI:
 def run(settings: DaemonSettings) -> None:
     """Serve until SIGINT/SIGTERM; SchemaOutOfDate (naming `vrnic db upgrade`) before anything starts."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("alembic").setLevel(logging.WARNING)  # the schema check is not news
     settings = with_operator_token(settings)
     from vrnic.db.engine import make_engine
     from vrnic.db.schema import check_schema
 
-    check_schema(make_engine(settings.database))  # before any driver touches a device
+    checked = make_engine(settings.database)
+    try:
+        check_schema(checked)  # before any driver touches a device
+    finally:
+        checked.dispose()
     backend = build_backend(settings)
     try:
         app = build_app(settings, backend)

@@ -53,7 +53,7 @@ def test_schema_check_refuses_an_unknown_newer_revision(migrated: Engine) -> Non
 def test_schema_check_names_the_command_on_an_older_schema(migrated: Engine) -> None:
     downgrade(migrated, "0001")
     with pytest.raises(SchemaOutOfDate, match=rf"at schema 0001, older than head {head_revision()}; "
-                                                      r"run `vrnic db upgrade`"):
+                                              r"run `vrnic db upgrade`"):
         check_schema(migrated)
 
 

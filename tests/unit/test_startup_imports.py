@@ -51,7 +51,6 @@ def test_the_api_app_and_its_schema_check_do_not_load_alembic() -> None:
     assert "alembic" not in modules_after("import vrnic.api.app\nimport vrnic.db.schema")
 
 
-
 @pytest.mark.parametrize(("op", "with_vrnic"), [("start", True), ("restore", True), ("prepare", False)])
 def test_a_hook_call_with_nothing_to_do_imports_neither_httpx_nor_pydantic(op: str, with_vrnic: bool) -> None:
     """libvirtd waits for the hook at every op of every domain: start and restore have nothing for vrnic, and
