@@ -56,8 +56,8 @@ class Record:
         return {**asdict(self), "ratio": self.ratio}
 
 
-def median_ms(operation: Callable[[], Callable[[], None] | None], repeat: int = 50) -> float:
-    """Median wall time of operation() in ms; a returned callable (cleanup) runs untimed."""
+def samples_ms(operation: Callable[[], Callable[[], None] | None], repeat: int = 50) -> list[float]:
+    """Wall time of each of repeat calls of operation(), in ms; a returned callable (cleanup) runs untimed."""
     samples = []
     for _ in range(repeat):
         started = time.perf_counter()
@@ -65,7 +65,12 @@ def median_ms(operation: Callable[[], Callable[[], None] | None], repeat: int = 
         samples.append((time.perf_counter() - started) * 1e3)
         if cleanup is not None:
             cleanup()
-    return statistics.median(samples)
+    return samples
+
+
+def median_ms(operation: Callable[[], Callable[[], None] | None], repeat: int = 50) -> float:
+    """Median wall time of operation() in ms; a returned callable (cleanup) runs untimed."""
+    return statistics.median(samples_ms(operation, repeat))
 
 
 def write(records: list[Record], path: Path) -> None:

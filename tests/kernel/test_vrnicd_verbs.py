@@ -27,7 +27,7 @@ from vrnic.frontend import (
     WcStatus,
     WrOpcode,
 )
-from vrnic.frontend.guest_library import CQ_POOL
+from vrnic.frontend.guest_library import CQ_POOL, QP_POOL
 
 ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ | Access.REMOTE_ATOMIC
 
@@ -188,7 +188,9 @@ def test_objects_in_use_cannot_be_destroyed_and_teardown_is_complete(make_vrnic:
     before = resource_counts()
     g = _guest(make_vrnic(device=device_pair[0], engine=engine))
     during = resource_counts()[device_pair[0]]
-    assert during["qp"] == before[device_pair[0]]["qp"] + 1 and during["mr"] == before[device_pair[0]]["mr"] + 1
+    spares = sum(len(pool) for pool in g.ctx.spare_qps.values())  # its pool of new QPs (shared-ring engine)
+    assert during["qp"] == before[device_pair[0]]["qp"] + 1 + spares
+    assert during["mr"] == before[device_pair[0]]["mr"] + 1
     with pytest.raises(Conflict) as err:
         g.pd.close()
     assert err.value.current_state == "in_use"
@@ -256,6 +258,38 @@ def test_direct_guest_gets_a_mapped_nic_queue_and_vrnicd_posts_nothing(
     finally:
         _close(a)
         _close(b)
+
+
+def test_qps_are_real_rxe_qps_handed_out_from_a_pool_and_never_twice(make_vrnic: Callable[..., AttachInfo]) -> None:
+    """Pre-setup on the shared-ring engine: the first QP of a shape brings QP_POOL real QPs onto rxe, the next
+    ones are handouts that connect and carry data as any QP does, and a closed QP is destroyed, so no QP is
+    handed out twice. Past the pool, one create_qps fills it again."""
+    before = resource_counts()
+    a, b = _guest(make_vrnic(device="rxe0")), _guest(make_vrnic(device="rxe1"))
+    try:
+        assert resource_counts()["rxe0"]["qp"] == before["rxe0"]["qp"] + QP_POOL
+        seen = {a.qp.qpn}
+        for n in range(QP_POOL + 1):
+            a.qp.connect(b.ctx.gid, b.qp.qpn)
+            b.qp.connect(a.ctx.gid, a.qp.qpn)
+            a.mr.write(n.to_bytes(8, "little"))
+            a.qp.post_send(SendRequest(n, WrOpcode.RDMA_WRITE, (a.mr.sge(0, 8),), remote_addr=b.mr.addr,
+                                       rkey=b.mr.rkey))
+            [done] = a.cq.wait(1)
+            assert (done.wr_id, done.status, done.qp) == (n, WcStatus.SUCCESS, a.qp.qpn)
+            assert b.mr.read(8) == n.to_bytes(8, "little")
+            a.qp.close()
+            a.qp = QP(a.pd, a.cq, a.cq, max_send_wr=64, max_recv_wr=64, max_sge=2)
+            assert a.qp.qpn not in seen and a.qp.query()["state"] == "reset"
+            seen.add(a.qp.qpn)
+            b.qp.modify("reset")
+        spares = sum(len(pool) for pool in a.ctx.spare_qps.values())
+        assert spares == QP_POOL - 2  # the second pool, less the QP now held
+        assert resource_counts()["rxe0"]["qp"] == before["rxe0"]["qp"] + 1 + spares
+    finally:
+        _close(a)
+        _close(b)
+    assert resource_counts() == before  # the pools went with the contexts
 
 
 def test_cqs_are_real_rxe_cqs_handed_out_from_a_pool_and_come_back_empty(

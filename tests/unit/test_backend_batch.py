@@ -13,7 +13,7 @@ from vrnic.core.specs import AttachInfo
 from vrnic.core.verb_args import MAX_BATCH
 from vrnic.errors import Conflict, InvalidArgument, NotFound, QuotaExceeded
 from vrnic.frontend import CQ, MR, PD, QP, Access, Context, SendRequest, WcStatus, WrOpcode
-from vrnic.frontend.guest_library import CQ_POOL, PD_POOL
+from vrnic.frontend.guest_library import CQ_POOL, PD_POOL, QP_POOL
 
 ARENA = 4 << 20
 ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
@@ -222,3 +222,55 @@ def test_the_cq_pool_stops_at_the_quota_and_gives_back_spares_of_other_sizes(
             ctx.call("create_cqs", cqe=16, rings=[])
         big.close()
         assert ctx.allocator.in_use() > in_use  # the pooled CQs keep their rings
+
+
+def test_qps_of_one_shape_come_from_a_pool_and_a_closed_one_is_destroyed(make_vrnic: Callable[..., AttachInfo],
+                                                                          edge: FakeEdge) -> None:
+    live = len(edge.live)
+    with Context.attach(make_vrnic(), ARENA) as ctx:
+        pd, cq = PD(ctx), CQ(ctx, 64)
+        objects = len(edge.live)
+        first = QP(pd, cq, cq)
+        assert ctx.call("query_device")["quota_used"]["qp"] == QP_POOL  # one create_qps filled the pool
+        assert len(edge.live) == objects + QP_POOL  # real QPs on the NIC, not promises
+        others = [QP(pd, cq, cq) for _ in range(QP_POOL - 1)]
+        made = [first, *others]
+        assert len({qp.handle for qp in made}) == len({qp.qpn for qp in made}) == QP_POOL
+        assert ctx.call("query_device")["quota_used"]["qp"] == QP_POOL  # handouts: no more QPs
+        assert {qp.query()["state"] for qp in made} == {"reset"}
+        ud = QP(pd, cq, cq, "ud")  # another shape has its own pool
+        assert ctx.call("query_device")["quota_used"]["qp"] == 2 * QP_POOL
+        first.close()  # destroyed, not pooled: no QP is handed out twice
+        assert ctx.call("query_device")["quota_used"]["qp"] == 2 * QP_POOL - 1
+        again = QP(pd, cq, cq)
+        assert (again.handle, again.qpn) not in {(qp.handle, qp.qpn) for qp in made}
+        with pytest.raises(NotFound):
+            ctx.call("query_qp", qp=first.handle)
+        for qp in [*others, again, ud]:
+            qp.close()
+        cq.ring.set_flag(RingFlags.OVERFLOW)  # a CQ that is destroyed, not pooled: its spare QPs go first
+        cq.close()
+        assert ctx.call("query_device")["quota_used"]["qp"] == 0
+        assert all(pool == [] for pool in ctx.spare_qps.values())
+        big = QP(pd, CQ(ctx, 64), CQ(ctx, 64), max_send_wr=1024, max_recv_wr=1024)  # rings this large: no pool
+        assert ctx.call("query_device")["quota_used"]["qp"] == 1
+        big.close()
+    assert len(edge.live) == live  # the pools go with the context
+
+
+def test_the_qp_pool_stops_at_the_quota_and_gives_back_spares_of_other_shapes(
+        make_vrnic: Callable[..., AttachInfo]) -> None:
+    with Context.attach(make_vrnic(max_qps=QP_POOL + 1), ARENA) as ctx:
+        pd, cq = PD(ctx), CQ(ctx, 64)
+        rc = QP(pd, cq, cq)
+        assert ctx.call("query_device")["quota_used"]["qp"] == QP_POOL
+        ud = QP(pd, cq, cq, "ud")  # a pool of UD QPs does not fit: the RC spares make room for one UD QP
+        assert ctx.call("query_device")["quota_used"]["qp"] == 2
+        assert sum(len(pool) for pool in ctx.spare_qps.values()) == 0
+        held = [QP(pd, cq, cq, max_send_wr=16) for _ in range(QP_POOL - 1)]  # one at a time, up to the quota
+        assert ctx.call("query_device")["quota_used"]["qp"] == QP_POOL + 1
+        with pytest.raises(QuotaExceeded, match="max_qps"):
+            QP(pd, cq, cq)
+        for qp in [rc, ud, *held]:
+            qp.close()
+        assert ctx.call("query_device")["quota_used"]["qp"] == 0

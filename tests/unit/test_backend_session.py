@@ -23,7 +23,7 @@ from vrnic.core.vaddr import make_virtual_gid
 from vrnic.core.verb_args import Attach
 from vrnic.errors import Conflict, InvalidArgument, NotSupported
 from vrnic.frontend import CQ, MR, PD, QP, Access, Context, RecvRequest, SendRequest, WcStatus, WrOpcode
-from vrnic.frontend.guest_library import CQ_POOL, PD_POOL
+from vrnic.frontend.guest_library import CQ_POOL, PD_POOL, QP_POOL
 
 ARENA = 1 << 20
 ME = PeerCred(os.getpid(), os.getuid(), os.getgid())
@@ -65,9 +65,11 @@ def test_a_session_restored_from_its_snapshot_keeps_every_guest_visible_name(
             session.restore(SessionSnapshot.from_dict(json.loads(wire)))
             after = session.snapshot()
             assert after == before
-            assert {q.handle: q.state for q in after.qps} == {qp_a.handle: "rts", idle.handle: "init"}
-            # the frontend's pools of PDs and CQs are the session's, as every PD and CQ: they count and they move
-            assert after.used == {"pd": PD_POOL, "cq": CQ_POOL, "qp": 2, "mr": 1, "pinned_bytes": 8192}
+            spares = {spare.handle: "reset" for pool in ca.spare_qps.values() for spare in pool}
+            assert len(spares) == 2 * (QP_POOL - 1)  # one pool per shape: RC and UD
+            assert {q.handle: q.state for q in after.qps} == {qp_a.handle: "rts", idle.handle: "init", **spares}
+            # the frontend's pools are the session's, as every PD, CQ and QP: they count and they move
+            assert after.used == {"pd": PD_POOL, "cq": CQ_POOL, "qp": 2 * QP_POOL, "mr": 1, "pinned_bytes": 8192}
             # The restored QP really is connected: an RDMA WRITE named by the guest's old keys lands in Bob.
             restored = session.state.qps.get(qp_a.handle)
             assert restored.peer_gid == cb.gid
@@ -162,7 +164,8 @@ def test_the_debug_dump_shows_the_engine_and_each_qp_even_while_the_lock_is_held
         session = session_of(driver, info)
         state = session.debug_state()
         assert state["engine"]["recvs_posted"] == 1 and state["engine"]["alive"]
-        (entry,) = state["qps"]
+        (entry,) = [e for e in state["qps"] if e["vqpn"] == qp.qpn]
+        assert {e["state"] for e in state["qps"] if e is not entry} == {"reset"}  # the pool's spares
         assert (entry["vqpn"], entry["state"], entry["nic_state"], entry["recv_fifo"]) == (qp.qpn, "rts", "rts", 1)
         assert entry["dest_qpn"] == entry["phys_qpn"] and entry["rq_waiting"] == 0
         holder = threading.Thread(target=lambda: (session.lock.acquire(), time.sleep(3), session.lock.release()))

@@ -48,6 +48,7 @@ from vrnic.core.session_state import SessionSnapshot
 from vrnic.core.specs import VmBinding, VrnicSpec
 from vrnic.core.translate import MrWindow
 from vrnic.errors import Conflict, InvalidArgument, Unavailable
+from vrnic.frontend.guest_library import QP_POOL
 
 pytestmark = pytest.mark.unit
 
@@ -182,7 +183,9 @@ def test_a_vm_moves_to_another_host_under_traffic_and_keeps_every_write(scene: S
     # nobody asked the directory during the blackout: b knew from a which peers live, a's peer re-pointed from
     # what b published at take-over (its QPs and MR windows)
     assert asked[asked_before:] == []
-    assert report["qps"] == 2 and report["peers_repointed"] == 2 and report["peer_hosts"] == 2, report
+    spares = sum(len(pool) for pool in scene.guest.spare_qps.values())  # the guest's pool of new QPs moves too
+    assert spares == QP_POOL - 2
+    assert report["qps"] == 2 + spares and report["peers_repointed"] == 2 and report["peer_hosts"] == 2, report
     assert report["mrs_presetup"] == 1 and report["mrs_registered"] == 0, report
     assert report["recvs_reposted"] == 6 and report["broken_qps"] == 0, report  # 3 unused receives on each QP
     assert report["dirty_pages"] >= 2, report
@@ -254,7 +257,7 @@ def test_a_peer_that_died_during_the_handover_breaks_only_its_qp(scene: Scene) -
     scene.prepare()
     scene.peers["b"].close()  # its guest program is gone: its vRNIC's session and QPs go
     report = scene.a.complete_vm_handover("vm1", scene.record_move)
-    assert report["broken_qps"] == 1 and report["qps"] == 2, report
+    assert report["broken_qps"] == 1 and report["qps"] == 2 + QP_POOL - 2, report  # with the guest's spares
     resume_on(scene.guest, scene.dest)
     assert scene.guest.call("query_qp", qp=scene.g_qps[1].handle)["state"] == "err"
     scene.write("a", 3)

@@ -30,6 +30,7 @@ from vrnic.core.rings import Access, RecvRequest, SendRequest, WcOpcode, WcStatu
 from vrnic.core.specs import AttachInfo
 from vrnic.errors import Conflict, InvalidArgument, NotFound
 from vrnic.frontend import CQ, MR, PD, QP, Context
+from vrnic.frontend.guest_library import QP_POOL
 
 pytestmark = pytest.mark.unit
 
@@ -131,7 +132,9 @@ def test_a_vm_migrates_under_traffic_and_keeps_every_write(driver: VerbsDriver, 
         assert source.read_gpa(g_mr.addr + 8192 + 8, 8) == struct.pack("<Q", 1)
         assert dest.read_gpa(g_mr.addr + 8192 + 8, 8) == bytes(8)
         report = driver.complete_vm_migration("vm1")
-        assert report["qps"] == 2 and report["peers_repointed"] == 2 and report["mrs_presetup"] == 1
+        spares = sum(len(pool) for pool in guest.spare_qps.values())  # the guest's pool of new QPs moves too
+        assert spares == QP_POOL - 2
+        assert report["qps"] == 2 + spares and report["peers_repointed"] == 2 and report["mrs_presetup"] == 1
         assert report["preconnected"] == 2  # connected at prepare: the switchover modified no QP
         assert report["dirty_pages"] >= 2 and report["recvs_reposted"] == 2  # the two unused receives
         assert dest.read_gpa(g_mr.addr + 8192 + 8, 64) == b"".join(struct.pack("<Q", s) for s in range(1, 9))

@@ -39,6 +39,8 @@ DEFAULT_ARENA = 16 << 20
 PD_POOL = 8  # PDs a context asks vrnicd for at once (fewer when the quota leaves less room)
 CQ_POOL = 4  # CQs of one size a context asks vrnicd for at once on the shared-ring engine (fewer likewise)
 CQ_POOL_RING_BYTES = 64 << 10  # larger rings are not pooled: spare ones would take too much of the arena
+QP_POOL = 4  # QPs of one shape a context asks vrnicd for at once on the shared-ring engine (fewer likewise)
+QP_POOL_RING_BYTES = 64 << 10  # a QP whose two rings take more is not pooled, for the same reason
 DEFAULT_VM_ARENA = 8 << 20  # four 2 MiB hugepages
 VM_POLL_SLEEP_S = 0.0002  # a VM guest has no completion eventfd: it polls, sleeping this long between polls
 DIRECT_SPIN_S = 0.02  # a direct guest polls the NIC's CQ as native verbs programs do: it spins this long, then naps
@@ -132,6 +134,7 @@ class Context(_Resource):
             raise
         self.spare_pds: list[int] = []  # PDs vrnicd allocated for this context and no PD object holds
         self.spare_cqs: dict[int, list[tuple[int, Buffer]]] = {}  # by size: CQs (and rings) no CQ object holds
+        self.spare_qps: dict[QpShape, list[SpareQp]] = {}  # by shape: new QPs no QP object holds yet
         self.vrnic_id: str = info["vrnic_id"]
         self.gid: str = info["virtual_gid"]
         self.ip: str | None = info.get("virtual_ip")  # its address in the VPC, if it has one (frontend.cm)
@@ -377,6 +380,7 @@ class CQ(_Resource):
                 self.ring.consume(self.ring.entries)  # what it still held goes, as with a destroyed CQ
                 self.ctx.spare_cqs.setdefault(self.cqe, []).append((self.handle, self.ring_buffer))
             else:
+                _give_back_spare_qps(self.ctx, on_cq=self.handle)
                 self.ctx.call("destroy_cq", cq=self.handle)
                 if self.direct is not None:
                     self.direct.close()
@@ -429,14 +433,106 @@ def _give_back_spare_cqs(ctx: Context) -> int:
     for spares in ctx.spare_cqs.values():
         while spares:
             handle, ring = spares.pop()
+            _give_back_spare_qps(ctx, on_cq=handle)
             ctx.call("destroy_cq", cq=handle)
             ctx.free(ring)
             given += 1
     return given
 
 
-def _ring_addrs(buffers: list[tuple[Buffer, Buffer]]) -> dict[str, int]:
-    return {"sq_ring": buffers[0][0].addr, "rq_ring": buffers[0][1].addr} if buffers else {}
+@dataclass(frozen=True)
+class QpShape:
+    """What a create_qp asks for; QPs of one shape are interchangeable before they are handed out."""
+    pd: int
+    send_cq: int
+    recv_cq: int
+    qp_type: str
+    max_send_wr: int
+    max_recv_wr: int
+    max_sge: int
+
+    def ring_bytes(self) -> tuple[int, int]:
+        return Ring.bytes_needed(self.max_send_wr, SQ_SLOT.size), Ring.bytes_needed(self.max_recv_wr, RQ_SLOT.size)
+
+    def request(self, rings: tuple[Buffer, Buffer] | None) -> dict[str, Any]:
+        args: dict[str, Any] = {"pd": self.pd, "send_cq": self.send_cq, "recv_cq": self.recv_cq,
+                                "qp_type": self.qp_type, "max_send_wr": self.max_send_wr,
+                                "max_recv_wr": self.max_recv_wr, "max_sge": self.max_sge}
+        if rings is not None:
+            args.update(sq_ring=rings[0].addr, rq_ring=rings[1].addr)
+        return args
+
+
+@dataclass(frozen=True)
+class SpareQp:
+    """A QP vrnicd created (in RESET) for the context's pool: its handle, virtual QPN and rings."""
+    handle: int
+    qpn: int
+    rings: tuple[Buffer, Buffer] | None  # None on the direct engine
+    reply: dict[str, Any]  # on the direct engine, where the NIC's queues are
+
+
+def _create_qps(ctx: Context, shape: QpShape, count: int, fewer: bool = False) -> list[SpareQp]:
+    """count new QPs of one shape in one request, with their rings on the shared-ring engine: all of them or
+    none; with fewer, as many as the arena has room for (at least one)."""
+    rings: list[tuple[Buffer, Buffer]] = []
+    try:
+        if ctx.direct is None:  # the shared-ring engine: the rings live in the arena
+            sq_bytes, rq_bytes = shape.ring_bytes()
+            while len(rings) < count:
+                try:
+                    sq = ctx.alloc(sq_bytes)
+                except VrnicError:
+                    if not fewer or not rings:
+                        raise
+                    break
+                try:
+                    rings.append((sq, ctx.alloc(rq_bytes)))
+                except VrnicError:
+                    ctx.free(sq)
+                    if not fewer or not rings:
+                        raise
+                    break
+        made = len(rings) or count
+        if made == 1:  # the plain verb, understood by every vrnicd
+            replies = [ctx.call("create_qp", **shape.request(rings[0] if rings else None))]
+        else:
+            replies = ctx.call("create_qps", qps=[shape.request(rings[i] if rings else None)
+                                                  for i in range(made)])["qps"]
+    except BaseException:
+        for pair in rings:
+            for buffer in pair:
+                ctx.free(buffer)
+        raise
+    return [SpareQp(int(reply["qp"]), int(reply["qpn"]), rings[i] if rings else None, reply)
+            for i, reply in enumerate(replies)]
+
+
+def _pooled_qp(ctx: Context, shape: QpShape) -> SpareQp:
+    """A QP of this shape from the context's pool, which one create_qps fills with up to QP_POOL. When the
+    quota refuses, the spare QPs of every shape are given back and one QP is asked for alone."""
+    spares = ctx.spare_qps.setdefault(shape, [])
+    if not spares:
+        try:
+            made = _create_qps(ctx, shape, QP_POOL, fewer=True)
+        except QuotaExceeded as exc:
+            if exc.limit != "max_qps":
+                raise
+            _give_back_spare_qps(ctx)
+            made = _create_qps(ctx, shape, 1)
+        spares += made[::-1]
+    return spares.pop()
+
+
+def _give_back_spare_qps(ctx: Context, on_cq: int | None = None) -> None:
+    """Destroy the context's spare QPs: those on CQ on_cq (it is going), or all of them (the quota needs the
+    room)."""
+    for shape, spares in ctx.spare_qps.items():
+        while spares and on_cq in (None, shape.send_cq, shape.recv_cq):
+            spare = spares.pop()
+            ctx.call("destroy_qp", qp=spare.handle)
+            for buffer in spare.rings or ():
+                ctx.free(buffer)
 
 
 class QP(_Resource):
@@ -454,56 +550,56 @@ class QP(_Resource):
 
     def __init__(self, pd: PD, send_cq: CQ, recv_cq: CQ, qp_type: str = "rc", max_send_wr: int = 64,
                  max_recv_wr: int = 64, max_sge: int = 1) -> None:
-        (made,) = QP.create_many(pd, send_cq, recv_cq, 1, qp_type, max_send_wr, max_recv_wr, max_sge)
-        self.__dict__.update(made.__dict__)
+        """A QP in RESET. On the shared-ring engine it is handed out from the context's pool of QPs of its shape
+        (pre-setup, as PDs and CQs are): vrnicd creates up to QP_POOL of them in one request, within the quota,
+        which they count against. A closed QP is destroyed, never handed out again, so every QP is a new one."""
+        ctx = pd.ctx
+        shape = QpShape(pd.handle, send_cq.handle, recv_cq.handle, qp_type, max_send_wr, max_recv_wr, max_sge)
+        ctx.open_channel()
+        if ctx.direct is None and sum(shape.ring_bytes()) <= QP_POOL_RING_BYTES:
+            made = _pooled_qp(ctx, shape)
+        else:
+            (made,) = _create_qps(ctx, shape, 1)
+        self._take(pd, send_cq, recv_cq, shape, made)
 
     @classmethod
     def create_many(cls, pd: PD, send_cq: CQ, recv_cq: CQ, count: int, qp_type: str = "rc", max_send_wr: int = 64,
                     max_recv_wr: int = 64, max_sge: int = 1) -> list[QP]:
         """count QPs of one shape in one round trip to vrnicd (create_qps): all of them, or none."""
-        ctx = pd.ctx
-        shape = {"pd": pd.handle, "send_cq": send_cq.handle, "recv_cq": recv_cq.handle, "qp_type": qp_type,
-                 "max_send_wr": max_send_wr, "max_recv_wr": max_recv_wr, "max_sge": max_sge}
-        buffers: list[tuple[Buffer, Buffer]] = []
-        try:
-            if ctx.direct is None:  # the shared-ring engine: the rings live in the arena
-                for _ in range(count):
-                    sq = ctx.alloc(Ring.bytes_needed(max_send_wr, SQ_SLOT.size))
-                    buffers.append((sq, ctx.alloc(Ring.bytes_needed(max_recv_wr, RQ_SLOT.size))))
-            if count == 1:  # the plain verb, understood by every vrnicd
-                replies = [ctx.call("create_qp", **shape, **_ring_addrs(buffers[:1]))]
-            else:
-                replies = ctx.call("create_qps", qps=[{**shape, **_ring_addrs(buffers[i:i + 1])}
-                                                      for i in range(count)])["qps"]
-        except BaseException:
-            for pair in buffers:
-                for buffer in pair:
-                    ctx.free(buffer)
-            raise
+        shape = QpShape(pd.handle, send_cq.handle, recv_cq.handle, qp_type, max_send_wr, max_recv_wr, max_sge)
+        made = _create_qps(pd.ctx, shape, count)
         qps: list[QP] = []
-        for index, reply in enumerate(replies):
+        for index, spare in enumerate(made):
             qp = cls.__new__(cls)
-            qp.pd, qp.send_cq, qp.recv_cq, qp.qp_type, qp.direct = pd, send_cq, recv_cq, qp_type, None
-            qp.handle = int(reply["qp"])
-            qp.qpn = int(reply["qpn"])
-            if ctx.direct is not None:  # the NIC's own queues, mapped here
-                try:
-                    qp.direct = DirectQp(ctx.direct, qp.handle, reply)
-                except BaseException:
-                    for left in replies[index:]:
-                        ctx.call("destroy_qp", qp=int(left["qp"]))
-                    for made in qps:
-                        made.close()
-                    raise
-            else:
-                qp.sq_buffer, qp.rq_buffer = buffers[index]
-                qp.sq = Ring(ctx.view, qp.sq_buffer.offset, max_send_wr, SQ_SLOT, ctx.words)
-                qp.rq = Ring(ctx.view, qp.rq_buffer.offset, max_recv_wr, RQ_SLOT, ctx.words)
+            try:
+                qp._take(pd, send_cq, recv_cq, shape, spare)
+            except BaseException:
+                for left in made[index + 1:]:
+                    pd.ctx.call("destroy_qp", qp=left.handle)
+                for done in qps:
+                    done.close()
+                raise
             qps.append(qp)
-            pd.users += 1
-            send_cq.users += 1
-            recv_cq.users += 1
         return qps
+
+    def _take(self, pd: PD, send_cq: CQ, recv_cq: CQ, shape: QpShape, made: SpareQp) -> None:
+        """Become the QP vrnicd made; on the direct engine its NIC queues are mapped here (destroyed if not)."""
+        ctx = pd.ctx
+        self.pd, self.send_cq, self.recv_cq, self.qp_type, self.direct = pd, send_cq, recv_cq, shape.qp_type, None
+        self.handle, self.qpn = made.handle, made.qpn
+        if ctx.direct is not None:  # the NIC's own queues, mapped here
+            try:
+                self.direct = DirectQp(ctx.direct, made.handle, made.reply)
+            except BaseException:
+                ctx.call("destroy_qp", qp=made.handle)
+                raise
+        elif made.rings is not None:  # the shared-ring engine's rings, always there on it
+            self.sq_buffer, self.rq_buffer = made.rings
+            self.sq = Ring(ctx.view, self.sq_buffer.offset, shape.max_send_wr, SQ_SLOT, ctx.words)
+            self.rq = Ring(ctx.view, self.rq_buffer.offset, shape.max_recv_wr, RQ_SLOT, ctx.words)
+        pd.users += 1
+        send_cq.users += 1
+        recv_cq.users += 1
 
     def connect(self, remote_gid: str, remote_qpn: int, access: int = 15) -> None:
         """INIT -> RTR -> RTS towards a peer named by its virtual GID and virtual QPN."""
