@@ -62,6 +62,7 @@ class _Guest(threading.Thread):
         self.infos, self.healthy = infos, healthy
         self.stop, self.park, self.parked = threading.Event(), threading.Event(), threading.Event()
         self.rebuilds = self.round_trips = 0
+        self.nic_qps = 0  # QPs of its attachment on the NIC: its pair and its contexts' spare ones (pre-setup)
         self.error: str | None = None
 
     def run(self) -> None:
@@ -85,6 +86,7 @@ class _Guest(threading.Thread):
                     qa, qb = QP(pa, cqa, cqa), QP(pb, cqb, cqb)
                     qa.connect(cb.gid, qb.qpn)
                     qb.connect(ca.gid, qa.qpn)
+                    self.nic_qps = 2 + sum(len(pool) for ctx in (ca, cb) for pool in ctx.spare_qps.values())
                     here = 0  # round trips on this attachment: it parks only once traffic flowed again
                     while not self.stop.is_set():
                         if self.park.is_set() and here:
@@ -193,7 +195,7 @@ class KillStorm:
         guest.start()
         try:
             self._settle(guest)
-            self.result.disagreements += [f"before any kill: {d}" for d in self.check(guest_attached=True)]
+            self.result.disagreements += [f"before any kill: {d}" for d in self.check(guest.nic_qps)]
             for round_ in range(kills):
                 point = self.rng.choice([p for p in KILL_POINTS if self.pf or p not in ("sriov", "num_vfs")])
                 self.result.kill_points[point] = self.result.kill_points.get(point, 0) + 1
@@ -208,7 +210,7 @@ class KillStorm:
                 self.result.restarts += 1
                 self.result.recovery_s.append(answered - killed)
                 self._settle(guest)
-                found = self.check(guest_attached=True)
+                found = self.check(guest.nic_qps)
                 self.result.disagreements += [f"kill {round_ + 1} ({point}): {d}" for d in found]
                 self.say(f"kill {round_ + 1}/{kills} during {point}: back in {answered - killed:.2f} s, "
                          f"{len(found)} disagreement(s)" + "".join(f"\n  - {d}" for d in found))
@@ -263,7 +265,7 @@ class KillStorm:
         # in `idle` the daemon is killed between requests, with the guest's traffic alone
 
     # ----- the checker -------------------------------------------------------------------------
-    def check(self, guest_attached: bool) -> list[str]:
+    def check(self, guest_qps: int) -> list[str]:
         """Database vs vrnicd vs kernel vs netlink; every difference as a sentence (none: they agree)."""
         found: list[str] = []
         stored = self._stored()  # GET /vrnics takes vrnicd's observed attach state in first
@@ -277,7 +279,7 @@ class KillStorm:
             if (stored[vid]["state"] == "attached") != (vid in attached):
                 found.append(f"{vid} is {stored[vid]['state']} in the database, vrnicd sees it "
                              f"{'attached' if vid in attached else 'not attached'}")
-        found += self._check_kernel(guest_attached)
+        found += self._check_kernel(guest_qps)
         if self.pf:
             found += self._check_vfs(stored, live)
         return found
@@ -293,7 +295,7 @@ class KillStorm:
             if cursor is None:
                 return items
 
-    def _check_kernel(self, guest_attached: bool) -> list[str]:
+    def _check_kernel(self, guest_qps: int) -> list[str]:
         assert self.daemon is not None
         found: list[str] = []
         for kind in ("pd", "cq", "mr", "qp"):
@@ -307,10 +309,9 @@ class KillStorm:
                 # `rdma res` names the task that created an object: one of vrnicd's threads, not its pid
                 threads = {int(t.name) for t in Path(f"/proc/{self.daemon.pid}/task").iterdir()}
                 ours = sum(1 for r in owned if r["pid"] in threads and r.get("ifname") in self.devices)
-                wanted = 2 if guest_attached else 0  # the parked guest pair's two QPs, nothing else
-                if ours != wanted:
+                if ours != guest_qps:  # the parked guest's QPs (its pair and their pools' spares), nothing else
                     found.append(f"vrnicd (pid {self.daemon.pid}) owns {ours} QP(s) on the storm's devices, "
-                                 f"the attached guests hold {wanted}")
+                                 f"the attached guests hold {guest_qps}")
         return found
 
     def _check_vfs(self, stored: dict[str, dict[str, Any]], live: set[str]) -> list[str]:
