@@ -39,7 +39,7 @@ DEFAULT_ARENA = 16 << 20
 PD_POOL = 8  # PDs a context asks vrnicd for at once (fewer when the quota leaves less room)
 CQ_POOL = 4  # CQs of one size a context asks vrnicd for at once on the shared-ring engine (fewer likewise)
 CQ_POOL_RING_BYTES = 64 << 10  # larger rings are not pooled: spare ones would take too much of the arena
-QP_POOL = 4  # QPs of one shape a context asks vrnicd for at once on the shared-ring engine (fewer likewise)
+QP_POOL = 4  # QPs of one shape a context asks vrnicd for at once on the shared-ring engine (1 if the quota is short)
 QP_POOL_RING_BYTES = 64 << 10  # a QP whose two rings take more is not pooled, for the same reason
 DEFAULT_VM_ARENA = 8 << 20  # four 2 MiB hugepages
 VM_POLL_SLEEP_S = 0.0002  # a VM guest has no completion eventfd: it polls, sleeping this long between polls
@@ -551,8 +551,9 @@ class QP(_Resource):
     def __init__(self, pd: PD, send_cq: CQ, recv_cq: CQ, qp_type: str = "rc", max_send_wr: int = 64,
                  max_recv_wr: int = 64, max_sge: int = 1) -> None:
         """A QP in RESET. On the shared-ring engine it is handed out from the context's pool of QPs of its shape
-        (pre-setup, as PDs and CQs are): vrnicd creates up to QP_POOL of them in one request, within the quota,
-        which they count against. A closed QP is destroyed, never handed out again, so every QP is a new one."""
+        (pre-setup, as PDs and CQs are): vrnicd creates QP_POOL of them in one request. They count against the
+        quota; when it has no room for a pool, one QP is made at a time. A closed QP is destroyed, never handed
+        out again, so every QP is a new one."""
         ctx = pd.ctx
         shape = QpShape(pd.handle, send_cq.handle, recv_cq.handle, qp_type, max_send_wr, max_recv_wr, max_sge)
         ctx.open_channel()
