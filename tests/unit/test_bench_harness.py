@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.harness import Record, load, write
+from bench.harness import Record, load, median_ms, samples_ms, write
 
 
 def test_within_is_a_tolerance_on_both_sides_of_one() -> None:
@@ -31,3 +31,23 @@ def test_ratio_targets_and_round_trip_through_json(tmp_path: Path) -> None:
     write([lower, higher], path)
     assert load(path) == [lower, higher]
     assert json.loads(path.read_text())[0]["ratio"] == 3.0
+
+
+def test_samples_time_each_call_and_leave_its_cleanup_out() -> None:
+    import time
+
+    cleaned = []
+
+    def operation():  # type: ignore[no-untyped-def]
+        return lambda: (time.sleep(0.02), cleaned.append(1))
+
+    samples = samples_ms(operation, repeat=5)
+    assert len(samples) == 5 and len(cleaned) == 5
+    assert max(samples) < 15  # the 20 ms cleanup is not in any sample
+    assert median_ms(lambda: None, repeat=3) >= 0
+
+
+def test_the_bare_round_trip_is_a_real_echo_through_another_process() -> None:
+    from bench.paravirt import bare_round_trip_ms
+
+    assert 0 < bare_round_trip_ms(20) < 1000
