@@ -169,6 +169,11 @@ class Context(_Resource):
             raise VrnicError("the context is closed")
         return self.channel
 
+    @property
+    def spare_qp_count(self) -> int:
+        """QPs in this context's pools: real QPs on the NIC, counted by the quota, that no QP object holds yet."""
+        return sum(len(pool) for pool in self.spare_qps.values())
+
     def null_rpc(self) -> None:
         """An empty round trip to vrnicd: the floor under every control verb (benchmarks)."""
         self.call("null_rpc")

@@ -86,7 +86,7 @@ class _Guest(threading.Thread):
                     qa, qb = QP(pa, cqa, cqa), QP(pb, cqb, cqb)
                     qa.connect(cb.gid, qb.qpn)
                     qb.connect(ca.gid, qa.qpn)
-                    self.nic_qps = 2 + sum(len(pool) for ctx in (ca, cb) for pool in ctx.spare_qps.values())
+                    self.nic_qps = 2 + ca.spare_qp_count + cb.spare_qp_count
                     here = 0  # round trips on this attachment: it parks only once traffic flowed again
                     while not self.stop.is_set():
                         if self.park.is_set() and here:
