@@ -483,18 +483,10 @@ def _create_qps(ctx: Context, shape: QpShape, count: int, fewer: bool = False) -
     rings: list[tuple[Buffer, Buffer]] = []
     try:
         if ctx.direct is None:  # the shared-ring engine: the rings live in the arena
-            sq_bytes, rq_bytes = shape.ring_bytes()
             while len(rings) < count:
                 try:
-                    sq = ctx.alloc(sq_bytes)
-                except VrnicError:
-                    if not fewer or not rings:
-                        raise
-                    break
-                try:
-                    rings.append((sq, ctx.alloc(rq_bytes)))
-                except VrnicError:
-                    ctx.free(sq)
+                    rings.append(_ring_pair(ctx, shape))
+                except VrnicError:  # the arena is short
                     if not fewer or not rings:
                         raise
                     break
@@ -511,6 +503,17 @@ def _create_qps(ctx: Context, shape: QpShape, count: int, fewer: bool = False) -
         raise
     return [SpareQp(int(reply["qp"]), int(reply["qpn"]), rings[i] if rings else None, reply)
             for i, reply in enumerate(replies)]
+
+
+def _ring_pair(ctx: Context, shape: QpShape) -> tuple[Buffer, Buffer]:
+    """A QP's send and receive rings in the arena: both, or neither."""
+    sq_bytes, rq_bytes = shape.ring_bytes()
+    sq = ctx.alloc(sq_bytes)
+    try:
+        return sq, ctx.alloc(rq_bytes)
+    except BaseException:
+        ctx.free(sq)
+        raise
 
 
 def _pooled_qp(ctx: Context, shape: QpShape) -> SpareQp:
@@ -533,7 +536,9 @@ def _give_back_spare_qps(ctx: Context, on_cq: int | None = None) -> None:
     """Destroy the context's spare QPs: those on CQ on_cq (it is going), or all of them (the quota needs the
     room)."""
     for shape, spares in ctx.spare_qps.items():
-        while spares and on_cq in (None, shape.send_cq, shape.recv_cq):
+        if on_cq not in (None, shape.send_cq, shape.recv_cq):
+            continue
+        while spares:
             spare = spares.pop()
             ctx.call("destroy_qp", qp=spare.handle)
             for buffer in spare.rings or ():
