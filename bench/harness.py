@@ -29,6 +29,7 @@ class Record:
     target: float | None = None  # the ratio we aim for; with better="within", the tolerance around 1
     better: Literal["lower", "higher", "within"] = "lower"
     at_most: float | None = None  # a bound on the value itself, for counts that must stay at 0
+    at_least: float | None = None  # a bound from below on the value itself (an absolute target, as ops/s)
 
     @property
     def ratio(self) -> float | None:
@@ -36,8 +37,9 @@ class Record:
 
     @property
     def met(self) -> bool | None:
-        if self.at_most is not None:
-            return self.value <= self.at_most
+        if self.at_most is not None or self.at_least is not None:
+            return (self.at_most is None or self.value <= self.at_most) and \
+                (self.at_least is None or self.value >= self.at_least)
         if self.ratio is None or self.target is None:
             return None
         if self.better == "within":
@@ -46,8 +48,9 @@ class Record:
 
     @property
     def target_text(self) -> str:
-        if self.at_most is not None:
-            return f"<={self.at_most:g}"
+        if self.at_most is not None or self.at_least is not None:
+            return " ".join(([f">={self.at_least:g}"] if self.at_least is not None else [])
+                            + ([f"<={self.at_most:g}"] if self.at_most is not None else []))
         if self.target is None:
             return ""
         return {"lower": f"<={self.target}x", "higher": f">={self.target}x", "within": f"1±{self.target}x"}[self.better]

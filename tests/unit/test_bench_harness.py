@@ -51,3 +51,16 @@ def test_the_bare_round_trip_is_a_real_echo_through_another_process() -> None:
     from bench.paravirt import bare_round_trip_ms
 
     assert 0 < bare_round_trip_ms(20) < 1000
+
+
+def test_an_absolute_target_bounds_the_value_from_below_above_or_both(tmp_path: Path) -> None:
+    rate = Record("cp.rest.allocate.c1.throughput", "ops/s", 740.0, baseline=80000.0, better="higher",
+                  at_least=1000.0)
+    assert rate.met is False and rate.target_text == ">=1000"  # the bound decides, not the ratio to the baseline
+    assert Record("r", "ops/s", 1000.0, at_least=1000.0).met is True
+    assert Record("p99", "ms", 3.0, at_most=10.0).met is True
+    band = Record("b", "ms", 5.0, at_least=1.0, at_most=4.0)
+    assert band.met is False and band.target_text == ">=1 <=4"
+    path = tmp_path / "r.json"
+    write([rate], path)
+    assert load(path) == [rate]
