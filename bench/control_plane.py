@@ -22,7 +22,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -248,55 +249,60 @@ async def _phase(clients: list[HttpConnection], jobs: list[Callable[[HttpConnect
     return Stats(latencies, time.perf_counter() - started), results
 
 
+@asynccontextmanager
+async def _connections(url: str, token: str, count: int) -> AsyncIterator[list[HttpConnection]]:
+    clients = [await HttpConnection.open(url, token) for _ in range(count)]
+    try:
+        yield clients
+    finally:
+        for http in clients:
+            http.close()
+
+
+def _allocator(url: str) -> Callable[[HttpConnection], Awaitable[str]]:
+    """A job that allocates one vRNIC (POST {url}/vrnics) and returns its id; anything but 201 raises."""
+    prefix = httpx.URL(url).path.rstrip("/")
+
+    async def allocate(http: HttpConnection) -> str:
+        status, body = await http.request("POST", f"{prefix}/vrnics", b"{}")
+        if status != 201:
+            raise RuntimeError(f"allocate: {status} {body.decode(errors='replace')}")
+        return str(json.loads(body)["id"])
+
+    return allocate
+
+
 async def rest_level(url: str, token: str, concurrency: int, count: int) -> tuple[Stats, Stats]:
     """count allocations, then their releases, from `concurrency` clients with a connection each (a client
     shared by many tasks, as an httpx pool, spends more CPU than the server: 3.3 ms per request at 32)."""
     prefix = httpx.URL(url).path.rstrip("/")
-    clients = [await HttpConnection.open(url, token) for _ in range(concurrency)]
-    try:
+    allocate = _allocator(url)
 
-        async def allocate(http: HttpConnection) -> str:
-            status, body = await http.request("POST", f"{prefix}/vrnics", b"{}")
-            if status != 201:
-                raise RuntimeError(f"allocate: {status} {body.decode(errors='replace')}")
-            return str(json.loads(body)["id"])
+    def release(vrnic_id: str) -> Callable[[HttpConnection], Awaitable[None]]:
+        async def job(http: HttpConnection) -> None:
+            status, body = await http.request("DELETE", f"{prefix}/vrnics/{vrnic_id}")
+            if status != 200 or json.loads(body)["state"] != "released":
+                raise RuntimeError(f"release: {status} {body.decode(errors='replace')}")
+        return job
 
-        def release(vrnic_id: str) -> Callable[[HttpConnection], Awaitable[None]]:
-            async def job(http: HttpConnection) -> None:
-                status, body = await http.request("DELETE", f"{prefix}/vrnics/{vrnic_id}")
-                if status != 200 or json.loads(body)["state"] != "released":
-                    raise RuntimeError(f"release: {status} {body.decode(errors='replace')}")
-            return job
-
+    async with _connections(url, token, concurrency) as clients:
         _, ids = await _phase(clients, [allocate] * min(count, 50, 5 * concurrency))  # connections, caches
         await _phase(clients, [release(i) for i in ids])
         allocated, ids = await _phase(clients, [allocate] * count)
         released, _ = await _phase(clients, [release(i) for i in ids])
         return allocated, released
-    finally:
-        for http in clients:
-            http.close()
 
 
 async def allocate_phase(url: str, token: str, concurrency: int, count: int,
                          cpu_seconds: Callable[[], float]) -> tuple[Stats, float]:
     """count allocations after a warm-up, and the server's CPU ms per allocation over them (cpu_seconds: the
     server process's CPU so far)."""
-    prefix = httpx.URL(url).path.rstrip("/")
-    clients = [await HttpConnection.open(url, token) for _ in range(concurrency)]
-    try:
-        async def allocate(http: HttpConnection) -> None:
-            status, body = await http.request("POST", f"{prefix}/vrnics", b"{}")
-            if status != 201:
-                raise RuntimeError(f"allocate: {status} {body.decode(errors='replace')}")
-
+    allocate = _allocator(url)
+    async with _connections(url, token, concurrency) as clients:
         await _phase(clients, [allocate] * min(count, 50, 5 * concurrency))
         before = cpu_seconds()
         stats, _ = await _phase(clients, [allocate] * count)
         return stats, (cpu_seconds() - before) / count * 1e3
-    finally:
-        for http in clients:
-            http.close()
 
 
 def floors() -> list[Record]:
