@@ -60,9 +60,9 @@ class VrnicRecord:
 
 
 def vrnic_out(row: Vrnic | VrnicRecord, *, tenant: str, host: str, state: VrnicState | None = None,
-              reachable: bool = True) -> VrnicOut:
+              reachable: bool = True, attach_token: str | None = None) -> VrnicOut:
     """state: the observed state when it differs from the stored one (not persisted yet); reachable: its host
-    is up."""
+    is up; attach_token: only for the response that issues it (the database keeps its digest)."""
     mode = VrnicMode(row.mode)
     return VrnicOut(
         id=row.public_id, tenant=tenant, mode=mode, engine=DataEngine(row.engine),
@@ -70,7 +70,7 @@ def vrnic_out(row: Vrnic | VrnicRecord, *, tenant: str, host: str, state: VrnicS
         virtual_gid=row.virtual_gid, virtual_ip=row.virtual_ip,
         quota=Quota.model_validate(row.quota), qos=QosPolicy.model_validate(row.qos),
         attach=AttachInfo(vrnic_id=row.public_id, mode=mode, device=row.device_name, virtual_gid=row.virtual_gid,
-                          socket_path=row.socket_path, extra=row.attach_extra),
+                          socket_path=row.socket_path, token=attach_token, extra=row.attach_extra),
         vm_domain=row.vm_domain, created_at=row.created_at, updated_at=row.updated_at, released_at=row.released_at)
 
 
