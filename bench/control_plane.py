@@ -153,8 +153,10 @@ class FloorServer(ServerProcess):
     def __init__(self, state_dir: Path) -> None:
         port = _free_port()
         base = f"http://127.0.0.1:{port}"
+        root = str(Path(__file__).parents[1])  # bench is not installed: found from any working directory
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         super().__init__([sys.executable, "-m", "bench.rest_floor", str(port)], f"{base}/api/v1",
-                         f"{base}/openapi.json", dict(os.environ), state_dir / "floor.log")
+                         f"{base}/openapi.json", env, state_dir / "floor.log")
 
 
 class HttpConnection(asyncio.Protocol):
