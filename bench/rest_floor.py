@@ -8,7 +8,7 @@
   fake driver, as the daemon's writer thread does.
 
 Each allocation through the daemon costs about the sum of the two in server CPU, and one core of it runs under
-one GIL, so 1000 / (the sum in ms) allocations/s is what this stack can reach however the clients come.
+one GIL, so 1000 / (the sum in ms) allocations/s is the most this stack can reach, however the clients come.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the route's annotations, whose types are local to

@@ -111,8 +111,7 @@ def _sqlite_begin(connection: Any) -> None:
     # (busy_timeout does not apply to lock upgrades); taking the write lock up front makes it wait instead.
     # Sessions that only read say so (execution option vrnic_read_only) and run beside the writer (WAL).
     read_only = connection.get_execution_options().get("vrnic_read_only", False)
-    # On the DBAPI connection: SQLAlchemy's execution path for it cost as much as a query (issue 14)
-    connection.connection.driver_connection.execute("BEGIN" if read_only else "BEGIN IMMEDIATE").close()
+    connection.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:
