@@ -16,6 +16,7 @@ from vrnic.core.proto import (
     MAX_BODY,
     VERSION,
     FrameDecoder,
+    ParsedRequest,
     ProtocolError,
     Request,
     encode,
@@ -189,7 +190,7 @@ def test_parse_request_fills_default_args() -> None:
 
 def test_parse_request_keeps_args() -> None:
     request = parse_request({"id": 0, "op": "reg_mr", "args": {"pd": 5, "addr": 0}})
-    assert isinstance(request, Request)
+    assert isinstance(request, ParsedRequest)
     assert request.args == {"pd": 5, "addr": 0}
 
 

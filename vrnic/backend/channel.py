@@ -43,7 +43,7 @@ from pydantic import ValidationError
 from vrnic.backend.attachment import AttachedSession, PeerCred, SessionOpener
 from vrnic.core import verb_args
 from vrnic.core.framing import fds_of
-from vrnic.core.proto import FrameDecoder, ProtocolError, Request, encode, parse_request, reply_error, reply_ok
+from vrnic.core.proto import FrameDecoder, ParsedRequest, ProtocolError, encode, parse_request, reply_error, reply_ok
 from vrnic.errors import Conflict, InvalidArgument, VrnicError
 
 log = logging.getLogger(__name__)
@@ -255,7 +255,7 @@ class ChannelServer:
             return
         _close_fds(fds)  # descriptors that came with something other than an attach
 
-    def _start_session(self, conn: socket.socket, pending: _Pending, version: int, request: Request,
+    def _start_session(self, conn: socket.socket, pending: _Pending, version: int, request: ParsedRequest,
                        args: verb_args.Attach, fds: list[int], backlog: list[tuple[int, dict[str, Any]]]) -> None:
         with self._lock:
             if len(self._sessions) >= self.limits.max_sessions:
@@ -274,7 +274,7 @@ class ChannelServer:
         thread.start()
 
     # ----- one thread per attached guest ------------------------------------------------------
-    def _serve(self, conn: socket.socket, pending: _Pending, version: int, request: Request,
+    def _serve(self, conn: socket.socket, pending: _Pending, version: int, request: ParsedRequest,
                args: verb_args.Attach, fds: list[int], backlog: list[tuple[int, dict[str, Any]]]) -> None:
         session: AttachedSession | None = None
         try:
@@ -343,7 +343,7 @@ class ChannelServer:
         return False
 
 
-def _attach_args(request: Request) -> verb_args.Attach:
+def _attach_args(request: ParsedRequest) -> verb_args.Attach:
     if request.op != "attach":
         raise InvalidArgument("the first request must be attach")
     try:
