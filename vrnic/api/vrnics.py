@@ -400,16 +400,16 @@ class Vrnics:
         return True
 
     def _out(self, s: Session, row: Vrnic, tenant: str, *, attached: set[str] | None = None,
-             hosts: dict[int, HostRef] | None = None) -> VrnicOut:
+             hosts: dict[int, HostRef] | None = None, attach_token: str | None = None) -> VrnicOut:
         state = VrnicState(row.state)
         if row.host_id == self.inventory.host_id:  # this host answers: it is up
             if attached is not None:
                 state = observed_state(state, row.public_id in attached)
-            return vrnic_out(row, tenant=tenant, host=self.inventory.host_name, state=state)
+            return vrnic_out(row, tenant=tenant, host=self.inventory.host_name, state=state, attach_token=attach_token)
         host = (hosts or {}).get(row.host_id) or self.inventory.host_ref(s, row.host_id)
         if hosts is not None:
             hosts[row.host_id] = host
-        return vrnic_out(row, tenant=tenant, host=host.name, state=state, reachable=host.up)
+        return vrnic_out(row, tenant=tenant, host=host.name, state=state, reachable=host.up, attach_token=attach_token)
 
     def _backend_of(self, s: Session, host_id: int) -> VrnicBackend:
         if host_id == self.inventory.host_id:
@@ -511,8 +511,7 @@ class Vrnics:
             token = self._backend_of(uow.session, row.host_id).reissue_token(vrnic_id)
             row.attach_token_hash, row.updated_at = token_digest(token), utcnow()
             uow.record("vrnic.token_reissue", f"vrnic/{vrnic_id}", row.tenant_id, {})
-            out = self._out(uow.session, row, tenant)
-        return out.model_copy(update={"attach": out.attach.model_copy(update={"token": token})})
+            return self._out(uow.session, row, tenant, attach_token=token)
 
     # -- release ----------------------------------------------------------------------------------
 
