@@ -1,9 +1,10 @@
 """The two floors under REST allocate (issue 14), measured in the same run as `cp.rest.*`.
 
-- The HTTP stack's: `python -m bench.rest_floor PORT` serves POST /api/v1/vrnics with the real route's FastAPI
-  shape (the router's query check, the bearer token and caller dependencies, the Idempotency-Key header, the
-  `VrnicCreate` body, the `VrnicOut` response, the problem handlers, the hop to one writer thread) under the
-  daemon's uvicorn settings, and does no work: the writer returns one prepared `VrnicOut`.
+- The HTTP stack's: `python -m bench.rest_floor PORT` serves POST /api/v1/vrnics as the daemon does (the fast
+  route in front, `vrnic.api.fast_allocate`, and behind it the real route's FastAPI shape: the router's query
+  check, the bearer token and caller dependencies, the Idempotency-Key header, the `VrnicCreate` body, the
+  `VrnicOut` response, the problem handlers; the hop to one writer thread) under the daemon's uvicorn settings,
+  and does no work: the writer returns one prepared `VrnicOut`.
 - The control plane's: `allocate_cpu_ms` calls `Vrnics.allocate` directly (no HTTP) on a SQLite file with the
   fake driver, as the daemon's writer thread does.
 
@@ -33,6 +34,7 @@ def floor_app() -> Any:
 
     from vrnic.api import problems
     from vrnic.api.auth import Principal
+    from vrnic.api.fast_allocate import FastAllocateRoute, answer_allocation
     from vrnic.api.routes import CP, Caller, Printable, known_query_only
     from vrnic.api.schemas import VrnicCreate, VrnicOut
     from vrnic.core.lifecycle import VrnicState
@@ -57,11 +59,17 @@ def floor_app() -> Any:
         def authenticate(_token: str | None) -> Principal:
             raise Unauthenticated("the floor server knows one token")
 
+    class Vrnics:
+        @staticmethod
+        def allocate(_who: Principal, _body: VrnicCreate, _key: str | None) -> tuple[VrnicOut, bool]:
+            return prepared, False
+
     class NoWorkControlPlane:
-        """What the route's dependencies and body read of the ControlPlane; writes hop to one thread, as on
-        SQLite (Transactions.run_write), and do nothing there."""
+        """What the routes read of the ControlPlane; writes hop to one thread, as on SQLite
+        (Transactions.run_write), and do nothing there."""
 
         tenants = Tenants()
+        vrnics = Vrnics()
 
         def __init__(self) -> None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="floor-writer")
@@ -69,23 +77,21 @@ def floor_app() -> Any:
         async def write(self, operation: Callable[..., T], *args: Any) -> T:
             return await asyncio.get_running_loop().run_in_executor(self._writer, operation, *args)
 
-    def allocate(_who: Principal, _body: VrnicCreate, _key: str | None) -> tuple[VrnicOut, bool]:
-        return prepared, False
-
     router = APIRouter(prefix="/api/v1", responses=problems.RESPONSES, dependencies=[Depends(known_query_only)])
 
     @router.post("/vrnics", status_code=status.HTTP_201_CREATED)
     async def allocate_vrnic(body: VrnicCreate, cp: CP, who: Caller, response: Response,
                              idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255,
                                                                            pattern=Printable)] = None) -> VrnicOut:
-        out, _ = await cp.write(allocate, who, body, idempotency_key)
-        response.headers["Location"] = f"/api/v1/vrnics/{out.id}"
+        out, replayed = await cp.write(cp.vrnics.allocate, who, body, idempotency_key)
+        answer_allocation(response, out, replayed)
         return out
 
     app = FastAPI()
     app.state.control_plane = NoWorkControlPlane()
     problems.install(app)
     app.include_router(router)
+    app.router.routes.insert(0, FastAllocateRoute())
     return app
 
 

@@ -20,6 +20,7 @@ from vrnic.api import agent, problems
 from vrnic.api.agent_handover import router as agent_handover_router
 from vrnic.api.agent_peers import router as agent_peers_router
 from vrnic.api.controlplane import ControlPlane
+from vrnic.api.fast_allocate import FastAllocateRoute
 from vrnic.api.routes import metrics_router, router
 from vrnic.backend.service import BackendService
 from vrnic.config import DaemonSettings
@@ -123,6 +124,7 @@ def create_app(settings: DaemonSettings, backend: BackendService, *, engine: Eng
     app.state.libvirt_uri = settings.libvirt_uri
     problems.install(app)
     app.include_router(router)
+    app.router.routes.insert(0, FastAllocateRoute())  # first: it passes what it does not serve on
     app.include_router(metrics_router)
     app.include_router(agent.router)
     app.include_router(agent_peers_router)

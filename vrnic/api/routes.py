@@ -12,6 +12,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from vrnic.api.auth import Principal
 from vrnic.api.controlplane import ControlPlane
+from vrnic.api.fast_allocate import answer_allocation
 from vrnic.api.pagination import MAX_PAGE
 from vrnic.api.problems import RESPONSES, unknown_query_parameters
 from vrnic.api.schemas import (
@@ -166,11 +167,7 @@ async def allocate_vrnic(body: VrnicCreate, cp: CP, who: Caller, response: Respo
     token: the header `Link: </api/v1/vrnics/{id}/token>; rel="token"` says where to get a new one.
     """
     out, replayed = await cp.write(cp.vrnics.allocate, who, body, idempotency_key)
-    response.headers["Location"] = f"/api/v1/vrnics/{out.id}"
-    if replayed:
-        response.status_code = status.HTTP_200_OK
-        response.headers["Idempotent-Replayed"] = "true"
-        response.headers["Link"] = f'</api/v1/vrnics/{out.id}/token>; rel="token"'
+    answer_allocation(response, out, replayed)  # the plain request is served by FastAllocateRoute
     return out
 
 
