@@ -34,7 +34,7 @@ def floor_app() -> Any:
 
     from vrnic.api import problems
     from vrnic.api.auth import Principal
-    from vrnic.api.fast_allocate import FastAllocateRoute, answer_allocation
+    from vrnic.api.fast_allocate import IDEMPOTENCY_KEY_MAX, FastAllocateRoute, answer_allocation
     from vrnic.api.routes import CP, Caller, Printable, known_query_only
     from vrnic.api.schemas import VrnicCreate, VrnicOut
     from vrnic.core.lifecycle import VrnicState
@@ -81,7 +81,7 @@ def floor_app() -> Any:
 
     @router.post("/vrnics", status_code=status.HTTP_201_CREATED)
     async def allocate_vrnic(body: VrnicCreate, cp: CP, who: Caller, response: Response,
-                             idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255,
+                             idempotency_key: Annotated[str | None, Header(min_length=1, max_length=IDEMPOTENCY_KEY_MAX,
                                                                            pattern=Printable)] = None) -> VrnicOut:
         out, replayed = await cp.write(cp.vrnics.allocate, who, body, idempotency_key)
         answer_allocation(response, out, replayed)

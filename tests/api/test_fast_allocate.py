@@ -127,7 +127,8 @@ def test_an_idempotent_replay_is_answered_alike(client: TestClient, acme: Tenant
 
 @pytest.mark.parametrize("case", [
     "no token", "basic scheme", "unknown token", "query parameter", "text/plain", "no content type", "bad json",
-    "not an object", "unknown field", "wrong type", "empty key", "long key", "two keys", "empty body",
+    "not an object", "unknown field", "wrong type", "empty key", "long key", "non-ascii key", "two keys",
+    "empty body",
 ])
 def test_every_other_request_goes_to_the_declared_route(client: TestClient, acme: Tenant, case: str) -> None:
     auth = acme["auth"]
@@ -144,6 +145,9 @@ def test_every_other_request_goes_to_the_declared_route(client: TestClient, acme
         "wrong type": _json(auth, '{"mode": 5}'),
         "empty key": _json(auth, **{"Idempotency-Key": ""}),
         "long key": _json(auth, **{"Idempotency-Key": "k" * 256}),
+        "non-ascii key": {"content": "{}", "headers": [(b"Content-Type", b"application/json"),
+                                                       (b"Authorization", auth.encode()),
+                                                       (b"Idempotency-Key", "caf\u00e9".encode("latin-1"))]},
         "two keys": {"content": "{}", "headers": [("Content-Type", "application/json"), ("Authorization", auth),
                                                   ("Idempotency-Key", "a"), ("Idempotency-Key", "b")]},
         "empty body": _json(auth, ""),

@@ -33,8 +33,10 @@ if TYPE_CHECKING:
     from vrnic.api.auth import Principal
 
 PATH = "/api/v1/vrnics"
+# the declared Idempotency-Key header's rules (routes.py declares the header with these)
 IDEMPOTENCY_KEY_MAX = 255
-PRINTABLE = re.compile(r"[\x20-\x7e]*")  # the declared header's pattern
+PRINTABLE_PATTERN = r"^[\x20-\x7e]*$"
+_PRINTABLE = re.compile(PRINTABLE_PATTERN)
 _DECLINED = "vrnic.fast_allocate.declined"  # scope key: the request goes to the FastAPI route
 
 
@@ -95,7 +97,7 @@ def _plain_request(request: Request, body: bytes, cp: Any) -> tuple[Principal, V
     if principal is None:  # unknown here: the declared route looks it up (or refuses it)
         return None
     keys = headers.getlist("idempotency-key")
-    if len(keys) > 1 or (keys and not (1 <= len(keys[0]) <= IDEMPOTENCY_KEY_MAX and PRINTABLE.fullmatch(keys[0]))):
+    if len(keys) > 1 or (keys and not (1 <= len(keys[0]) <= IDEMPOTENCY_KEY_MAX and _PRINTABLE.fullmatch(keys[0]))):
         return None
     try:
         # as FastAPI reads a model body: the parsed JSON validated in Python mode

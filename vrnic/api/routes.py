@@ -12,7 +12,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from vrnic.api.auth import Principal
 from vrnic.api.controlplane import ControlPlane
-from vrnic.api.fast_allocate import answer_allocation
+from vrnic.api.fast_allocate import IDEMPOTENCY_KEY_MAX, PRINTABLE_PATTERN, answer_allocation
 from vrnic.api.pagination import MAX_PAGE
 from vrnic.api.problems import RESPONSES, unknown_query_parameters
 from vrnic.api.schemas import (
@@ -78,7 +78,7 @@ Limit = Annotated[int, Query(ge=1, le=MAX_PAGE)]
 TenantPath = Annotated[str, Path(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
 VrnicPath = Annotated[str, Path(pattern=r"^vr-[0-9a-f]{32}$", examples=["vr-0123456789abcdef0123456789abcdef"])]
 BigId = Annotated[int, Path(ge=1, lt=1 << 63)]
-Printable = r"^[\x20-\x7e]*$"
+Printable = PRINTABLE_PATTERN
 DomainPath = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$", description="libvirt domain name",
                                 examples=["vm1"])]
 PfPath = Annotated[str, Path(pattern=r"^[A-Za-z0-9_.:@-]{1,15}$", description="the PF's netdev name",
@@ -158,7 +158,7 @@ async def revoke_token(name: TenantPath, token_id: BigId, cp: CP, who: Caller) -
                                           "Link": {"description": "rel=\"token\": where to get a new attach token",
                                                    "schema": {"type": "string"}}}}})
 async def allocate_vrnic(body: VrnicCreate, cp: CP, who: Caller, response: Response,
-                         idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255,
+                         idempotency_key: Annotated[str | None, Header(min_length=1, max_length=IDEMPOTENCY_KEY_MAX,
                                                                        pattern=Printable)] = None) -> VrnicOut:
     """Allocate a vRNIC: pick a device, create it in the backend, return what a frontend needs to attach.
 
