@@ -1,7 +1,7 @@
 """The two floors under REST allocate (issue 14), measured in the same run as `cp.rest.*`.
 
 - The HTTP stack's: `python -m bench.rest_floor PORT` serves POST /api/v1/vrnics as the daemon does (the fast
-  route in front, `vrnic.api.fast_allocate`, and behind it the real route's FastAPI shape: the router's query
+  route in front, `vrnic.api.fast_routes`, and behind it the real route's FastAPI shape: the router's query
   check, the bearer token and caller dependencies, the Idempotency-Key header, the `VrnicCreate` body, the
   `VrnicOut` response, the problem handlers; the hop to one writer thread) under the daemon's uvicorn settings,
   and does no work: the writer returns one prepared `VrnicOut`.
@@ -32,9 +32,9 @@ FLOOR_TOKEN = "vrt_floor"
 def floor_app() -> Any:
     from fastapi import APIRouter, Depends, FastAPI, Header, Response, status
 
-    from vrnic.api import problems
+    from vrnic.api import fast_routes, problems
     from vrnic.api.auth import Principal
-    from vrnic.api.fast_allocate import IDEMPOTENCY_KEY_MAX, FastAllocateRoute, answer_allocation
+    from vrnic.api.fast_routes import IDEMPOTENCY_KEY_MAX, answer_allocation
     from vrnic.api.routes import CP, Caller, Printable, known_query_only
     from vrnic.api.schemas import VrnicCreate, VrnicOut
     from vrnic.core.lifecycle import VrnicState
@@ -91,7 +91,7 @@ def floor_app() -> Any:
     app.state.control_plane = NoWorkControlPlane()
     problems.install(app)
     app.include_router(router)
-    app.router.routes.insert(0, FastAllocateRoute())
+    app.router.routes.insert(0, fast_routes.FastAllocateRoute())  # as the daemon (it has no DELETE here)
     return app
 
 

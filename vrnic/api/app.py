@@ -16,11 +16,10 @@ from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import Engine
 
 from vrnic import __version__
-from vrnic.api import agent, problems
+from vrnic.api import agent, fast_routes, problems
 from vrnic.api.agent_handover import router as agent_handover_router
 from vrnic.api.agent_peers import router as agent_peers_router
 from vrnic.api.controlplane import ControlPlane
-from vrnic.api.fast_allocate import FastAllocateRoute
 from vrnic.api.routes import metrics_router, router
 from vrnic.backend.service import BackendService
 from vrnic.config import DaemonSettings
@@ -124,9 +123,9 @@ def create_app(settings: DaemonSettings, backend: BackendService, *, engine: Eng
     app.state.libvirt_uri = settings.libvirt_uri
     problems.install(app)
     app.include_router(router)
-    app.router.routes.insert(0, FastAllocateRoute())  # first: it passes what it does not serve on
     app.include_router(metrics_router)
     app.include_router(agent.router)
     app.include_router(agent_peers_router)
     app.include_router(agent_handover_router)
+    fast_routes.install(app)  # in front: they pass on what they do not serve
     return app

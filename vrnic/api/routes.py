@@ -12,7 +12,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from vrnic.api.auth import Principal
 from vrnic.api.controlplane import ControlPlane
-from vrnic.api.fast_allocate import IDEMPOTENCY_KEY_MAX, PRINTABLE_PATTERN, answer_allocation
+from vrnic.api.fast_routes import IDEMPOTENCY_KEY_MAX, PRINTABLE_PATTERN, VRNIC_ID_PATTERN, answer_allocation
 from vrnic.api.pagination import MAX_PAGE
 from vrnic.api.problems import RESPONSES, unknown_query_parameters
 from vrnic.api.schemas import (
@@ -76,7 +76,7 @@ Cursor = Annotated[str | None, Query(max_length=20, pattern=r"^[0-9]+$",
                                      description="next_cursor of the previous page")]
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE)]
 TenantPath = Annotated[str, Path(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
-VrnicPath = Annotated[str, Path(pattern=r"^vr-[0-9a-f]{32}$", examples=["vr-0123456789abcdef0123456789abcdef"])]
+VrnicPath = Annotated[str, Path(pattern=VRNIC_ID_PATTERN, examples=["vr-0123456789abcdef0123456789abcdef"])]
 BigId = Annotated[int, Path(ge=1, lt=1 << 63)]
 Printable = PRINTABLE_PATTERN
 DomainPath = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$", description="libvirt domain name",
@@ -167,7 +167,7 @@ async def allocate_vrnic(body: VrnicCreate, cp: CP, who: Caller, response: Respo
     token: the header `Link: </api/v1/vrnics/{id}/token>; rel="token"` says where to get a new one.
     """
     out, replayed = await cp.write(cp.vrnics.allocate, who, body, idempotency_key)
-    answer_allocation(response, out, replayed)  # the plain request is served by FastAllocateRoute
+    answer_allocation(response, out, replayed)  # the plain request is served by fast_routes
     return out
 
 

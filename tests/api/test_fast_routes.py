@@ -1,6 +1,6 @@
-"""FastAllocateRoute (issue 14): POST /api/v1/vrnics served without FastAPI's request machinery answers every
-request as the declared FastAPI route does. Each request goes through the app twice, with the fast route in
-front and with it taken out, and the two answers are compared."""
+"""vrnic.api.fast_routes (issue 14): POST /api/v1/vrnics and DELETE /api/v1/vrnics/{id}, served without FastAPI's
+request machinery, answer every request as the declared FastAPI routes do. Each request goes through the app
+twice, with the fast routes in front and with them taken out, and the two answers are compared."""
 
 from __future__ import annotations
 
@@ -12,44 +12,49 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from vrnic.api.fast_allocate import FastAllocateRoute
+from vrnic.api.fast_routes import FastAllocateRoute, FastReleaseRoute, PlainRequestRoute
 
 Tenant = dict[str, str]
 # what differs between two allocations of the same request
 # (the device too: the fake driver spreads vRNICs over its two)
-VOLATILE = {"id", "virtual_gid", "virtual_ip", "device", "created_at", "updated_at"}
+VOLATILE = {"id", "virtual_gid", "virtual_ip", "device", "created_at", "updated_at", "released_at"}
 VOLATILE_ATTACH = {"vrnic_id", "virtual_gid", "device", "token"}
 
 
-def _fast_route(client: TestClient) -> FastAllocateRoute:
+def _fast_route(client: TestClient, kind: type[PlainRequestRoute]) -> PlainRequestRoute:
     routes = client.app.router.routes  # type: ignore[attr-defined]
-    assert isinstance(routes[0], FastAllocateRoute), "the fast route is first"
-    return routes[0]
+    assert [type(r) for r in routes[:2]] == [FastAllocateRoute, FastReleaseRoute], "the fast routes are first"
+    return next(r for r in routes if type(r) is kind)
 
 
 @contextmanager
-def _without_fast_route(client: TestClient) -> Iterator[None]:
+def _without_fast_routes(client: TestClient) -> Iterator[None]:
     routes = client.app.router.routes  # type: ignore[attr-defined]
-    fast = routes.pop(0)
+    fast = routes[:2]
+    del routes[:2]
     try:
         yield
     finally:
-        routes.insert(0, fast)
+        routes[:0] = fast
 
 
 def _send(client: TestClient, request: dict[str, Any]) -> httpx.Response:
-    return client.request("POST", "/api/v1/vrnics" + request.get("query", ""), content=request.get("content"),
+    url = request.get("path", "/api/v1/vrnics") + request.get("query", "")
+    return client.request(request.get("method", "POST"), url, content=request.get("content"),
                           headers=request.get("headers", {}))
 
 
-def _both(client: TestClient, request: dict[str, Any], *, served: bool) -> tuple[httpx.Response, httpx.Response]:
-    """(through the fast route, through the FastAPI route alone); asserts whether the fast route served it."""
-    route = _fast_route(client)
+def _both(client: TestClient, request: dict[str, Any], *, served: bool | None,
+          declared_request: dict[str, Any] | None = None) -> tuple[httpx.Response, httpx.Response]:
+    """(through the fast routes, through the declared routes alone). served: whether the fast route for the
+    request's method served it (True) or passed it on (False); None: it is not that route's at all."""
+    route = _fast_route(client, FastReleaseRoute if request.get("method") == "DELETE" else FastAllocateRoute)
     before = (route.served, route.declined)
     fast = _send(client, request)
-    assert (route.served - before[0], route.declined - before[1]) == ((1, 0) if served else (0, 1)), request
-    with _without_fast_route(client):
-        declared = _send(client, request)
+    expected = {True: (1, 0), False: (0, 1), None: (0, 0)}[served]
+    assert (route.served - before[0], route.declined - before[1]) == expected, request
+    with _without_fast_routes(client):
+        declared = _send(client, declared_request or request)
     return fast, declared
 
 
@@ -106,11 +111,11 @@ def test_an_idempotent_replay_is_answered_alike(client: TestClient, acme: Tenant
         first = _send(client, _json(acme["auth"], **{"Idempotency-Key": key}))
         assert first.status_code == 201, first.text
     fast, declared = None, None
-    route = _fast_route(client)
+    route = _fast_route(client, FastAllocateRoute)
     served = route.served
     fast = _send(client, _json(acme["auth"], **{"Idempotency-Key": "key-fast"}))
     assert route.served == served + 1
-    with _without_fast_route(client):
+    with _without_fast_routes(client):
         declared = _send(client, _json(acme["auth"], **{"Idempotency-Key": "key-declared"}))
     for response in (fast, declared):
         assert response.status_code == 200 and response.headers["idempotent-replayed"] == "true"
@@ -178,3 +183,55 @@ def test_other_methods_on_the_path_are_not_its_own(client: TestClient, acme: Ten
     refused = client.put("/api/v1/vrnics", headers={"Authorization": acme["auth"]})
     assert refused.status_code == 405
     assert set(refused.headers["allow"].replace(" ", "").split(",")) == {"GET", "POST"}
+
+
+def _release(auth: str, vrnic_id: str, **request: Any) -> dict[str, Any]:
+    return {"method": "DELETE", "path": f"/api/v1/vrnics/{vrnic_id}", "headers": {"Authorization": auth}, **request}
+
+
+def test_a_plain_release_is_served_fast_and_answered_as_the_declared_route_answers(
+        client: TestClient, acme: Tenant, backend: Any) -> None:
+    first, second = (_send(client, _json(acme["auth"])).json()["id"] for _ in range(2))
+    fast, declared = _both(client, _release(acme["auth"], first), served=True,
+                           declared_request=_release(acme["auth"], second))
+    assert fast.status_code == declared.status_code == 200
+    assert fast.json()["state"] == declared.json()["state"] == "released"
+    assert _comparable(fast) == _comparable(declared)
+    assert not {first, second} & set(backend.vrnic_ids())  # the backend let both go
+    # released again, and one that never was: answered alike
+    for vrnic_id in (first, "vr-" + "0" * 32):
+        fast, declared = _both(client, _release(acme["auth"], vrnic_id), served=True)
+        assert _comparable(fast) == _comparable(declared)
+        assert fast.status_code >= 400 or fast.json()["state"] == "released"
+
+
+@pytest.mark.parametrize("case", ["no token", "unknown token", "force", "unknown query parameter", "bad id"])
+def test_every_other_release_goes_to_the_declared_route(client: TestClient, acme: Tenant, case: str) -> None:
+    vrnic_id, spare = (_send(client, _json(acme["auth"])).json()["id"] for _ in range(2))
+    request, served = {
+        "no token": (_release("", vrnic_id), False),
+        "unknown token": (_release("Bearer vrt_nobody", vrnic_id), False),
+        "force": (_release(acme["auth"], vrnic_id, query="?force=false"), False),
+        "unknown query parameter": (_release(acme["auth"], vrnic_id, query="?forse=true"), False),
+        "bad id": (_release(acme["auth"], "vr-NOT-HEX"), None),  # not the fast route's path at all
+    }[case]
+    # the one that succeeds (force=false) is made on a second vRNIC the second time
+    second = {**request, "path": request["path"].replace(vrnic_id, spare)} if case == "force" else None
+    fast, declared = _both(client, request, served=served, declared_request=second)
+    assert _comparable(fast) == _comparable(declared)
+    if case == "force":  # a tenant's `force=false` is a plain release
+        assert fast.status_code == 200 and fast.json()["state"] == "released"
+    else:
+        assert fast.status_code >= 400
+
+
+def test_a_release_of_another_tenants_vrnic_is_refused_alike(
+        client: TestClient, acme: Tenant, make_tenant: Callable[..., Tenant]) -> None:
+    other = make_tenant("other")
+    assert client.get("/api/v1/vrnics", headers={"Authorization": other["auth"]}).status_code == 200
+    vrnic_id = _send(client, _json(acme["auth"])).json()["id"]
+    fast, declared = _both(client, _release(other["auth"], vrnic_id), served=True)
+    assert fast.status_code == 404
+    assert _comparable(fast) == _comparable(declared)
+    assert client.get(f"/api/v1/vrnics/{vrnic_id}", headers={"Authorization": acme["auth"]}).json()["state"] != \
+        "released"
