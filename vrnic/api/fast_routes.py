@@ -45,6 +45,7 @@ _PRINTABLE = re.compile(PRINTABLE_PATTERN)
 VRNIC_ID_PATTERN = r"^vr-[0-9a-f]{32}$"  # the declared {vrnic_id} path parameter's
 _ONE_VRNIC = re.compile(re.escape(VRNICS) + "/(" + VRNIC_ID_PATTERN.strip("^$") + ")")
 _DECLINED = "vrnic.fast_routes.declined"  # scope key: the request goes to the declared routes
+_ARGUMENTS = "vrnic.fast_routes.arguments"  # scope key: the path's parameters, as the route matched them
 
 
 def answer_allocation(response: Response, out: VrnicOut, replayed: bool) -> None:
@@ -77,8 +78,7 @@ class PlainRequestRoute(BaseRoute):
         """The path's parameters if the path is this route's, else None."""
 
     @abstractmethod
-    def plain(self, request: Request, body: bytes, cp: ControlPlane, caller: Principal,
-              path_arguments: tuple[str, ...]) -> tuple[Any, ...] | None:
+    def plain(self, request: Request, body: bytes, path_arguments: tuple[str, ...]) -> tuple[Any, ...] | None:
         """The operation's arguments after the caller, if the declared route would take the request as it is."""
 
     @abstractmethod
@@ -90,7 +90,7 @@ class PlainRequestRoute(BaseRoute):
                 and _DECLINED not in scope):
             found = self.path_arguments(scope["path"])
             if found is not None:
-                return Match.FULL, {"path_params": {}, "vrnic.fast_routes.arguments": found}
+                return Match.FULL, {"path_params": {}, _ARGUMENTS: found}
         return Match.NONE, {}
 
     def url_path_for(self, name: str, /, **path_params: Any) -> URLPath:
@@ -101,8 +101,7 @@ class PlainRequestRoute(BaseRoute):
         body = await request.body()
         cp: ControlPlane = request.app.state.control_plane
         caller = _known_caller(request, cp)
-        arguments = None if caller is None else \
-            self.plain(request, body, cp, caller, scope["vrnic.fast_routes.arguments"])
+        arguments = None if caller is None else self.plain(request, body, scope[_ARGUMENTS])
         if caller is None or arguments is None:
             self.declined += 1
             await _to_the_declared_routes(scope, body, receive, send)
@@ -120,8 +119,7 @@ class FastAllocateRoute(PlainRequestRoute):
     def path_arguments(self, path: str) -> tuple[str, ...] | None:
         return () if path == VRNICS else None
 
-    def plain(self, request: Request, body: bytes, cp: ControlPlane, caller: Principal,
-              path_arguments: tuple[str, ...]) -> tuple[Any, ...] | None:
+    def plain(self, request: Request, body: bytes, path_arguments: tuple[str, ...]) -> tuple[Any, ...] | None:
         if request.headers.get("content-type", "").lower() != "application/json":
             return None
         keys = request.headers.getlist("idempotency-key")
@@ -152,8 +150,7 @@ class FastReleaseRoute(PlainRequestRoute):
         found = _ONE_VRNIC.fullmatch(path)
         return found.groups() if found else None
 
-    def plain(self, request: Request, body: bytes, cp: ControlPlane, caller: Principal,
-              path_arguments: tuple[str, ...]) -> tuple[Any, ...] | None:
+    def plain(self, request: Request, body: bytes, path_arguments: tuple[str, ...]) -> tuple[Any, ...] | None:
         return path_arguments  # the declared route reads no body and no header but the token
 
     async def serve(self, cp: ControlPlane, caller: Principal, arguments: tuple[Any, ...]) -> Response:
