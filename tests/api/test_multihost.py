@@ -154,6 +154,23 @@ def test_a_silent_host_is_marked_down_after_the_window_and_up_when_it_beats(
     assert on_b["id"] not in b.backend.vrnic_ids()
 
 
+def test_a_host_beats_and_sweeps_while_an_allocation_on_it_is_still_open(
+        cluster: Callable[..., Node], migrated: Engine) -> None:
+    """An allocation on a host keeps its transaction open through the backend call (seconds, on a slow agent), and
+    its vRNIC row's foreign key holds a KEY SHARE lock on the host's row all that time (PostgreSQL). The beat and
+    the sweep must not wait for it: a beat that waits is a host the others mark down."""
+    a, b = cluster("host-a"), cluster("host-b")
+    if migrated.dialect.name != "postgresql":
+        pytest.skip("SQLite has no row locks: its writers queue on one lock")
+    # (the pool is left last: a beat still waiting on the lock gets it when the allocation's connection goes)
+    with ThreadPoolExecutor(2) as pool, migrated.connect() as allocation:
+        allocation.execute(text("SELECT 1 FROM hosts WHERE name = 'host-b' FOR KEY SHARE"))  # what the FK check takes
+        beat = pool.submit(b.cp.inventory.heartbeat)
+        sweep = pool.submit(a.cp.inventory.sweep, utcnow() + timedelta(seconds=WINDOW_S + 1))
+        beat.result(timeout=20)
+        assert sweep.result(timeout=20) == ["host-b"]  # the sweep did not wait either (its clock is ahead)
+
+
 def test_the_daemons_own_heartbeat_beats_and_sweeps(cluster: Callable[..., Node], migrated: Engine) -> None:
     """The lifespan task, not the test, beats every heartbeat_interval_s and marks a silent host down."""
     with migrated.begin() as connection:  # a host that stopped beating a minute ago

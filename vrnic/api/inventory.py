@@ -78,7 +78,10 @@ class Inventory:
     def heartbeat(self, now: datetime | None = None) -> None:
         """This host is alive: its last_seen_at, and up again if the others had marked it down."""
         with self.db.write(DAEMON_ACTOR) as uow:
-            host = uow.session.scalar(select(Host).where(Host.id == self.host_id).with_for_update())
+            # NO KEY UPDATE (PostgreSQL), not FOR UPDATE: a transaction that inserts a vRNIC on this host holds a KEY
+            # SHARE lock on the host's row (the foreign key) through its backend call, seconds on a slow agent; FOR
+            # UPDATE would wait for it, the beat would stop, and the other hosts would mark this one down
+            host = uow.session.scalar(select(Host).where(Host.id == self.host_id).with_for_update(key_share=True))
             if host is None:  # someone deleted the row: register again
                 raise NotFound(f"host {self.host_name} is not registered")
             host.last_seen_at = now or utcnow()
@@ -95,7 +98,7 @@ class Inventory:
         now = now or utcnow()
         cutoff = now - self.down_after
         stale = (select(Host).where(Host.state == UP, Host.last_seen_at < cutoff, Host.id != self.host_id)
-                 .order_by(Host.id).with_for_update())
+                 .order_by(Host.id).with_for_update(key_share=True))  # NO KEY UPDATE, as in heartbeat
         with self.db.write(DAEMON_ACTOR) as uow:
             marked = []
             for host in uow.session.scalars(stale):
