@@ -159,9 +159,9 @@ def test_a_host_beats_and_sweeps_while_an_allocation_on_it_is_still_open(
     """An allocation on a host keeps its transaction open through the backend call (seconds, on a slow agent), and
     its vRNIC row's foreign key holds a KEY SHARE lock on the host's row all that time (PostgreSQL). The beat and
     the sweep must not wait for it: a beat that waits is a host the others mark down."""
-    a, b = cluster("host-a"), cluster("host-b")
     if migrated.dialect.name != "postgresql":
         pytest.skip("SQLite has no row locks: its writers queue on one lock")
+    a, b = cluster("host-a"), cluster("host-b")
     # (the pool is left last: a beat still waiting on the lock gets it when the allocation's connection goes)
     with ThreadPoolExecutor(2) as pool, migrated.connect() as allocation:
         allocation.execute(text("SELECT 1 FROM hosts WHERE name = 'host-b' FOR KEY SHARE"))  # what the FK check takes
