@@ -34,8 +34,7 @@ def floor_app() -> Any:
 
     from vrnic.api import fast_routes, problems
     from vrnic.api.auth import Principal
-    from vrnic.api.fast_routes import IDEMPOTENCY_KEY_MAX, answer_allocation
-    from vrnic.api.routes import CP, Caller, Printable, known_query_only
+    from vrnic.api.routes import CP, IDEMPOTENCY_KEY_MAX, Caller, Printable, answer_allocation, known_query_only
     from vrnic.api.schemas import VrnicCreate, VrnicOut
     from vrnic.core.lifecycle import VrnicState
     from vrnic.core.specs import AttachInfo, DataEngine, QosPolicy, Quota, VrnicMode

@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Match, NoMatchFound
 
+from vrnic.api.routes import IDEMPOTENCY_KEY_MAX, VRNIC_ID_PATTERN, Printable, answer_allocation
 from vrnic.api.schemas import VrnicCreate, VrnicOut
 
 if TYPE_CHECKING:
@@ -38,23 +39,10 @@ if TYPE_CHECKING:
     from vrnic.api.controlplane import ControlPlane
 
 VRNICS = "/api/v1/vrnics"
-# the declared Idempotency-Key header's rules (routes.py declares the header with these)
-IDEMPOTENCY_KEY_MAX = 255
-PRINTABLE_PATTERN = r"^[\x20-\x7e]*$"
-_PRINTABLE = re.compile(PRINTABLE_PATTERN)
-VRNIC_ID_PATTERN = r"^vr-[0-9a-f]{32}$"  # the declared {vrnic_id} path parameter's
+_PRINTABLE = re.compile(Printable)  # the declared Idempotency-Key header's pattern (and IDEMPOTENCY_KEY_MAX)
 _ONE_VRNIC = re.compile(re.escape(VRNICS) + "/(" + VRNIC_ID_PATTERN.strip("^$") + ")")
 _DECLINED = "vrnic.fast_routes.declined"  # scope key: the request goes to the declared routes
 _ARGUMENTS = "vrnic.fast_routes.arguments"  # scope key: the path's parameters, as the route matched them
-
-
-def answer_allocation(response: Response, out: VrnicOut, replayed: bool) -> None:
-    """The status and headers of an allocation's answer, on either route."""
-    response.headers["Location"] = f"{VRNICS}/{out.id}"
-    if replayed:
-        response.status_code = 200
-        response.headers["Idempotent-Replayed"] = "true"
-        response.headers["Link"] = f'<{VRNICS}/{out.id}/token>; rel="token"'
 
 
 def install(app: FastAPI) -> None:

@@ -12,7 +12,6 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from vrnic.api.auth import Principal
 from vrnic.api.controlplane import ControlPlane
-from vrnic.api.fast_routes import IDEMPOTENCY_KEY_MAX, PRINTABLE_PATTERN, VRNIC_ID_PATTERN, answer_allocation
 from vrnic.api.pagination import MAX_PAGE
 from vrnic.api.problems import RESPONSES, unknown_query_parameters
 from vrnic.api.schemas import (
@@ -76,9 +75,11 @@ Cursor = Annotated[str | None, Query(max_length=20, pattern=r"^[0-9]+$",
                                      description="next_cursor of the previous page")]
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE)]
 TenantPath = Annotated[str, Path(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
+VRNIC_ID_PATTERN = r"^vr-[0-9a-f]{32}$"
+IDEMPOTENCY_KEY_MAX = 255
 VrnicPath = Annotated[str, Path(pattern=VRNIC_ID_PATTERN, examples=["vr-0123456789abcdef0123456789abcdef"])]
 BigId = Annotated[int, Path(ge=1, lt=1 << 63)]
-Printable = PRINTABLE_PATTERN
+Printable = r"^[\x20-\x7e]*$"
 DomainPath = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$", description="libvirt domain name",
                                 examples=["vm1"])]
 PfPath = Annotated[str, Path(pattern=r"^[A-Za-z0-9_.:@-]{1,15}$", description="the PF's netdev name",
@@ -169,6 +170,15 @@ async def allocate_vrnic(body: VrnicCreate, cp: CP, who: Caller, response: Respo
     out, replayed = await cp.write(cp.vrnics.allocate, who, body, idempotency_key)
     answer_allocation(response, out, replayed)  # the plain request is served by fast_routes
     return out
+
+
+def answer_allocation(response: Response, out: VrnicOut, replayed: bool) -> None:
+    """The status and headers of an allocation's answer (here and in fast_routes)."""
+    response.headers["Location"] = f"/api/v1/vrnics/{out.id}"
+    if replayed:
+        response.status_code = status.HTTP_200_OK
+        response.headers["Idempotent-Replayed"] = "true"
+        response.headers["Link"] = f'</api/v1/vrnics/{out.id}/token>; rel="token"'
 
 
 @router.post("/vrnics/{vrnic_id}/token", tags=["vrnics"])
