@@ -40,6 +40,7 @@ from vrnic.core.qos import RateMeter
 from vrnic.core.recovery import RecoveryPlan, plan_recovery, token_digest
 from vrnic.core.specs import DataEngine, QosPolicy, Quota, VrnicMode, VrnicSpec
 from vrnic.core.vaddr import check_virtual_ip, first_free_virtual_ip, make_virtual_gid, next_virtual_ip
+from vrnic.db.prepared import Prepared
 from vrnic.db.tables import Device, Host, Tenant, Vrnic, utcnow
 from vrnic.db.unit_of_work import DAEMON_ACTOR, UnitOfWork
 from vrnic.errors import (
@@ -94,10 +95,11 @@ def find_vrnic(s: Session, principal: Principal, vrnic_id: str, *, for_update: b
 
 _WITH_TENANT = select(Vrnic, Tenant.name).join(Tenant, Tenant.id == Vrnic.tenant_id)
 _VRNICS = cast(Table, Vrnic.__table__)
-_INSERT_VRNIC = insert(_VRNICS).returning(_VRNICS.c.serial)  # built once: compiled once
-_PLACE_VRNIC = update(_VRNICS).where(_VRNICS.c.serial == bindparam("b_serial"))
+# The allocation's statements run Prepared, on the DBAPI cursor: Connection.execute cost 5x SQLite's own work
+_INSERT_VRNIC = Prepared(insert(_VRNICS).returning(_VRNICS.c.serial))
+_PLACE_VRNIC = Prepared(update(_VRNICS).where(_VRNICS.c.serial == bindparam("b_serial")))
 _TENANTS = cast(Table, Tenant.__table__)
-_TENANT_BY_ID = select(_TENANTS).where(_TENANTS.c.id == bindparam("b_id"))
+_TENANT_BY_ID = Prepared(select(_TENANTS).where(_TENANTS.c.id == bindparam("b_id")))
 _FIND_FOR_UPDATE = (select(_VRNICS, _TENANTS.c.name.label("tenant_name"))
                     .join(_TENANTS, _TENANTS.c.id == _VRNICS.c.tenant_id)
                     .where(_VRNICS.c.public_id == bindparam("b_id")).with_for_update(of=_VRNICS))
@@ -113,9 +115,9 @@ _CANDIDATES = (select(_DEVICES.c.id, _DEVICES.c.name, _DEVICES.c.max_vrnics, _DE
                .join(_HOSTS, _HOSTS.c.id == _DEVICES.c.host_id).where(_DEVICES.c.present, _HOSTS.c.state == UP))
 _LIVE_ON_DEVICE = select(func.count()).select_from(_VRNICS).where(_VRNICS.c.device_id == bindparam("b_device"),
                                                                   _LIVE)
-_NEWEST_IP = (select(_VRNICS.c.virtual_ip).where(_VRNICS.c.tenant_id == bindparam("b_tenant"), _LIVE,
-                                                 _VRNICS.c.virtual_ip.is_not(None))
-              .order_by(_VRNICS.c.serial.desc()).limit(1))
+_NEWEST_IP = Prepared(select(_VRNICS.c.virtual_ip).where(_VRNICS.c.tenant_id == bindparam("b_tenant"), _LIVE,
+                                                          _VRNICS.c.virtual_ip.is_not(None))
+                      .order_by(_VRNICS.c.serial.desc()).limit(1))
 _IP_HOLDER = select(_VRNICS.c.public_id).where(_VRNICS.c.tenant_id == bindparam("b_tenant"), _LIVE,
                                                _VRNICS.c.virtual_ip == bindparam("b_ip"))
 
@@ -124,8 +126,13 @@ _IP_HOLDER = select(_VRNICS.c.public_id).where(_VRNICS.c.tenant_id == bindparam(
 def _candidates_for(mode: VrnicMode) -> Select[Any]:
     """The present devices of up hosts that serve mode; built once per mode, so its cache key is computed once
     (SQLAlchemy memoizes it on the statement object: rebuilding it per request cost a fifth of an allocation)."""
-    # one `driver = ?` per name, not IN (...): SQLAlchemy expands an IN list again at every execution
+    # one `driver = ?` per name, not IN (...): an IN list is expanded again at every execution
     return _CANDIDATES.where(or_(false(), *(_DEVICES.c.driver == name for name in sorted(drivers_serving(mode)))))
+
+
+@functools.cache
+def _prepared_candidates(mode: VrnicMode) -> Prepared:
+    return Prepared(_candidates_for(mode))
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +151,13 @@ class TenantFacts:
         return cls(row.id, row.name, row.vpc_id, row.vpc_cidr, row.max_vrnics, row.default_quota)
 
 
+def _request_hash(body: VrnicCreate) -> str:
+    """What an Idempotency-Key's retry must carry again (kept only with a key: hashing costs every request)."""
+    # The default engine is left out, so a key recorded before `engine` existed still matches its retry.
+    request = body.model_dump(mode="json", exclude={"engine"} if body.engine is DataEngine.RING else None)
+    return hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()
+
+
 class Vrnics:
     def __init__(self, tx: Transactions, backend: BackendService, inventory: Inventory,
                  backends: Backends | None = None) -> None:
@@ -160,9 +174,7 @@ class Vrnics:
         """(the vRNIC, replayed): replayed is True when idempotency_key matched an earlier allocation."""
         if idempotency_key is not None and not 1 <= len(idempotency_key) <= 255:
             raise InvalidArgument("Idempotency-Key must be 1 to 255 characters")
-        # The default engine is left out, so a key recorded before `engine` existed still matches its retry.
-        request = body.model_dump(mode="json", exclude={"engine"} if body.engine is DataEngine.RING else None)
-        request_hash = hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()
+        request_hash = None if idempotency_key is None else _request_hash(body)
         try:
             return self._allocate_retrying(principal, body, idempotency_key, request_hash), False
         except Replayed as replay:
@@ -171,7 +183,7 @@ class Vrnics:
                 return self._out(uow.session, row, tenant), True
         except IntegrityError:
             # Same key, allocated concurrently: the other request committed first.
-            if idempotency_key is None:
+            if idempotency_key is None or request_hash is None:
                 raise
             with self.tx.read() as uow:
                 earlier = self._by_idempotency_key(uow.session, principal, body, idempotency_key, request_hash)
@@ -180,7 +192,7 @@ class Vrnics:
                 return self._out(uow.session, earlier, earlier.tenant.name), True
 
     def _allocate_retrying(self, principal: Principal, body: VrnicCreate, idempotency_key: str | None,
-                           request_hash: str) -> VrnicOut:
+                           request_hash: str | None) -> VrnicOut:
         for attempt in range(_IP_RETRIES):
             try:
                 return self._allocate(principal, body, idempotency_key, request_hash, check_next_ip=attempt > 0)
@@ -195,10 +207,10 @@ class Vrnics:
         raise Conflict("could not pick a free virtual IP under contention; retry", current_state="contended")
 
     def _allocate(self, principal: Principal, body: VrnicCreate, idempotency_key: str | None,
-                  request_hash: str, *, check_next_ip: bool) -> VrnicOut:
+                  request_hash: str | None, *, check_next_ip: bool) -> VrnicOut:
         with self.tx.write(principal.actor, sriov=body.mode is VrnicMode.SRIOV) as uow:
             s, c = uow.session, uow.connection
-            if idempotency_key is not None:
+            if idempotency_key is not None and request_hash is not None:
                 earlier = self._by_idempotency_key(s, principal, body, idempotency_key, request_hash)
                 if earlier is not None:
                     raise Replayed(earlier.serial)
@@ -220,7 +232,7 @@ class Vrnics:
                 created_at=now, updated_at=now, released_at=None)
             # The hot path in SQLAlchemy Core (the ORM's flushes cost more than the rest of the request):
             # one INSERT (the serial, and a clash on the idempotency key, come from the database) ...
-            serial = int(c.execute(_INSERT_VRNIC, values).scalar_one())
+            serial = int(_INSERT_VRNIC.scalar(c, values))
             virtual_gid = make_virtual_gid(tenant.vpc_id, serial)
             spec = VrnicSpec(id=public_id, tenant=tenant.name, mode=body.mode, device=place.device or body.device,
                              quota=quota, qos=body.qos, vpc_id=tenant.vpc_id, virtual_gid=virtual_gid,
@@ -235,7 +247,7 @@ class Vrnics:
             placed = dict(virtual_gid=virtual_gid, device_name=info.device, socket_path=info.socket_path,
                           attach_extra=dict(info.extra), device_id=device_id, updated_at=now,
                           attach_token_hash=token_digest(info.token) if info.token else None)
-            c.execute(_PLACE_VRNIC, {**placed, "b_serial": serial})
+            _PLACE_VRNIC.execute(c, {**placed, "b_serial": serial})
             uow.record("vrnic.allocate", f"vrnic/{public_id}", tenant.id,
                        {"mode": body.mode.value, "engine": body.engine.value, "device": info.device,
                         "virtual_gid": virtual_gid, "virtual_ip": virtual_ip,
@@ -252,6 +264,7 @@ class Vrnics:
         s = uow.session
         local = HostRef(self.inventory.host_id, self.inventory.host_name, self.inventory.api_url, UP)
         query = _candidates_for(body.mode)
+        narrowed = body.mode is VrnicMode.SRIOV or body.host is not None or body.device is not None
         if body.mode is VrnicMode.SRIOV:  # VFs are this host's own (its desired state joins this transaction)
             query = query.where(_HOSTS.c.id == local.id)
         if body.host is not None and body.host != local.name:
@@ -263,7 +276,7 @@ class Vrnics:
             query = query.where(_HOSTS.c.id == local.id)
         if body.device is not None:
             query = query.where(_DEVICES.c.name == body.device)
-        rows = uow.connection.execute(query).all()
+        rows = uow.connection.execute(query).all() if narrowed else _prepared_candidates(body.mode).rows(uow.connection)
         if all(r.host_id == local.id and r.max_vrnics is None for r in rows):
             # This host only and nothing capped: its backend picks (by its own load), as on a single host.
             if body.host is not None and body.host != local.name:
@@ -299,7 +312,7 @@ class Vrnics:
             if holder is not None:
                 raise Conflict(f"virtual IP {ip} is taken in this VPC (by {holder})", current_state="taken")
             return ip
-        newest = c.execute(_NEWEST_IP, {"b_tenant": tenant.id}).scalar()
+        newest = _NEWEST_IP.scalar(c, {"b_tenant": tenant.id})
         candidate = next_virtual_ip(tenant.vpc_cidr, newest)
         if candidate is not None and (not check_next or c.execute(
                 _IP_HOLDER, {"b_tenant": tenant.id, "b_ip": candidate}).first() is None):
@@ -317,7 +330,7 @@ class Vrnics:
         if body.tenant is not None and body.tenant != principal.tenant_name:
             raise PermissionDenied("a tenant allocates only for itself")
         # Core, not session.get: the identity-map machinery costs a fifth of an allocation
-        found = uow.connection.execute(_TENANT_BY_ID, {"b_id": principal.tenant_id}).first()
+        found = _TENANT_BY_ID.first(uow.connection, {"b_id": principal.tenant_id})
         if found is None:
             raise Unauthenticated("this token's tenant no longer exists")
         return TenantFacts.of(found)
@@ -541,12 +554,12 @@ class Vrnics:
             except Conflict as exc:
                 refused = exc
                 if row.state != stored:
-                    uow.connection.execute(_PLACE_VRNIC, {"state": row.state, "updated_at": now,
+                    _PLACE_VRNIC.execute(uow.connection, {"state": row.state, "updated_at": now,
                                                           "b_serial": row.serial})
             else:
                 self._release_backend(vrnic_id, backend)
                 changes = {"state": new.value, "released_at": now, "updated_at": now}
-                uow.connection.execute(_PLACE_VRNIC, {**changes, "b_serial": row.serial})
+                _PLACE_VRNIC.execute(uow.connection, {**changes, "b_serial": row.serial})
                 for column, value in changes.items():
                     setattr(row, column, value)
                 uow.record("vrnic.release", f"vrnic/{vrnic_id}", row.tenant_id,

@@ -17,12 +17,13 @@ from sqlalchemy import Connection, Engine, Table, insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from vrnic.db.engine import session_factory
+from vrnic.db.prepared import Prepared
 from vrnic.db.tables import Event, utcnow
 
 log = logging.getLogger(__name__)
 
 DAEMON_ACTOR = "daemon"
-_INSERT_EVENT = insert(cast(Table, Event.__table__))  # built once: compiled once
+_INSERT_EVENT = Prepared(insert(cast(Table, Event.__table__)))
 
 
 class UnitOfWork:
@@ -52,7 +53,7 @@ class UnitOfWork:
                actor: str | None = None) -> None:
         """An audit-log row in this transaction."""
         self.session.flush()  # rows this event may refer to go first
-        self.connection.execute(_INSERT_EVENT, {"at": utcnow(), "actor": actor or self.actor, "action": action,
+        _INSERT_EVENT.execute(self.connection, {"at": utcnow(), "actor": actor or self.actor, "action": action,
                                                 "subject": subject, "tenant_id": tenant_id, "detail": detail})
 
     def _run_undo(self) -> None:
