@@ -504,17 +504,17 @@ def test_a_vf_configured_for_an_allocation_that_failed_to_commit_is_reset(api: T
 def test_a_vf_configured_for_an_allocation_whose_commit_failed_is_reset(api: TestClient, tenant: Any,
                                                                        kernel: MemoryKernel,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from sqlalchemy.orm import Session
+    from sqlalchemy import Connection
 
     red = tenant("red", 100)
     assert api.get("/api/v1/vrnics", headers=red).status_code == 200  # the token is known: no read to commit
-    real = Session.commit
+    real = Connection.commit
 
-    def fail_once(self: Session) -> None:
-        monkeypatch.setattr(Session, "commit", real)
+    def fail_once(self: Connection) -> None:
+        monkeypatch.setattr(Connection, "commit", real)
         raise ConnectionError("the database went away at COMMIT, after the VF was configured")
 
-    monkeypatch.setattr(Session, "commit", fail_once)
+    monkeypatch.setattr(Connection, "commit", fail_once)  # what a write unit of work commits
     with pytest.raises(ConnectionError):
         api.post("/api/v1/vrnics", headers=red, json={"mode": "sriov"})
     assert kernel.vfs[0] == CLEAN_VF  # the undo found the allocation the failed transaction wrote

@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Connection, Engine, func, select
 from sqlalchemy.orm import Session
 
 from vrnic.db.tables import Event, Tenant
@@ -69,12 +69,12 @@ def test_a_failed_commit_runs_the_undo_too(migrated: Engine, monkeypatch: pytest
     db = Database(migrated)
     undone: list[bool] = []
 
-    def commit_fails(self: Session) -> None:
+    def commit_fails(self: Connection) -> None:
         raise ConnectionError("the database went away at COMMIT")
 
     with pytest.raises(ConnectionError):  # noqa: SIM117 - the patch must cover only the block
         with monkeypatch.context() as patch:
-            patch.setattr(Session, "commit", commit_fails)
+            patch.setattr(Connection, "commit", commit_fails)  # a write unit of work commits its connection
             with db.write("operator") as uow:
                 uow.session.add(Tenant(name="acme", vpc_id=1, default_quota={}))
                 uow.on_failure(lambda: undone.append(True))
