@@ -209,16 +209,16 @@ class Vrnics:
     def _allocate(self, principal: Principal, body: VrnicCreate, idempotency_key: str | None,
                   request_hash: str | None, *, check_next_ip: bool) -> VrnicOut:
         with self.tx.write(principal.actor, sriov=body.mode is VrnicMode.SRIOV) as uow:
-            s, c = uow.session, uow.connection
+            c = uow.connection  # the session only where the ORM is needed: making one costs (issue 14)
             if idempotency_key is not None and request_hash is not None:
-                earlier = self._by_idempotency_key(s, principal, body, idempotency_key, request_hash)
+                earlier = self._by_idempotency_key(uow.session, principal, body, idempotency_key, request_hash)
                 if earlier is not None:
                     raise Replayed(earlier.serial)
             tenant = self._allocating_tenant(uow, principal, body)
             if tenant.max_vrnics is not None:
                 # PostgreSQL: hold the tenant row so concurrent allocations cannot both pass the count.
-                s.execute(select(Tenant.id).where(Tenant.id == tenant.id).with_for_update())
-                check_vrnic_count(tenant.max_vrnics, live_vrnics(s, tenant.id))
+                uow.session.execute(select(Tenant.id).where(Tenant.id == tenant.id).with_for_update())
+                check_vrnic_count(tenant.max_vrnics, live_vrnics(uow.session, tenant.id))
             quota = body.quota or Quota.model_validate(tenant.default_quota)
             place = self._place(uow, body)
             virtual_ip = self._virtual_ip(c, tenant, body.virtual_ip, check_next=check_next_ip)
@@ -261,14 +261,13 @@ class Vrnics:
     def _place(self, uow: UnitOfWork, body: VrnicCreate) -> Placement:
         """The host and device of a new vRNIC. Capped devices are locked (PostgreSQL: FOR UPDATE) and counted
         here, so the row inserted next is seen by every other allocation that waits for that lock."""
-        s = uow.session
         local = HostRef(self.inventory.host_id, self.inventory.host_name, self.inventory.api_url, UP)
         query = _candidates_for(body.mode)
         narrowed = body.mode is VrnicMode.SRIOV or body.host is not None or body.device is not None
         if body.mode is VrnicMode.SRIOV:  # VFs are this host's own (its desired state joins this transaction)
             query = query.where(_HOSTS.c.id == local.id)
         if body.host is not None and body.host != local.name:
-            wanted = self.inventory.find_host(s, body.host)
+            wanted = self.inventory.find_host(uow.session, body.host)
             if not wanted.up:
                 raise Unavailable(f"host {body.host} is down: vRNICs are not placed there")
             query = query.where(_HOSTS.c.id == wanted.id)
@@ -276,14 +275,15 @@ class Vrnics:
             query = query.where(_HOSTS.c.id == local.id)
         if body.device is not None:
             query = query.where(_DEVICES.c.name == body.device)
-        rows = uow.connection.execute(query).all() if narrowed else _prepared_candidates(body.mode).rows(uow.connection)
+        rows = (uow.connection.execute(query).all() if narrowed
+                else _prepared_candidates(body.mode).rows(uow.connection))
         if all(r.host_id == local.id and r.max_vrnics is None for r in rows):
             # This host only and nothing capped: its backend picks (by its own load), as on a single host.
             if body.host is not None and body.host != local.name:
                 raise NotSupported(f"host {body.host} has no device for mode {body.mode}"
                                    + (f" named {body.device}" if body.device else ""))
             return Placement(local, None, None)
-        live = dict(s.execute(select(_VRNICS.c.device_id, func.count()).where(
+        live = dict(uow.session.execute(select(_VRNICS.c.device_id, func.count()).where(
             _VRNICS.c.device_id.in_([r.id for r in rows]), _LIVE).group_by(_VRNICS.c.device_id)).tuples().all())
         by_key = {(r.host_name, r.name): r for r in rows}
         best = choose((Candidate(r.host_name, r.name, live.get(r.id, 0), r.max_vrnics) for r in rows),
@@ -291,8 +291,8 @@ class Vrnics:
         chosen = by_key[best.host, best.device]
         host = HostRef(chosen.host_id, chosen.host_name, chosen.api_url, chosen.state)
         if chosen.max_vrnics is not None:
-            s.execute(select(Device.id).where(Device.id == chosen.id).with_for_update())
-            count = s.execute(_LIVE_ON_DEVICE, {"b_device": chosen.id}).scalar_one()
+            uow.session.execute(select(Device.id).where(Device.id == chosen.id).with_for_update())
+            count = uow.session.execute(_LIVE_ON_DEVICE, {"b_device": chosen.id}).scalar_one()
             if count >= chosen.max_vrnics:
                 raise Conflict(f"device full: {chosen.host_name}/{chosen.name} holds {count} live vRNIC(s), "
                                f"its cap is {chosen.max_vrnics}", current_state="full")
