@@ -3,11 +3,14 @@ SQLite's one writer at a time; it is passed explicitly, nothing ambient."""
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
+from typing import Any
 
 import pytest
-from sqlalchemy import Connection, Engine, func, select
+from sqlalchemy import Connection, Engine, event, func, select
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from vrnic.db.tables import Event, Tenant
@@ -102,3 +105,30 @@ def test_sqlite_writers_take_turns_in_this_process(migrated: Engine) -> None:
     for t in threads:
         t.join(30)
     assert overlaps == [1] * 8 and _count(db, Tenant) == 8  # one at a time, and none failed as "locked"
+
+
+def test_a_busy_sqlite_database_fails_begin_with_sqlalchemys_operational_error(migrated: Engine) -> None:
+    """BEGIN IMMEDIATE goes straight to sqlite3; a database another process holds past the busy timeout is
+    still SQLAlchemy's OperationalError (the API answers it with 503), and the next unit of work goes on."""
+    if migrated.dialect.name != "sqlite":
+        pytest.skip("SQLite's write lock")
+
+    @event.listens_for(migrated, "connect")
+    def short_wait(dbapi_connection: Any, _record: Any) -> None:  # after the engine's own set-up: it wins
+        dbapi_connection.execute("PRAGMA busy_timeout=50")
+
+    migrated.dispose()  # the pool's connections are made again, with the short wait
+    holder = sqlite3.connect(str(migrated.url.database), isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    db = Database(migrated)
+    try:
+        with pytest.raises(OperationalError) as caught, db.write("operator"):
+            pytest.fail("the unit of work began while another process held the write lock")
+        assert isinstance(caught.value.orig, sqlite3.OperationalError) and "locked" in str(caught.value.orig)
+        assert caught.value.statement == "BEGIN IMMEDIATE"
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    with db.write("operator") as uow:
+        uow.record("tenant.create", "tenant/after", None, {})
+    assert _count(db, Event) == 1

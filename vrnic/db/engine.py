@@ -8,8 +8,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 log = logging.getLogger(__name__)
@@ -106,12 +107,17 @@ def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
-def _sqlite_begin(connection: Any) -> None:
+def _sqlite_begin(connection: Connection) -> None:
     # A deferred transaction that later writes fails at once with SQLITE_BUSY under concurrency
     # (busy_timeout does not apply to lock upgrades); taking the write lock up front makes it wait instead.
     # Sessions that only read say so (execution option vrnic_read_only) and run beside the writer (WAL).
-    read_only = connection.get_execution_options().get("vrnic_read_only", False)
-    connection.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+    statement = "BEGIN" if connection.get_execution_options().get("vrnic_read_only", False) else "BEGIN IMMEDIATE"
+    # Straight to the DBAPI connection (SQLAlchemy's execution around it cost more than the BEGIN, issue 14);
+    # an error is raised as SQLAlchemy's (a busy database: OperationalError, which the API answers with 503).
+    try:
+        connection.connection.driver_connection.execute(statement)  # type: ignore[union-attr]
+    except sqlite3.Error as exc:
+        raise DBAPIError.instance(statement, (), exc, sqlite3.Error, dialect=connection.dialect) from exc
 
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:
