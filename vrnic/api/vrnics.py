@@ -230,8 +230,8 @@ class Vrnics:
                 qos=body.qos.model_dump(), virtual_gid=public_id, virtual_ip=virtual_ip, socket_path=None,
                 attach_extra={}, attach_token_hash=None, idempotency_key=idempotency_key, request_hash=request_hash,
                 created_at=now, updated_at=now, released_at=None)
-            # The hot path in SQLAlchemy Core (the ORM's flushes cost more than the rest of the request):
-            # one INSERT (the serial, and a clash on the idempotency key, come from the database) ...
+            # The hot path in Core statements run Prepared (the ORM's flushes cost more than the rest of the
+            # request): one INSERT (the serial, and a clash on the idempotency key, come from the database) ...
             serial = int(_INSERT_VRNIC.scalar(c, values))
             virtual_gid = make_virtual_gid(tenant.vpc_id, serial)
             spec = VrnicSpec(id=public_id, tenant=tenant.name, mode=body.mode, device=place.device or body.device,

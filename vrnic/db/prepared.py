@@ -58,8 +58,7 @@ class Prepared:
             compiled = self._compile(dialect, params)
         values = compiled.compiled.construct_params(params)
         if compiled.positional is not None:
-            sent: Any = [value if proc is None else proc(value)
-                         for proc, value in ((proc, values[name]) for name, proc in compiled.positional)]
+            sent: Any = [values[name] if proc is None else proc(values[name]) for name, proc in compiled.positional]
         else:
             sent = {name: values[name] if proc is None else proc(values[name]) for name, proc in compiled.named}
         cursor = connection.connection.cursor()
