@@ -262,8 +262,7 @@ class Vrnics:
         """The host and device of a new vRNIC. Capped devices are locked (PostgreSQL: FOR UPDATE) and counted
         here, so the row inserted next is seen by every other allocation that waits for that lock."""
         local = HostRef(self.inventory.host_id, self.inventory.host_name, self.inventory.api_url, UP)
-        query = _candidates_for(body.mode)
-        narrowed = body.mode is VrnicMode.SRIOV or body.host is not None or body.device is not None
+        query = every = _candidates_for(body.mode)
         if body.mode is VrnicMode.SRIOV:  # VFs are this host's own (its desired state joins this transaction)
             query = query.where(_HOSTS.c.id == local.id)
         if body.host is not None and body.host != local.name:
@@ -275,8 +274,9 @@ class Vrnics:
             query = query.where(_HOSTS.c.id == local.id)
         if body.device is not None:
             query = query.where(_DEVICES.c.name == body.device)
-        rows = (uow.connection.execute(query).all() if narrowed
-                else _prepared_candidates(body.mode).rows(uow.connection))
+        # the usual request narrows nothing: its query runs Prepared; a narrowed one is built per request
+        rows = (_prepared_candidates(body.mode).rows(uow.connection) if query is every
+                else uow.connection.execute(query).all())
         if all(r.host_id == local.id and r.max_vrnics is None for r in rows):
             # This host only and nothing capped: its backend picks (by its own load), as on a single host.
             if body.host is not None and body.host != local.name:
