@@ -6,6 +6,9 @@ into these; everything above them only ever sees a VrnicError.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 
 class VrnicError(Exception):
     """Base of every error vrnic raises on purpose."""
@@ -95,6 +98,31 @@ class DeviceError(VrnicError):
         return {**super().to_dict(), "errno": self.errno}
 
 
+class ApiError(VrnicError):
+    """The REST API answered with a problem (its JSON body in `problem`); raised by the API's clients."""
+
+    code = "api_error"
+
+    def __init__(self, status: int, problem: dict[str, Any]) -> None:
+        self.status = status
+        self.problem = problem
+        detail = problem.get("detail") or problem.get("title") or "request failed"
+        state = f" (current state: {problem['current_state']})" if problem.get("current_state") else ""
+        super().__init__(f"{status} {problem.get('code', 'error')}: {detail}{state}")
+
+    @classmethod
+    def from_answer(cls, status: int, body: str, reason: str) -> ApiError:
+        """The error for an answer of status >= 400, whether or not its body is a JSON problem."""
+        try:
+            problem = json.loads(body)
+        except ValueError:
+            problem = {"detail": body[:200] or reason}
+        return cls(status, problem if isinstance(problem, dict) else {"detail": str(problem)})
+
+    def to_dict(self) -> dict[str, object]:
+        return {**super().to_dict(), "status": self.status, "problem": self.problem}
+
+
 class LabError(VrnicError):
     """The lab (QEMU guest) could not be prepared or started."""
 
@@ -121,6 +149,9 @@ def error_from_dict(data: dict[str, object]) -> VrnicError:
     if code == Conflict.code:
         state = data.get("current_state")
         return Conflict(message, state if isinstance(state, str) else None)
+    if code == ApiError.code:
+        problem = data.get("problem")
+        return ApiError(_int("status"), problem if isinstance(problem, dict) else {"detail": message})
     # Any class with that code, rebuilt as its nearest ancestor from this module: subclasses kept
     # elsewhere (vrnic.core) may need constructor arguments the wire form does not carry.
     found = _by_code().get(code, VrnicError)

@@ -26,6 +26,7 @@ EXPECTED = {
     errors.Conflict: 409,
     errors.NotSupported: 422,
     errors.DeviceError: 502,
+    errors.ApiError: 502,
     errors.LabError: 500,
     errors.BootFailure: 500,
     SchemaOutOfDate: 503,
@@ -37,6 +38,8 @@ EXPECTED = {
 def _make(cls: type[errors.VrnicError]) -> errors.VrnicError:
     if issubclass(cls, errors.QuotaExceeded):
         return cls("max_qps", 4, 5)
+    if issubclass(cls, errors.ApiError):
+        return cls(404, {"code": "not_found", "detail": "boom"})
     return cls("boom")
 
 

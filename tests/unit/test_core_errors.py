@@ -11,6 +11,7 @@ from vrnic.core.proto import ProtocolError
 from vrnic.core.rings import RingCorrupt, WcStatus
 from vrnic.core.translate import WrRejected
 from vrnic.errors import (
+    ApiError,
     BootFailure,
     ChannelLost,
     Conflict,
@@ -55,6 +56,8 @@ EXAMPLES: list[VrnicError] = [
     DeviceError("no errno"),
     LabError("qemu missing"),
     BootFailure("guest did not boot"),
+    ApiError(404, {"code": "not_found", "detail": "vRNIC v-1 does not exist; refusing to start vm1"}),
+    ApiError(409, {"code": "conflict", "detail": "released", "current_state": "released"}),
 ]
 
 

@@ -8,11 +8,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from vrnic.cli.client import ApiError
-from vrnic.errors import InvalidArgument
+from vrnic.errors import ApiError, InvalidArgument, Unavailable
 from vrnic.vm.domain_xml import DirectKernelBoot, VirtioSerialChannel, VmDomain, VrnicAttachment
 from vrnic.vm.hook import (
     HookOp,
@@ -127,7 +125,7 @@ def test_binding_for_a_running_domain() -> None:
     started = parse_hook_call(["vm1", "started", "begin", "-"], LIBVIRT_XML.replace("<memory", "<os><type "
                               "arch='x86_64' machine='pc-q35-7.2'>hvm</type></os><memory"))
     binding = binding_for(started, Path("/ram"))
-    assert binding.model_dump() == {
+    assert binding == {
         "domain": "vm1", "uuid": "757fef6f-c10c-4ed2-b625-46ea44233d94", "machine": "pc-q35-7.2",
         "ram_path": "/ram/libvirt/qemu/3-vm1/pc.ram",
         "vrnics": [{"vrnic_id": "v-1", "channel_socket": "/run/vm1.sock"}]}
@@ -171,7 +169,7 @@ def test_failures_refuse_the_gating_ops_and_never_the_end_ops() -> None:
     api = FakeApi({"POST": refused, "PUT": refused})
     assert _run("prepare", api) == ("refused", "vrnic: vRNIC v-1 does not exist; refusing to start vm1")
     assert _run("started", api)[0] == "refused"
-    down = FakeApi({"POST": httpx.ConnectError("connection refused"), "DELETE": httpx.ConnectError("refused")})
+    down = FakeApi({"POST": Unavailable("connection refused"), "DELETE": Unavailable("refused")})
     outcome, message = _run("prepare", down)
     assert outcome == "refused" and "not reachable" in (message or "")
     assert _run("stopped", down)[0] == "error"  # logged; libvirt goes on stopping the domain

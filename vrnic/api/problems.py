@@ -18,6 +18,7 @@ from starlette.routing import compile_path
 from vrnic.api.schemas import Problem
 from vrnic.db.schema import SchemaOutOfDate
 from vrnic.errors import (
+    ApiError,
     Conflict,
     DeviceError,
     InvalidArgument,
@@ -44,6 +45,7 @@ STATUS: dict[type[VrnicError], int] = {
     Conflict: 409,
     NotSupported: 422,  # understood, but this host cannot do it (mode not enabled, no device)
     DeviceError: 502,  # the kernel or device below us refused
+    ApiError: 502,  # another vrnic API (a client's error) refused: it names that API's own answer
     SchemaOutOfDate: 503,  # someone migrated the database under a running daemon
     Unavailable: 503,  # another host's agent is down or unreachable
 }

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from vrnic.config import DaemonSettings
+from vrnic.errors import ApiError
 
 
 class _DaemonStateDir(BaseSettings):
@@ -44,22 +45,9 @@ class ClientSettings(BaseSettings):
     timeout: float = 30.0
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, problem: dict[str, Any]) -> None:
-        self.status = status
-        self.problem = problem
-        detail = problem.get("detail") or problem.get("title") or "request failed"
-        state = f" (current state: {problem['current_state']})" if problem.get("current_state") else ""
-        super().__init__(f"{status} {problem.get('code', 'error')}: {detail}{state}")
-
-
 def _raise_for_problem(response: httpx.Response) -> None:
     if response.status_code >= 400:
-        try:
-            problem = response.json()
-        except ValueError:
-            problem = {"detail": response.text[:200] or response.reason_phrase}
-        raise ApiError(response.status_code, problem if isinstance(problem, dict) else {"detail": str(problem)})
+        raise ApiError.from_answer(response.status_code, response.text, response.reason_phrase)
 
 
 class ApiClient:

@@ -164,7 +164,7 @@ class LabRunner:
             spec = GuestSpec(kernel=kernel_image(version), initrd=initrd, work_dir=s.work_dir,
                              run_dir=run_dir, role=role, link=link, sriov_nic=request.sriov_nic,
                              qemu=s.qemu_for(request.sriov_nic),
-                             cpus=1 if two_hosts else s.cpus,
+                             cpus=s.two_hosts_cpus if two_hosts else s.cpus,
                              memory_mb=min(s.memory_mb, 1536) if two_hosts else s.memory_mb)
             guests.append((role, qemu_argv(spec), rc_file))
         return run_dir, guests

@@ -32,26 +32,24 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shlex
 import sys
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 from urllib.parse import quote
 
-from vrnic.errors import InvalidArgument
+from vrnic.errors import ApiError, InvalidArgument, Unavailable
 from vrnic.vm.domain_xml import VRNIC_NS, VrnicAttachment
 from vrnic.vm.guest_ram import libvirt_ram_file
 
-if TYPE_CHECKING:
-    from vrnic.core.specs import VmBinding
-
-# libvirtd waits for the hook at every op of every domain: a call with nothing to do imports only the standard
-# library and the XML readers; httpx and pydantic (seconds under the lab's TCG) come with the first REST call.
+# libvirtd waits for the hook at every op of every domain: it imports only the standard library, the XML readers
+# and its REST client on http.client (vrnic.vm.hook_client). httpx and pydantic cost seconds under the lab's TCG.
 
 REFUSE_EXIT = 1
 DEFAULT_MEMORY_BACKING_DIR = Path("/var/lib/libvirt/qemu/ram")  # libvirt's default memory_backing_dir
@@ -167,16 +165,15 @@ def check_xml(event: HookEvent) -> str | None:
     return None
 
 
-def binding_for(event: HookEvent, memory_backing_dir: Path) -> VmBinding:
-    """What vrnicd needs to serve the running domain (its live id names the RAM file)."""
-    from vrnic.core.specs import VmBinding, VmVrnic
-
+def binding_for(event: HookEvent, memory_backing_dir: Path) -> dict[str, Any]:
+    """What vrnicd needs to serve the running domain (its live id names the RAM file): the JSON of a
+    vrnic.core.specs.VmBinding, which the API validates."""
     if event.domain_id is None:
         raise InvalidArgument(f"{event.domain} is not running (no domain id): nothing to bind")
     sockets = dict(event.channels)
-    return VmBinding(domain=event.domain, uuid=event.uuid, machine=event.machine,
-                     ram_path=str(libvirt_ram_file(memory_backing_dir, event.domain_id, event.domain)),
-                     vrnics=[VmVrnic(vrnic_id=v.vrnic_id, channel_socket=sockets[v.channel]) for v in event.vrnics])
+    return {"domain": event.domain, "uuid": event.uuid, "machine": event.machine,
+            "ram_path": str(libvirt_ram_file(memory_backing_dir, event.domain_id, event.domain)),
+            "vrnics": [{"vrnic_id": v.vrnic_id, "channel_socket": sockets[v.channel]} for v in event.vrnics]}
 
 
 class HookApi(Protocol):
@@ -252,8 +249,8 @@ def _incoming_hook(event: HookEvent, api: HookApi, memory_backing_dir: Path, inc
         return "allowed", None
     if event.op is HookOp.STARTED:
         binding = binding_for(event, memory_backing_dir)
-        remote(source["source_url"]).request("POST", f"/vms/{domain}/handover", json_body={
-            "host": source["here"], "binding": binding.model_dump(mode="json")})
+        remote(source["source_url"]).request("POST", f"/vms/{domain}/handover",
+                                             json_body={"host": source["here"], "binding": binding})
         return "handover_prepared", None
     return "passed", None
 
@@ -276,15 +273,11 @@ def run_hook(event: HookEvent, api: HookApi, memory_backing_dir: Path, incoming:
     """
     if passes_through(event):
         return "passed", None
-    import httpx
-
-    from vrnic.cli.client import ApiError  # httpx only: the hook never imports libvirt
-
     domain = quote(event.domain, safe="")
     if event.op in (HookOp.STOPPED, HookOp.RELEASE):
         try:  # at stopped/release the XML has no vRNIC list we can trust to be complete: always ask
             result = api.request("DELETE", f"/vms/{domain}/binding")
-        except (ApiError, httpx.HTTPError) as exc:
+        except (ApiError, Unavailable) as exc:
             return "error", f"vrnic: could not unbind {event.domain}: {exc}"
         unbound = bool(result and result.get("unbound"))
         source = incoming.get(event.domain) if incoming is not None else None
@@ -293,7 +286,7 @@ def run_hook(event: HookEvent, api: HookApi, memory_backing_dir: Path, incoming:
             if not unbound:  # it stops here without ever having been served here: the migration failed
                 try:
                     remote(source["source_url"]).request("DELETE", f"/vms/{domain}/handover")
-                except (ApiError, httpx.HTTPError) as exc:
+                except (ApiError, Unavailable) as exc:
                     return "error", f"vrnic: could not call off {event.domain}'s hand-over on {source['source']}: {exc}"
                 return "handover_called_off", None
         return ("unbound" if unbound else "passed"), None
@@ -319,12 +312,12 @@ def run_hook(event: HookEvent, api: HookApi, memory_backing_dir: Path, incoming:
             return "allowed", None
         if event.op in (HookOp.STARTED, HookOp.RECONNECT):
             binding = binding_for(event, memory_backing_dir)
-            api.request("PUT", f"/vms/{domain}/binding", json_body=binding.model_dump(mode="json"))
+            api.request("PUT", f"/vms/{domain}/binding", json_body=binding)
             return "bound", None
     except ApiError as exc:
         detail = exc.problem.get("detail") or str(exc)
         return "refused", f"vrnic: {detail}"
-    except httpx.HTTPError as exc:
+    except Unavailable as exc:
         return "refused", f"vrnic: vrnicd is not reachable ({exc}); refusing {event.op} of {event.domain}"
     except (InvalidArgument, OSError) as exc:
         what = "migration of " if event.op is HookOp.MIGRATE else ""
@@ -364,6 +357,15 @@ def hook_wrapper_script(python: Path, pythonpath: Path | None, api_url: str, tok
     return "\n".join(lines) + "\n"
 
 
+def _clients_from_environ() -> tuple[HookApi, RemoteApi]:
+    """This host's API and, by URL, other hosts' (the same operator token), as the wrapper script sets them."""
+    from vrnic.vm.hook_client import HookClient, HookClientSettings
+
+    settings = HookClientSettings.from_environ(os.environ)
+    client = HookClient(replace(settings, timeout=max(settings.timeout, HANDOVER_TIMEOUT_S)))
+    return client, client.with_url
+
+
 def main(argv: Sequence[str] | None = None, stdin: str | None = None, api: HookApi | None = None,
          remote: RemoteApi | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
@@ -388,17 +390,15 @@ def main(argv: Sequence[str] | None = None, stdin: str | None = None, api: HookA
     ram_dir = Path(options.get("--memory-backing-dir", str(DEFAULT_MEMORY_BACKING_DIR)))
     outcome, message = "passed", None
     if not passes_through(event):
-        if api is None:
-            from vrnic.cli.client import ApiClient, ClientSettings
-
-            settings = ClientSettings()
-            settings = settings.model_copy(update={"timeout": max(settings.timeout, HANDOVER_TIMEOUT_S)})
-            api = ApiClient(settings)
-
-            def remote(url: str) -> HookApi:
-                return ApiClient(settings.model_copy(update={"url": url}))  # the same operator token
-        incoming = IncomingDomains(Path(options.get("--state-dir", str(DEFAULT_STATE_DIR))))
-        outcome, message = run_hook(event, api, ram_dir, incoming, remote)
+        try:
+            if api is None:
+                api, remote = _clients_from_environ()
+        except InvalidArgument as exc:  # a bad URL or timeout: the end ops never refuse
+            ending = event.op in (HookOp.STOPPED, HookOp.RELEASE)
+            outcome, message = ("error" if ending else "refused"), f"vrnic: {exc}"
+        else:
+            incoming = IncomingDomains(Path(options.get("--state-dir", str(DEFAULT_STATE_DIR))))
+            outcome, message = run_hook(event, api, ram_dir, incoming, remote)
     record = {"domain": event.domain, "op": str(event.op), "sub_op": event.sub_op, "domain_id": event.domain_id,
               "vrnics": [v.vrnic_id for v in event.vrnics], "outcome": outcome,
               "duration_ms": (time.monotonic() - started) * 1000, "error": message}
