@@ -40,7 +40,7 @@ class LabSettings(BaseSettings):
     sriov_qemu_dir: Path = Path("/opt/vrnic/qemu10")
     memory_mb: int = 2048
     cpus: int = 2
-    two_hosts_cpus: int = 1  # per guest of --topology two-hosts
+    two_hosts_cpus: int = 1  # per guest of --topology two-hosts; 2 each was no faster on a 2-core host
     netdevsim_vfs: int = 4
 
     def qemu_for(self, sriov_nic: bool) -> str:

@@ -98,6 +98,7 @@ def test_the_hook_admits_binds_and_unbinds_through_the_api(served: tuple[str, Te
                 if line.startswith("import time:")}
     assert "vrnic" in imported and not imported & {"httpx", "pydantic", "pydantic_core", "typer", "rich"}
     assert hook.sockets.is_dir()  # QEMU binds the channel there
+    assert 0 <= record["duration_ms"] <= record["process_ms"]  # the call, within the process libvirtd waits for
     rc, err, record = hook.run("started", vrnic)
     assert (rc, record["outcome"]) == (0, "bound"), err
     binding = backend.vm_bindings()["vm1"]

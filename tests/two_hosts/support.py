@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import time
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
+from vrnic.config import PROJECT_DIR, lab_output_dir
 from vrnic.lab.two_hosts.rig import Rig
+from vrnic.lab.vm_guest import build_migratable_initramfs
 
 
 def ok(answer: dict[str, Any]) -> dict[str, Any]:
@@ -23,6 +28,16 @@ def eventually(check: Callable[[], Any], timeout: float, every: float = 0.25) ->
         if result or time.monotonic() > deadline:
             return result
         time.sleep(every)
+
+
+@functools.cache
+def migratable_image(mr_bytes: int) -> Path:
+    """The migratable VM's boot image (vrnic.lab.vm_guest), built once per run for every test that boots it: a
+    build takes 30-50 s under TCG. In the lab's output dir, which both hosts see at the same path."""
+    target = lab_output_dir("two-hosts", "images") / f"migratable-{mr_bytes}.cpio.gz"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return build_migratable_initramfs(os.uname().release, target, PROJECT_DIR,
+                                      program_args=("--mr-bytes", str(mr_bytes)))
 
 
 def release(rig: Rig, *vrnics: dict[str, Any]) -> None:

@@ -34,13 +34,13 @@ from typing import Any
 import pytest
 
 from vrnic.backend.rdma_tool import resource_counts
-from vrnic.config import PROJECT_DIR, lab_output_dir
+from vrnic.config import lab_output_dir
 from vrnic.core.specs import AttachInfo
 from vrnic.lab.kernel import kernel_image
 from vrnic.lab.migration_rig import WRITE_AT, identity, largest_gap_ms, start_stream
 from vrnic.lab.two_hosts.libvirt_target import LibvirtTarget, hook_log
 from vrnic.lab.two_hosts.rig import OPERATOR_TOKEN, Rig, lab_addrs
-from vrnic.lab.vm_guest import CONTROL_PORT, ControlPort, build_migratable_initramfs
+from vrnic.lab.vm_guest import CONTROL_PORT, ControlPort
 from vrnic.lab.vm_host import domain_report
 from vrnic.lab.vm_lab import boot_until_ready
 from vrnic.vm.domain_xml import (
@@ -53,7 +53,7 @@ from vrnic.vm.domain_xml import (
     VrnicAttachment,
 )
 
-from .support import Rigs, eventually, release
+from .support import Rigs, eventually, migratable_image, release
 
 SHARED = lab_output_dir("two-hosts", "virsh")
 SOCKETS = Path("/run/vrnic-virsh/vm")  # the same path on both hosts (b's hook makes it at prepare)
@@ -132,8 +132,7 @@ def test_virsh_migrate_cancelled_then_done_under_rdma_traffic(
     local, remote, kvm = hosts
     print(f"\nnested VMs under {'kvm' if kvm else 'tcg'}")
     SHARED.mkdir(parents=True, exist_ok=True)
-    image = build_migratable_initramfs(os.uname().release, SHARED / "migratable.cpio.gz", PROJECT_DIR,
-                                       program_args=("--mr-bytes", str(MR_BYTES)))
+    image = migratable_image(MR_BYTES)
     token = rig.make_tenant("virsh-mover")
     vm_row, peer_row = rig.allocate("a", token), rig.allocate("a", token)
     baseline = resource_counts()

@@ -32,14 +32,13 @@ from typing import Literal
 import pytest
 
 from vrnic.backend.rdma_tool import resource_counts
-from vrnic.config import PROJECT_DIR, lab_output_dir
+from vrnic.config import lab_output_dir
 from vrnic.lab.migration_rig import WRITE_AT, identity, largest_gap_ms
 from vrnic.lab.two_hosts.rig import Rig
 from vrnic.lab.two_hosts.vm_move import MovingVm
-from vrnic.lab.vm_guest import build_migratable_initramfs
 from vrnic.lab.vm_host import ensure_kvm
 
-from .support import Rigs, eventually, release
+from .support import Rigs, eventually, migratable_image, release
 
 SHARED = lab_output_dir("two-hosts", "xvm")
 DOMAIN = "xmig"
@@ -81,9 +80,7 @@ def booting(rig: Rig) -> tuple[Path, Literal["kvm", "tcg"]]:
     accel: Literal["kvm", "tcg"] = "kvm" if ensure_kvm() and str(kvm_b.get("stdout", "")).strip() == "True" else "tcg"
     print(f"\nnested VMs under {accel}")
     SHARED.mkdir(parents=True, exist_ok=True)
-    image = build_migratable_initramfs(os.uname().release, SHARED / "migratable.cpio.gz", PROJECT_DIR,
-                                       program_args=("--mr-bytes", str(MR_BYTES)))
-    return image, accel
+    return migratable_image(MR_BYTES), accel
 
 
 @dataclass

@@ -188,6 +188,7 @@ def test_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert [(r["op"], r["outcome"], r["domain"]) for r in records] == [("started", "bound", "vm1"),
                                                                         ("started", "refused", "vm1")]
     assert records[1]["error"].startswith("vrnic: vRNIC v-1 was released") and records[0]["duration_ms"] >= 0
+    assert records[0]["process_ms"] >= records[0]["duration_ms"]  # this test process began long before the call
 
 
 def test_wrapper_script_and_chaining(tmp_path: Path) -> None:
