@@ -119,8 +119,8 @@ class ApiError(VrnicError):
             problem = {"detail": body[:200] or reason}
         return cls(status, problem if isinstance(problem, dict) else {"detail": str(problem)})
 
-    def to_dict(self) -> dict[str, object]:
-        return {**super().to_dict(), "status": self.status, "problem": self.problem}
+    def to_dict(self) -> dict[str, object]:  # named apart from a problem body's own status
+        return {**super().to_dict(), "api_status": self.status, "api_problem": self.problem}
 
 
 class LabError(VrnicError):
@@ -150,8 +150,8 @@ def error_from_dict(data: dict[str, object]) -> VrnicError:
         state = data.get("current_state")
         return Conflict(message, state if isinstance(state, str) else None)
     if code == ApiError.code:
-        problem = data.get("problem")
-        return ApiError(_int("status"), problem if isinstance(problem, dict) else {"detail": message})
+        problem = data.get("api_problem")
+        return ApiError(_int("api_status"), problem if isinstance(problem, dict) else {"detail": message})
     # Any class with that code, rebuilt as its nearest ancestor from this module: subclasses kept
     # elsewhere (vrnic.core) may need constructor arguments the wire form does not carry.
     found = _by_code().get(code, VrnicError)

@@ -75,3 +75,12 @@ def test_problem_body_carries_the_error_fields() -> None:
 def test_unauthenticated_says_bearer() -> None:
     response = problem(401, "unauthenticated", "missing bearer token", _request())
     assert response.headers["www-authenticate"] == "Bearer"
+
+
+def test_an_api_error_keeps_the_problem_bodys_own_status() -> None:
+    """Should another API's refusal reach ours, it answers 502 and names that API's answer beside its own."""
+    exc = errors.ApiError(404, {"code": "not_found", "detail": "vRNIC v-1 does not exist"})
+    response = problem(status_of(exc), exc.code, str(exc), _request(), exc.to_dict())
+    body = json.loads(bytes(response.body))
+    assert (response.status_code, body["status"], body["api_status"]) == (502, 502, 404)
+    assert body["api_problem"]["detail"] == "vRNIC v-1 does not exist"
