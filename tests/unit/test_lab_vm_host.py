@@ -111,6 +111,19 @@ def test_early_stop_is_a_domain_gone_before_the_guest_spoke() -> None:
     assert early_stop(False, "vm: init at 0.8 s\nvm: insmod igbvf failed\n", "vm: init at") is None
 
 
+def test_a_guest_gone_after_its_boot_steps_alone_is_transient_too() -> None:
+    steps = ("init at", "root mounted at")
+    silent = "vm: init at 21.81 s\n[ 22.1] random: crng init done\nvm: root mounted at 25.74 s\n"
+    reason = early_stop(False, silent, "vm:", steps)
+    assert reason is not None and "after its boot steps alone" in reason and "root mounted at 25.74 s" in reason
+    assert early_stop(False, silent, "vm:") is None  # no steps named: the guest spoke
+    assert early_stop(True, silent, "vm:", steps) is None  # still running
+    # its scripts said why: the feature's business, never retried
+    for said in ("vm: boot failed: mount hostroot\n", "vm: program exited (1)\n", "vm: power button\n"):
+        assert early_stop(False, silent + said, "vm:", steps) is None
+    assert "console is empty" in (early_stop(False, "", "vm:", steps) or "")
+
+
 def test_read_from_an_offset_of_an_appended_log(tmp_path: Path) -> None:
     log = tmp_path / "console.log"
     assert read_from(log) == ""

@@ -47,6 +47,7 @@ MODULES = ("virtio_pci", "virtio_console", "9pnet_virtio", "9p", "button", "evde
 CONTROL_PORT = "org.vrnic.ctl"
 HUGEPAGES = 8  # 16 MiB: the frontend's default arena is four
 MARK = "vrnic-vm:"
+BOOT_STEPS = ("init at", "root mounted at")  # what the images' /init prints before the program runs
 
 INIT = """#!/bin/busybox sh
 /bin/busybox --install -s /bin

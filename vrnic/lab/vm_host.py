@@ -17,7 +17,8 @@ that runs out raises LabError naming what it waited for, with `domain_report()` 
 domain, the tails of its QEMU log and serial console, the QEMU processes, the lab kernel's last lines).
 
 A nested guest under nested KVM in the TCG lab sometimes stops before its first word: the domain shuts
-off with an empty console, or its QEMU dies. `early_stop()` recognises that; tests raise NestedBootFailed
+off with an empty console, or its QEMU dies; once it powered off silently right after its /init's own boot
+steps (CI, late 2026). `early_stop()` recognises that; tests raise NestedBootFailed
 and `retry_boot_once()` boots once more, saying so. Only the boot is retried, never a check of a feature.
 
 `python -m vrnic.lab.vm_host` (inside the lab) starts the host, prints timings and capabilities, stops it.
@@ -37,7 +38,7 @@ import threading
 import time
 import warnings
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -139,14 +140,21 @@ def capabilities_domain_types(capabilities_xml: str) -> frozenset[str]:
                      for d in arch.iter("domain"))
 
 
-def early_stop(running: bool, console: str, marker: str) -> str | None:
+def early_stop(running: bool, console: str, marker: str, progress: Sequence[str] = ()) -> str | None:
     """Why a nested guest's boot counts as the transient failure (None: it does not).
 
     That is: the domain no longer runs, and its serial console never showed `marker`, the first thing the
-    guest's own /init prints. A guest that got as far as its /init and then failed is not transient: what
-    follows is the feature's business.
+    guest's own /init prints, or showed only the lines with `marker` that contain one of `progress` (the boot's
+    own steps, before the program runs): the guest's kernel went down without a word from its scripts, which
+    say why when they fail. A guest that said anything else and then failed is not transient: what follows is
+    the feature's business.
     """
-    if running or marker in console:
+    if running:
+        return None
+    said = [line for line in console.splitlines() if marker in line]
+    if said and progress and all(any(step in line for step in progress) for line in said):
+        return f"the domain stopped after its boot steps alone, before its program spoke; last: {said[-1][-200:]!r}"
+    if said:
         return None
     text = console.strip()
     seen = f"its console holds {len(text)} bytes, last: {text.splitlines()[-1][-200:]!r}" if text else \
@@ -333,12 +341,13 @@ def retry_boot_once(boot: Callable[[], T], what: str, say: Callable[[str], None]
 
 def boot_and_wait(name: str, start: Callable[[], None], ready: Callable[[], T], console: Path,
                   report: Callable[[], str], marker: str, undo: Callable[[], object] = lambda: None,
-                  say: Callable[[str], None] = print) -> T:
+                  say: Callable[[str], None] = print, progress: Sequence[str] = ()) -> T:
     """start() a defined domain, then ready() (which closes what it opened when it raises): what ready() returns.
 
-    A nested guest that stops before its /init printed `marker` (early_stop) is undo()ne and booted once more,
-    and `say` tells. Whatever start() raises goes straight to the caller (a hook's refusal is the feature's
-    answer); ready()'s OSError or VrnicError otherwise becomes LabError with report() (the domain's logs)."""
+    A nested guest that stops before its /init printed `marker`, or after only its boot `progress` lines
+    (early_stop), is undo()ne and booted once more, and `say` tells. Whatever start() raises goes straight to
+    the caller (a hook's refusal is the feature's answer); ready()'s OSError or VrnicError otherwise becomes
+    LabError with report() (the domain's logs)."""
 
     def boot() -> T:
         offset = console.stat().st_size if console.exists() else 0  # the log is appended to, boot after boot
@@ -349,7 +358,7 @@ def boot_and_wait(name: str, start: Callable[[], None], ready: Callable[[], T], 
             if isinstance(exc, ConnectionError):  # QEMU hung up: give libvirt a moment to notice
                 with contextlib.suppress(LabError):
                     wait_until(lambda: not domain_running(name), 15, f"{name} stopping")
-            reason = early_stop(domain_running(name), read_from(console, offset), marker)
+            reason = early_stop(domain_running(name), read_from(console, offset), marker, progress)
             if reason is not None:
                 undo()
                 raise NestedBootFailed(f"{name}: {reason}\n{report()}") from exc

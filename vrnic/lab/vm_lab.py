@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 from vrnic.errors import LabError
-from vrnic.lab.vm_guest import MARK, ControlPort, peer_domain
+from vrnic.lab.vm_guest import BOOT_STEPS, MARK, ControlPort, peer_domain
 from vrnic.lab.vm_host import (
     URI,
     VmHost,
@@ -51,7 +51,7 @@ def boot_until_ready(name: str, start: Callable[[], None], connect: Callable[[],
             control.close()
             raise
 
-    return boot_and_wait(name, start, ready, console, report, MARK, undo=undo, say=say)
+    return boot_and_wait(name, start, ready, console, report, MARK, undo=undo, say=say, progress=BOOT_STEPS)
 
 
 class VmLab:
