@@ -33,7 +33,9 @@ AGENT_TOKEN = "vra_lab-two-hosts-agent"
 DATABASE = "vrnic"
 LOG_DIR = lab_output_dir("two-hosts")  # on the shared work dir: readable after the run
 # Short heartbeats so that "down within the window" is seconds, not minutes (settings of issue 13's agents).
-HEARTBEAT_S, DOWN_AFTER_S = 1.0, 4.0
+# 10 s, not 4: b's agent under TCG missed 4 s of beats at the stage's start in two runs out of the last four, and
+# the host marked down then failed the first test and, with its vRNICs unreleased, the six after it.
+HEARTBEAT_S, DOWN_AFTER_S = 1.0, 10.0
 AGENT_ENV = {"VRNIC_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S), "VRNIC_HOST_DOWN_AFTER_S": str(DOWN_AFTER_S),
              "VRNIC_AGENT_TOKEN": AGENT_TOKEN, "VRNIC_LOG_LEVEL": "info"}
 
