@@ -20,9 +20,9 @@ from urllib.parse import urlsplit
 
 from vrnic.errors import ApiError, InvalidArgument, Unavailable
 
-DEFAULT_URL = "http://127.0.0.1:8470"  # vrnic.cli.client.ClientSettings.url
-DEFAULT_STATE_DIR = Path("/var/lib/vrnic")  # vrnic.config.DaemonSettings.state_dir
-DEFAULT_TIMEOUT_S = 30.0  # ClientSettings.timeout
+DEFAULT_URL = "http://127.0.0.1:8470"  # also vrnic.cli.client.ClientSettings'
+DEFAULT_STATE_DIR = Path("/var/lib/vrnic")  # vrnic.config.DaemonSettings.state_dir (a test holds them equal)
+DEFAULT_TIMEOUT_S = 30.0  # also ClientSettings'
 
 
 @dataclass(frozen=True)
