@@ -11,6 +11,7 @@ from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from vrnic.core.specs import HOST_NAME_PATTERN
+from vrnic.defaults import DEFAULT_STATE_DIR
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 # Set inside a lab guest: the lab's writable output dir (<work_dir>/.lab), which both guests of two-hosts see.
@@ -53,7 +54,7 @@ class DaemonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="VRNIC_", env_file=os.environ.get("VRNIC_CONFIG"),
                                       extra="ignore")
 
-    state_dir: Path = Path("/var/lib/vrnic")
+    state_dir: Path = DEFAULT_STATE_DIR
     database_url: str | None = None  # default: SQLite file state_dir/vrnic.db; or postgresql+psycopg://...
     listen_host: str = "127.0.0.1"
     listen_port: int = Field(8470, ge=0, le=65535)

@@ -21,8 +21,8 @@ from rich.console import Console
 from rich.table import Table
 
 from vrnic.config import DaemonSettings
+from vrnic.defaults import DEFAULT_API_TIMEOUT_S, DEFAULT_API_URL
 from vrnic.errors import ApiError
-from vrnic.vm.hook_client import DEFAULT_TIMEOUT_S, DEFAULT_URL  # the hook's client reads the same defaults
 
 
 class _DaemonStateDir(BaseSettings):
@@ -39,11 +39,11 @@ class ClientSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="VRNIC_API_", env_file=os.environ.get("VRNIC_CONFIG"),
                                       extra="ignore")
 
-    url: str = DEFAULT_URL
+    url: str = DEFAULT_API_URL
     token: SecretStr | None = None
     # written by `vrnic daemon` when none is set, in its state dir (VRNIC_STATE_DIR, as the daemon reads it)
     token_file: Path = Field(default_factory=lambda: _DaemonStateDir().state_dir / "operator-token")
-    timeout: float = DEFAULT_TIMEOUT_S
+    timeout: float = DEFAULT_API_TIMEOUT_S
 
 
 def _raise_for_problem(response: httpx.Response) -> None:

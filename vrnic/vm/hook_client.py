@@ -18,11 +18,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from vrnic.defaults import DEFAULT_API_TIMEOUT_S, DEFAULT_API_URL, DEFAULT_STATE_DIR
 from vrnic.errors import ApiError, InvalidArgument, Unavailable
-
-DEFAULT_URL = "http://127.0.0.1:8470"  # also vrnic.cli.client.ClientSettings'
-DEFAULT_STATE_DIR = Path("/var/lib/vrnic")  # vrnic.config.DaemonSettings.state_dir (a test holds them equal)
-DEFAULT_TIMEOUT_S = 30.0  # also ClientSettings'
 
 
 @dataclass(frozen=True)
@@ -41,10 +38,10 @@ class HookClientSettings:
             state_dir = Path(environ.get("VRNIC_STATE_DIR") or DEFAULT_STATE_DIR)
             token = _read_token(Path(environ.get("VRNIC_API_TOKEN_FILE") or state_dir / "operator-token"))
         try:
-            timeout = float(environ.get("VRNIC_API_TIMEOUT") or DEFAULT_TIMEOUT_S)
+            timeout = float(environ.get("VRNIC_API_TIMEOUT") or DEFAULT_API_TIMEOUT_S)
         except ValueError as exc:
             raise InvalidArgument(f"VRNIC_API_TIMEOUT is not a number: {environ['VRNIC_API_TIMEOUT']!r}") from exc
-        return cls(url=environ.get("VRNIC_API_URL") or DEFAULT_URL, token=token, timeout=timeout)
+        return cls(url=environ.get("VRNIC_API_URL") or DEFAULT_API_URL, token=token, timeout=timeout)
 
     @classmethod
     def _from_client_settings(cls) -> HookClientSettings:
