@@ -4,9 +4,10 @@ pair topology, where traffic from rxe0 to rxe1 leaves through veth0 and so meets
 Proves on the real thing: a vRNIC's class appears with its policy and every vRNIC on the device gets one;
 each connected QP gets a filter (read back with `tc`), which goes with the QP; a cap holds an RDMA WRITE
 stream to within 10 %; a live change (set_qos) applies without disconnecting, and the stream goes on at the
-new cap; drift made with `tc` is put back by reconcile; a guarantee the link cannot give is refused with
-the numbers; what arrives for a vRNIC's QPs is counted (an ingress filter per QP); when no vRNIC on the
-device asks for QoS any more the qdiscs go. Kernel objects are back to their baseline at the end.
+new cap; a live cap whose queue would outlast a connected QP's RC timeout is refused; drift made with `tc` is
+put back by reconcile; a guarantee the link cannot give is refused with the numbers; what arrives for a
+vRNIC's QPs is counted (an ingress filter per QP); when no vRNIC on the device asks for QoS any more the
+qdiscs go. Kernel objects are back to their baseline at the end.
 
 Run: vrnic lab run -e PYTHONPATH=$PWD -- pytest -m kernel tests/kernel/test_qos_rxe.py
 """
@@ -26,7 +27,7 @@ from vrnic.backend.rdma_tool import resource_counts
 from vrnic.core.specs import AttachInfo, QosPolicy, Quota, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
 from vrnic.errors import Conflict
-from vrnic.frontend import SendRequest, WrOpcode
+from vrnic.frontend import QP, SendRequest, WrOpcode
 
 from .conftest import wait_for_baseline
 from .guest_objects import Guest, connected_pair
@@ -82,6 +83,16 @@ def _stream_mb_per_s(writer: Guest, qp: object, reader: Guest, seconds: float) -
     return done * WRITE / (time.monotonic() - start) / 1e6
 
 
+def _connected_pair_with_timeout(a: Guest, b: Guest, timeout: int) -> tuple[QP, QP]:
+    """connected_pair, each QP asking for this RC timeout at RTS."""
+    qa, qb = a.qp(), b.qp()
+    for mine, other, theirs in ((qa, b, qb), (qb, a, qa)):
+        mine.modify("init", access=15)
+        mine.modify("rtr", remote_gid=other.ctx.gid, remote_qpn=theirs.qpn)
+        mine.modify("rts", timeout=timeout)
+    return qa, qb
+
+
 @pytest.fixture
 def qos_driver(device_pair: tuple[str, str], tmp_path: Path) -> Iterator[object]:
     from vrnic.backend.drivers.paravirtual import VerbsDriver
@@ -109,7 +120,9 @@ def test_caps_guarantees_live_changes_and_drift_on_rxe(qos_driver: object, devic
     assert "htb 7672:" not in _tc("qdisc", "show", "dev", dev)  # nobody asks for QoS: nothing installed
     a, peer = Guest(a_info), Guest(peer_info)
     try:
-        qa, qpeer = connected_pair(a, peer)
+        # an RC timeout of 18 (1.07 s): the live caps below hold this QP's packets in the queue longer than the
+        # usual 14 (67 ms) would cover, and a timeout during queueing breaks the QP on rxe (vrnic.core.qos)
+        qa, qpeer = _connected_pair_with_timeout(a, peer, 18)
         uncapped = _stream_mb_per_s(a, qa, peer, 2.0)
         print(f"\nuncapped: {uncapped:.1f} MB/s")
         # a cap on a live vRNIC: its connected QP is classified at once, and the stream obeys
@@ -125,6 +138,12 @@ def test_caps_guarantees_live_changes_and_drift_on_rxe(qos_driver: object, devic
         try:
             qb, _ = connected_pair(b, peer)
             assert set(_classes(dev)) == {"7672:10", "7672:11"} and sorted(_flows(dev)) == ["7672:10", "7672:11"]
+            # qb connected at b's share of the link with the usual timeout: a cap whose queue would outlast it
+            # is refused with the numbers, and nothing changes
+            assert qb.query()["timeout"] == 14
+            with pytest.raises(Conflict, match=r"RC timeout \(QP \d+: 14, 67 ms\); rxe would break them"):
+                drv.set_qos(b_info.vrnic_id, QosPolicy(rate_cap_mbps=4, weight=2))  # type: ignore[attr-defined]
+            assert _classes(dev)["7672:11"] == f"{LINK_MBPS}Mbit"
             # live change while a stream runs: no disconnect, the new cap holds
             drv.set_qos(a_info.vrnic_id, QosPolicy(rate_cap_mbps=cap_mbps * 2))  # type: ignore[attr-defined]
             doubled = _stream_mb_per_s(a, qa, peer, 3.0)

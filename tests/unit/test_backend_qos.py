@@ -9,10 +9,10 @@ from collections.abc import Callable
 import pytest
 
 from vrnic.backend.drivers.paravirtual import VerbsDriver
-from vrnic.core.qos import RateMeter, rc_timeout_floor
+from vrnic.core.qos import RC_TIMEOUT_UNIT_S, RateMeter, queue_wait_s, rc_timeout_floor, rc_timeout_outlasts
 from vrnic.core.specs import AttachInfo, QosPolicy, Quota, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
-from vrnic.errors import NotFound, NotSupported
+from vrnic.errors import Conflict, NotFound, NotSupported
 from vrnic.frontend import CQ, PD, QP, Context
 
 ARENA = 1 << 20
@@ -118,3 +118,32 @@ def test_an_unshaped_devices_link_speed_is_read_once_not_on_every_connect(
         assert driver._unshaped_link_mbps("veth0") == 100  # no speed in sysfs: the operator's figure
         assert driver._unshaped_link_mbps("gone0") is None
     assert sorted(reads) == ["fast0", "gone0", "veth0"]
+
+
+def test_a_policy_whose_queue_would_outlast_a_connected_rc_qps_timeout_is_refused(
+        driver: VerbsDriver, make_vrnic: Callable[..., AttachInfo]) -> None:
+    """rxe breaks an RC QP that times out while its packets wait in the QoS queue (vrnic.core.qos), and a
+    connected QP's timeout cannot change. So a policy that would drain its class slower than that timeout covers
+    is refused, with the numbers; one the timeout covers passes. The in-memory NIC cannot shape, so the rule is
+    asked directly with the policies a change would leave on the device (the lab shows it through set_qos)."""
+    info_a, info_b = make_vrnic(), make_vrnic(device="fake1")
+    with Context.attach(info_b, ARENA) as cb, Context.attach(info_a, ARENA) as ca:
+        pd_a, cq_a, pd_b, cq_b = PD(ca), CQ(ca, 16), PD(cb), CQ(cb, 16)
+        mine, peer = QP(pd_a, cq_a, cq_a), QP(pd_b, cq_b, cq_b)
+        mine.connect(cb.gid, peer.qpn)  # the guest's timeout, 14: 67 ms
+        peer.connect(ca.gid, mine.qpn)
+        on_device, vrnic_id = driver.registry.all_on("fake0"), info_a.vrnic_id
+        # 8 Mbit/s: the 65 packets rxe keeps in flight wait 73 ms in the queue
+        assert queue_wait_s(1024, 1, 8_000) > RC_TIMEOUT_UNIT_S * 2 ** 14 > queue_wait_s(1024, 1, 9_000)
+        with pytest.raises(Conflict, match=rf"QP {mine.qpn}: 14, 67 ms\); rxe would break them") as refused:
+            driver._refuse_outlasted_rc_timeouts(400, on_device, {vrnic_id: QosPolicy(rate_cap_mbps=8)})
+        assert "drain at 8000 kbit/s" in str(refused.value) and "wait 73 ms" in str(refused.value)
+        driver._refuse_outlasted_rc_timeouts(400, on_device, {vrnic_id: QosPolicy(rate_cap_mbps=9)})
+        # another vRNIC's guarantee that leaves this class 8 Mbit/s of the link is refused just the same
+        with pytest.raises(Conflict, match="rxe would break them"):
+            driver._refuse_outlasted_rc_timeouts(400, on_device, {vrnic_id: QosPolicy(), "other": QosPolicy(
+                guarantee_mbps=392)})
+        mine.close()  # a QP that is not connected has nothing in flight to wait
+        driver._refuse_outlasted_rc_timeouts(400, on_device, {vrnic_id: QosPolicy(rate_cap_mbps=1)})
+        peer.close()
+    assert rc_timeout_outlasts(0, 3600.0) and rc_timeout_outlasts(14, 0.067) and not rc_timeout_outlasts(14, 0.068)

@@ -30,7 +30,7 @@ from vrnic.backend.rnic_edge import PORT, DeviceContext, QpCaps, RtrParams, RtsP
 from vrnic.core import verb_args
 from vrnic.core.handover import QpCarry
 from vrnic.core.migration import DirtyLog
-from vrnic.core.qos import rc_timeout, rc_timeout_floor
+from vrnic.core.qos import queue_wait_s, rc_timeout, rc_timeout_floor, rc_timeout_outlasts
 from vrnic.core.quota import Resource
 from vrnic.core.rings import CQ_SLOT, RQ_SLOT, SQ_SLOT, Access, Ring, RingFlags
 from vrnic.core.session_state import (
@@ -448,6 +448,19 @@ class GuestSession:
         if connected is None:
             connected = self._rc_connected()
         return rc_timeout(asked, rc_timeout_floor(path_mtu, max(connected, 1), drain))
+
+    def rc_timeouts_outlasted(self, drain_kbit: int) -> list[tuple[int, int, float]]:
+        """The connected RC QPs whose timeout, as the NIC holds it, a class draining at drain_kbit would outlast
+        with all their packets in flight waiting in its queue: (virtual QPN, timeout, that wait in s)."""
+        with self.lock:
+            connected = [qp for _, qp in self.state.qps.items() if qp.qp_type == "rc" and qp.dest_qpn is not None]
+            outlasted = []
+            for qp in connected:
+                wait = queue_wait_s(qp.link.get("path_mtu", 1024), len(connected), drain_kbit)
+                timeout = self.device.query_rc_timeout(qp.obj)
+                if not rc_timeout_outlasts(timeout, wait):
+                    outlasted.append((qp.vqpn, timeout, wait))
+            return outlasted
 
     def _drain_kbit(self) -> int | None:
         return self.qos_drain_kbit() if self.qos_drain_kbit is not None else None

@@ -103,7 +103,9 @@ def plan_classes(link_mbps: int, shaped: Iterable[Shaped]) -> dict[str, HtbClass
 # library's 14 is 67 ms), while the originals still wait in the qdisc; a second timeout during that retry can
 # restart the message at a PSN past its end (req_retry() in rxe_req.c counts the PSNs already acknowledged
 # into the head WQE even when ACKs of the originals took it past its last), and the responder then NAKs
-# "invalid request" (IBV_WC_REM_INV_REQ_ERR at the requester). So no shaped RC QP may time out on queueing.
+# "invalid request" (IBV_WC_REM_INV_REQ_ERR at the requester). So no shaped RC QP may time out on queueing:
+# vrnicd raises a QP's timeout at RTS, and refuses a later policy that slows its class below what that timeout
+# covers (RTS->RTS cannot change a timeout; seen in the lab as a live 8 Mbit/s cap on a QP connected at 14).
 RXE_PACKETS_IN_FLIGHT = 65  # rxe stops a QP's requester once more than 64 of its packets are not yet freed
 ROCE_V2_OVERHEAD = 94  # wire bytes around a payload: Ethernet 14, IPv6 40 (IPv4 20), UDP 8, BTH 12, RETH 16, ICRC 4
 # The class's rate may fall to a quarter of its share at connect (guarantees admitted later), or emulation stall
@@ -117,6 +119,11 @@ def queue_wait_s(path_mtu: int, qps: int, drain_kbit: int) -> float:
     """The longest a packet can wait in a class that qps RC QPs send into: all their packets in flight ahead of
     it, drained at the class's guaranteed rate (HTB never gives a class less than its rate)."""
     return qps * RXE_PACKETS_IN_FLIGHT * (path_mtu + ROCE_V2_OVERHEAD) * 8 / (max(drain_kbit, MIN_RATE_KBIT) * 1000)
+
+
+def rc_timeout_outlasts(timeout: int, wait_s: float) -> bool:
+    """Whether an RC timeout exponent (0: none) outlasts a wait of wait_s in the queue."""
+    return timeout == 0 or RC_TIMEOUT_UNIT_S * (1 << timeout) >= wait_s
 
 
 def rc_timeout_floor(path_mtu: int, qps: int, drain_kbit: int, margin: float = RC_TIMEOUT_MARGIN) -> int:

@@ -44,7 +44,7 @@ from vrnic.backend.vm_link import VmLink, connect_channel
 from vrnic.core.handover import HandoverPhase, QpCarry
 from vrnic.core.migration import MigrationPhase
 from vrnic.core.peer_wire import MrWindowWire
-from vrnic.core.qos import admit, drain_kbit
+from vrnic.core.qos import RC_TIMEOUT_UNIT_S, admit, drain_kbit
 from vrnic.core.recovery import token_digest
 from vrnic.core.session_state import SessionSnapshot
 from vrnic.core.specs import (
@@ -727,8 +727,31 @@ class VerbsDriver(RnicDriver):
         shaper = self._shapers.get(device)
         link = shaper.link_mbps if shaper is not None else (link_speed_mbps(uplink_netdev(device))
                                                              or self.qos_link_mbps)
-        others = [v.spec.qos for v in self.registry.all_on(device) if v.spec.id != vrnic_id]
-        admit(link, others, policy)
+        on_device = self.registry.all_on(device)
+        admit(link, [v.spec.qos for v in on_device if v.spec.id != vrnic_id], policy)
+        if link is not None:
+            self._refuse_outlasted_rc_timeouts(link, on_device,
+                                               {v.spec.id: v.spec.qos for v in on_device} | {vrnic_id: policy})
+
+    def _refuse_outlasted_rc_timeouts(self, link_mbps: int, on_device: list[VirtualRnic],
+                                      policies: dict[str, QosPolicy]) -> None:
+        """Refuse policies that would drain a vRNIC's class so slowly that its connected RC QPs time out while
+        their packets wait in its queue: rxe then breaks them (vrnic.core.qos). A QP's timeout was raised at
+        RTS for its class's rate then, and RTS cannot change it; a QP connected after the change gets its own."""
+        for vrnic in on_device:
+            session = vrnic.session
+            if not isinstance(session, GuestSession):
+                continue
+            drain = drain_kbit(link_mbps, policies, vrnic.spec.id)
+            outlasted = session.rc_timeouts_outlasted(drain)
+            if outlasted:
+                vqpn, timeout, wait_s = outlasted[0]
+                raise Conflict(
+                    f"vRNIC {vrnic.spec.id}'s QoS class would drain at {drain} kbit/s, where the packets its "
+                    f"{len(outlasted)} connected RC QP(s) keep in flight wait {wait_s * 1000:.0f} ms, longer than "
+                    f"their RC timeout (QP {vqpn}: {timeout}, {RC_TIMEOUT_UNIT_S * (1 << timeout) * 1000:.0f} ms); "
+                    f"rxe would break them. Set the policy before they connect, connect them with a longer "
+                    f"timeout, or reconnect them after", current_state="rc_timeout_too_short")
 
     def _qos_drain_kbit(self, device: str, vrnic_id: str) -> int | None:
         """The rate the vRNIC's class on the device drains at, with every vRNIC there shaped as it asks (as
