@@ -153,12 +153,14 @@ class Rig:
             raise LabError(f"asked for a vRNIC on {host}, got one on {vrnic['host']}")
         return vrnic
 
-    def release(self, vrnic_id: str, timeout: float = 15.0) -> httpx.Response:
-        """DELETE it through a's API, the operator's token; a guest killed a moment ago may count as attached
-        until its agent notices (409), so that answer is asked again until timeout. The last answer."""
+    def release(self, vrnic_id: str, timeout: float = 30.0) -> httpx.Response:
+        """DELETE it through a's API, the operator's token. Asked again until timeout: a guest killed a moment ago
+        may count as attached until its agent notices (409), and under TCG b's agent may miss beats for a few
+        seconds (503, host down), which left its vRNICs filling b's device for the tests after. The last answer."""
         deadline = time.monotonic() + timeout
         with self.client("a") as api:
-            while (answer := api.delete(f"/vrnics/{vrnic_id}")).status_code == 409 and time.monotonic() < deadline:
+            while (answer := api.delete(f"/vrnics/{vrnic_id}")).status_code in (409, 503) \
+                    and time.monotonic() < deadline:
                 time.sleep(0.25)
         return answer
 
