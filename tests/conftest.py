@@ -159,6 +159,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     kind = progress.outcome_of(report.when, report.outcome) if path is not None else None
     if path is not None and kind is not None:
         progress.record(path, kind, report.nodeid)
+        if kind == "failed":
+            progress.record_failure(path, report.nodeid, report.when, report.longreprtext,
+                                    report.capstdout + report.capstderr)
 
 
 @pytest.fixture

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from vrnic.lab import guest_faults, hang_watch, progress
 from vrnic.lab.guest import EXIT_GUEST_LOST
 
@@ -68,6 +70,10 @@ def test_a_second_run_skips_what_the_first_decided(tmp_path: Path) -> None:
         after_first = progress.Progress.read(progress_file)
         assert after_first.running is not None and after_first.running.endswith("::test_c")
         assert sorted(n.rsplit("::", 1)[1] for n in after_first.outcomes) == ["test_a", "test_b"]
+        # test_b's report was kept when it failed: the first run never reached pytest's summary
+        reports = progress.failure_reports(progress_file)
+        assert reports.startswith(f"==== {tests.relative_to(ROOT)}::test_b failed in call\n"), reports
+        assert "assert False" in reports and "---- what it printed" not in reports
 
         second = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert second.returncode == 0, second.stdout + second.stderr
@@ -250,3 +256,36 @@ def test_a_test_failing_on_an_emulator_fault_ends_the_command_as_a_lost_guest(tm
         assert [n.rsplit("::", 1)[1] for n in final.failed] == ["test_plain_failure"]
     finally:
         tests.unlink(missing_ok=True)
+
+
+def test_failure_reports_keep_each_reports_end_and_what_it_printed(tmp_path: Path) -> None:
+    path = tmp_path / "progress.txt"
+    assert progress.failure_reports(path) == ""
+    long_report = "\n".join(f"line {n}" for n in range(100)) + "\nE   assert 1 == 2"
+    progress.record_failure(path, "a.py::t1", "call", long_report, "uncapped: 4.2 MB/s\n")
+    progress.record_failure(path, "a.py::t2", "teardown", "E   kernel objects leaked", "")
+    assert progress.failures_file(path) == tmp_path / "progress.failures.txt"
+    reports = progress.failure_reports(path, max_lines=5)
+    assert reports.split("\n") == [
+        "==== a.py::t1 failed in call", "...", "line 98", "line 99", "E   assert 1 == 2", "---- what it printed",
+        "uncapped: 4.2 MB/s", "==== a.py::t2 failed in teardown", "E   kernel objects leaked"]
+
+
+def test_a_rerun_shows_what_failed_in_the_guest_that_died(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The new guest passes what was left; the run still fails for the test that failed in the first one, and
+    that test's report, kept when it failed, is shown (pytest's own summary died with the guest)."""
+    from vrnic.cli.lab import _rerun
+
+    class NewGuest:
+        panicked = None
+
+        def run(self, request: object) -> int:
+            return 0
+
+    path = tmp_path / "progress.txt"
+    path.write_text("start a.py::t1\nfailed a.py::t1\nstart a.py::t2\n")
+    progress.record_failure(path, "a.py::t1", "call", "E   assert 9 == 0", "uncapped: 4.2 MB/s")
+    assert _rerun(NewGuest(), object(), path) == 1  # type: ignore[arg-type]
+    err = capsys.readouterr().err
+    assert "1 test(s) failed before the guest died: a.py::t1; as reported then" in err
+    assert "==== a.py::t1 failed in call\nE   assert 9 == 0\n---- what it printed\nuncapped: 4.2 MB/s" in err

@@ -89,8 +89,12 @@ def _rerun(runner: LabRunner, request: LabRequest, progress_file: Path) -> int:
     if rc == 0 and (hung or faulted):
         typer.secho(f"vrnic lab: {before.running} {'hung' if hung else 'failed on a lab guest fault'} in the "
                     "first guest and passed in a new one (the report is above)", err=True, fg="yellow")
-    if rc == 0 and before.failed:
+    if before.failed:
+        reports = progress.failure_reports(progress_file)
         typer.secho(f"vrnic lab: {len(before.failed)} test(s) failed before the guest died: "
-                    + ", ".join(before.failed), err=True, fg="red")
-        return 1
+                    + ", ".join(before.failed) + (f"; as reported then ({progress.failures_file(progress_file)}):"
+                                                  if reports else ""), err=True, fg="red")
+        if reports:
+            typer.echo(reports, err=True)
+        return rc or 1
     return rc

@@ -6,6 +6,9 @@ command again; with `VRNIC_TEST_PROGRESS` pointing at this file, that second run
 has an outcome. Only the test that was running when the guest died runs twice; a test that failed is never
 run again, and its failure still fails the whole run.
 
+A failure's report (pytest's text and what the test printed) goes to a second file beside it (failures_file):
+pytest prints its failures at the session's end, which a guest that dies later never reaches.
+
 One line per event: `start <nodeid>`, `<outcome> <nodeid>` (passed, failed, skipped), `hung <nodeid>` when the
 lab's hang watch ended the command under it (vrnic/lab/hang_watch.py), or `faulted <nodeid>` when the test failed
 while the emulator under it faulted (vrnic/lab/guest_faults.py); a test that hung or faulted has no outcome.
@@ -91,3 +94,33 @@ def record(path: Path, kind: str, nodeid: str) -> None:
     # One small append per event; the line is on the host's disk (9p) before the next test starts.
     with path.open("a") as out:
         out.write(f"{kind} {nodeid}\n")
+
+
+def failures_file(path: Path) -> Path:
+    """Where the failures of the run whose progress is at path are reported."""
+    return path.with_name(path.stem + ".failures.txt")
+
+
+def record_failure(path: Path, nodeid: str, when: str, report: str, printed: str) -> None:
+    """A failed phase's report, kept at once beside the progress file."""
+    with failures_file(path).open("a") as out:
+        out.write(f"==== {nodeid} failed in {when}\n{report.rstrip()}\n")
+        if printed.strip():
+            out.write(f"---- what it printed\n{printed.rstrip()}\n")
+
+
+def failure_reports(path: Path, max_lines: int = 80) -> str:
+    """The failures reported so far, each cut to its last max_lines lines (where the assertion is); empty if none."""
+    try:
+        text = failures_file(path).read_text()
+    except FileNotFoundError:
+        return ""
+    reports: list[list[str]] = []
+    for line in text.rstrip("\n").split("\n"):
+        if (line.startswith("==== ") and " failed in " in line) or not reports:
+            reports.append([line])
+        else:
+            reports[-1].append(line)
+    cut = [[head, *(body if len(body) <= max_lines else ["...", *body[-max_lines:]])]
+           for head, *body in reports]
+    return "\n".join(line for report in cut for line in report)
