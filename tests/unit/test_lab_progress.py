@@ -267,8 +267,10 @@ def test_failure_reports_keep_each_reports_end_and_what_it_printed(tmp_path: Pat
     assert progress.failures_file(path) == tmp_path / "progress.failures.txt"
     reports = progress.failure_reports(path, max_lines=5)
     assert reports.split("\n") == [
-        "==== a.py::t1 failed in call", "...", "line 98", "line 99", "E   assert 1 == 2", "---- what it printed",
-        "uncapped: 4.2 MB/s", "==== a.py::t2 failed in teardown", "E   kernel objects leaked"]
+        "==== a.py::t1 failed in call", "...", "line 96", "line 97", "line 98", "line 99", "E   assert 1 == 2",
+        "==== a.py::t2 failed in teardown", "E   kernel objects leaked"]
+    assert progress.failure_reports(path, max_lines=200).split("\n")[:5] == [
+        "==== a.py::t1 failed in call", "---- what it printed", "uncapped: 4.2 MB/s", "---- pytest's report", "line 0"]
 
 
 def test_a_rerun_shows_what_failed_in_the_guest_that_died(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -288,4 +290,5 @@ def test_a_rerun_shows_what_failed_in_the_guest_that_died(tmp_path: Path, capsys
     assert _rerun(NewGuest(), object(), path) == 1  # type: ignore[arg-type]
     err = capsys.readouterr().err
     assert "1 test(s) failed before the guest died: a.py::t1; as reported then" in err
-    assert "==== a.py::t1 failed in call\nE   assert 9 == 0\n---- what it printed\nuncapped: 4.2 MB/s" in err
+    assert ("==== a.py::t1 failed in call\n---- what it printed\nuncapped: 4.2 MB/s\n---- pytest's report\n"
+            "E   assert 9 == 0") in err

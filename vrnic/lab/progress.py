@@ -102,11 +102,13 @@ def failures_file(path: Path) -> Path:
 
 
 def record_failure(path: Path, nodeid: str, when: str, report: str, printed: str) -> None:
-    """A failed phase's report, kept at once beside the progress file."""
+    """A failed phase's report, kept at once beside the progress file: what the test printed first, so that a
+    report cut to its end (failure_reports) keeps the assertion."""
     with failures_file(path).open("a") as out:
-        out.write(f"==== {nodeid} failed in {when}\n{report.rstrip()}\n")
+        out.write(f"==== {nodeid} failed in {when}\n")
         if printed.strip():
-            out.write(f"---- what it printed\n{printed.rstrip()}\n")
+            out.write(f"---- what it printed\n{printed.rstrip()}\n---- pytest's report\n")
+        out.write(f"{report.rstrip()}\n")
 
 
 def failure_reports(path: Path, max_lines: int = 80) -> str:
