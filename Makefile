@@ -27,11 +27,11 @@ test-kernel:
 # PostgreSQL on a, `vrnic daemon` on both, and the two_hosts tests run on a while b serves a's requests (QoS
 # included: 313 s for the stage on an idle machine, before the raw-QEMU cross-host migration tests joined it;
 # the timeout leaves room for a loaded one). The vRNIC hand-over under traffic (test_vm_handover_rxe.py: no
-# vrnicd at b then the move, in one VM; a peer killed; about 4 min with nested KVM) and the libvirt flow (`virsh migrate`, a
-# cancel then the move; about 4.5 min) run here too. A guest lost under them (nested KVM wedging the lab, seen by
-# the heartbeat) reruns the stage in new guests, skipping the tests that already have an outcome.
-# The stage took 30-35 min on this 2-core machine (late 2026) and longer on CI's, where 2100 s once cut off its last
-# test after 15 had passed: 2700.
+# vrnicd at b then the move, in one VM; a peer killed; about 4 min with nested KVM) and the libvirt flow
+# (`virsh migrate`, a cancel then the move; about 4.5 min) run here too. A guest lost under them (nested KVM
+# wedging the lab, seen by the heartbeat) reruns the stage in new guests, skipping the tests that already have an
+# outcome. The stage took 30-35 min on this 2-core machine when loaded (late 2026; 19 min quiet, 15 tests) and
+# longer on CI's, where 2100 s once cut off its last test after 15 had passed: 2700.
 test-two-hosts:
 	$(BIN)/vrnic lab run --topology two-hosts --rerun-on-guest-loss --timeout 2700 -- \
 		python -m vrnic.lab.two_hosts --smoke -- env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest -m two_hosts -p no:cacheprovider -p pytest_timeout \
