@@ -26,9 +26,15 @@ class Guest:
             obj.close()
 
 
-def connected_pair(a: Guest, b: Guest) -> tuple[QP, QP]:
-    """A new QP on each, connected to each other through vrnicd."""
+def connected_pair(a: Guest, b: Guest, rc_timeout: int | None = None) -> tuple[QP, QP]:
+    """A new QP on each, connected to each other through vrnicd: with the connect verb, or, when rc_timeout is
+    given, through INIT, RTR and RTS asking that timeout."""
     qa, qb = a.qp(), b.qp()
-    qa.connect(b.ctx.gid, qb.qpn)
-    qb.connect(a.ctx.gid, qa.qpn)
+    for mine, other, theirs in ((qa, b, qb), (qb, a, qa)):
+        if rc_timeout is None:
+            mine.connect(other.ctx.gid, theirs.qpn)
+        else:
+            mine.modify("init", access=15)
+            mine.modify("rtr", remote_gid=other.ctx.gid, remote_qpn=theirs.qpn)
+            mine.modify("rts", timeout=rc_timeout)
     return qa, qb

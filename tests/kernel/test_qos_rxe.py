@@ -27,7 +27,7 @@ from vrnic.backend.rdma_tool import resource_counts
 from vrnic.core.specs import AttachInfo, QosPolicy, Quota, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
 from vrnic.errors import Conflict
-from vrnic.frontend import QP, SendRequest, WrOpcode
+from vrnic.frontend import SendRequest, WrOpcode
 
 from .conftest import wait_for_baseline
 from .guest_objects import Guest, connected_pair
@@ -83,16 +83,6 @@ def _stream_mb_per_s(writer: Guest, qp: object, reader: Guest, seconds: float) -
     return done * WRITE / (time.monotonic() - start) / 1e6
 
 
-def _connected_pair_with_timeout(a: Guest, b: Guest, timeout: int) -> tuple[QP, QP]:
-    """connected_pair, each QP asking for this RC timeout at RTS."""
-    qa, qb = a.qp(), b.qp()
-    for mine, other, theirs in ((qa, b, qb), (qb, a, qa)):
-        mine.modify("init", access=15)
-        mine.modify("rtr", remote_gid=other.ctx.gid, remote_qpn=theirs.qpn)
-        mine.modify("rts", timeout=timeout)
-    return qa, qb
-
-
 @pytest.fixture
 def qos_driver(device_pair: tuple[str, str], tmp_path: Path) -> Iterator[object]:
     from vrnic.backend.drivers.paravirtual import VerbsDriver
@@ -122,7 +112,7 @@ def test_caps_guarantees_live_changes_and_drift_on_rxe(qos_driver: object, devic
     try:
         # an RC timeout of 18 (1.07 s): the live caps below hold this QP's packets in the queue longer than the
         # usual 14 (67 ms) would cover, and a timeout during queueing breaks the QP on rxe (vrnic.core.qos)
-        qa, qpeer = _connected_pair_with_timeout(a, peer, 18)
+        qa, qpeer = connected_pair(a, peer, rc_timeout=18)
         uncapped = _stream_mb_per_s(a, qa, peer, 2.0)
         print(f"\nuncapped: {uncapped:.1f} MB/s")
         # a cap on a live vRNIC: its connected QP is classified at once, and the stream obeys

@@ -453,7 +453,7 @@ class GuestSession:
         """The connected RC QPs whose timeout, as the NIC holds it, a class draining at drain_kbit would outlast
         with all their packets in flight waiting in its queue: (virtual QPN, timeout, that wait in s)."""
         with self.lock:
-            connected = [qp for _, qp in self.state.qps.items() if qp.qp_type == "rc" and qp.dest_qpn is not None]
+            connected = self._connected_rc_qps()
             outlasted = []
             for qp in connected:
                 wait = queue_wait_s(qp.link.get("path_mtu", 1024), len(connected), drain_kbit)
@@ -465,8 +465,11 @@ class GuestSession:
     def _drain_kbit(self) -> int | None:
         return self.qos_drain_kbit() if self.qos_drain_kbit is not None else None
 
+    def _connected_rc_qps(self) -> list[QpEntry]:
+        return [q for _, q in self.state.qps.items() if q.qp_type == "rc" and q.dest_qpn is not None]
+
     def _rc_connected(self) -> int:
-        return sum(1 for _, q in self.state.qps.items() if q.qp_type == "rc" and q.dest_qpn is not None)
+        return len(self._connected_rc_qps())
 
     def _classify(self, qp: QpEntry, dest_qpn: int | None, obj_qpn: int | None = None) -> None:
         """Put the QP's packets (to dest_qpn; None for UD) in its vRNIC's QoS class."""

@@ -121,9 +121,14 @@ def queue_wait_s(path_mtu: int, qps: int, drain_kbit: int) -> float:
     return qps * RXE_PACKETS_IN_FLIGHT * (path_mtu + ROCE_V2_OVERHEAD) * 8 / (max(drain_kbit, MIN_RATE_KBIT) * 1000)
 
 
+def rc_timeout_s(timeout: int) -> float:
+    """An RC timeout exponent's time: 4.096 us * 2^timeout."""
+    return RC_TIMEOUT_UNIT_S * (1 << timeout)
+
+
 def rc_timeout_outlasts(timeout: int, wait_s: float) -> bool:
     """Whether an RC timeout exponent (0: none) outlasts a wait of wait_s in the queue."""
-    return timeout == 0 or RC_TIMEOUT_UNIT_S * (1 << timeout) >= wait_s
+    return timeout == 0 or rc_timeout_s(timeout) >= wait_s
 
 
 def rc_timeout_floor(path_mtu: int, qps: int, drain_kbit: int, margin: float = RC_TIMEOUT_MARGIN) -> int:
@@ -131,7 +136,7 @@ def rc_timeout_floor(path_mtu: int, qps: int, drain_kbit: int, margin: float = R
     most: 2.4 hours)."""
     wait = margin * queue_wait_s(path_mtu, qps, drain_kbit)
     floor = 0
-    while floor < RC_TIMEOUT_MAX and RC_TIMEOUT_UNIT_S * (1 << floor) < wait:
+    while floor < RC_TIMEOUT_MAX and rc_timeout_s(floor) < wait:
         floor += 1
     return floor
 

@@ -44,7 +44,7 @@ from vrnic.backend.vm_link import VmLink, connect_channel
 from vrnic.core.handover import HandoverPhase, QpCarry
 from vrnic.core.migration import MigrationPhase
 from vrnic.core.peer_wire import MrWindowWire
-from vrnic.core.qos import RC_TIMEOUT_UNIT_S, admit, drain_kbit
+from vrnic.core.qos import admit, drain_kbit, rc_timeout_s
 from vrnic.core.recovery import token_digest
 from vrnic.core.session_state import SessionSnapshot
 from vrnic.core.specs import (
@@ -749,7 +749,7 @@ class VerbsDriver(RnicDriver):
                 raise Conflict(
                     f"vRNIC {vrnic.spec.id}'s QoS class would drain at {drain} kbit/s, where the packets its "
                     f"{len(outlasted)} connected RC QP(s) keep in flight wait {wait_s * 1000:.0f} ms, longer than "
-                    f"their RC timeout (QP {vqpn}: {timeout}, {RC_TIMEOUT_UNIT_S * (1 << timeout) * 1000:.0f} ms); "
+                    f"their RC timeout (QP {vqpn}: {timeout}, {rc_timeout_s(timeout) * 1000:.0f} ms); "
                     f"rxe would break them. Set the policy before they connect, connect them with a longer "
                     f"timeout, or reconnect them after", current_state="rc_timeout_too_short")
 
