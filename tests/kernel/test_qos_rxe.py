@@ -4,7 +4,8 @@ pair topology, where traffic from rxe0 to rxe1 leaves through veth0 and so meets
 Proves on the real thing: a vRNIC's class appears with its policy and every vRNIC on the device gets one;
 each connected QP gets a filter (read back with `tc`), which goes with the QP; a cap holds an RDMA WRITE
 stream to within 10 %; a live change (set_qos) applies without disconnecting, and the stream goes on at the
-new cap; a live cap whose queue would outlast a connected QP's RC timeout is refused; drift made with `tc` is
+new cap; a live cap whose queue would outlast a connected QP's RC timeout is refused, and so is the connect that
+would make the queue outlast one; drift made with `tc` is
 put back by reconcile; a guarantee the link cannot give is refused with the numbers; what arrives for a
 vRNIC's QPs is counted (an ingress filter per QP); when no vRNIC on the device asks for QoS any more the
 qdiscs go. Kernel objects are back to their baseline at the end.
@@ -185,6 +186,45 @@ def test_caps_guarantees_live_changes_and_drift_on_rxe(qos_driver: object, devic
         assert again > capped * 1.3, (again, capped)  # and the QP, connected all along, runs free again
     finally:
         a.close()
+        peer.close()
+
+
+def test_rc_qps_join_a_capped_class_while_their_queue_stays_within_every_timeout(
+        qos_driver: object, device_pair: tuple[str, str]) -> None:
+    """Each RC QP connected into a capped class adds its packets in flight to the queue all of them wait in,
+    and a connected QP's timeout cannot change. At 8 Mbit/s one QP's 65 packets wait 73 ms, so the first QP is
+    connected at 17 (537 ms: four times that, rounded up) and the eighth QP would make it wait 581 ms: that
+    connect is refused, with the numbers. The seven connected then all write at once, and none breaks."""
+    drv = qos_driver
+    peer_info = _make(drv, 4, device_pair[1], QosPolicy())
+    c_info = _make(drv, 5, device_pair[0], QosPolicy(rate_cap_mbps=8))
+    c, peer = Guest(c_info), Guest(peer_info)
+    try:
+        mine: list[object] = []
+        for _ in range(7):
+            qc, _qp = connected_pair(c, peer)
+            mine.append(qc)
+        assert mine[0].query()["timeout"] == 17  # type: ignore[attr-defined]
+        late, late_peer = c.qp(), peer.qp()
+        with pytest.raises(Conflict, match=rf"connecting RC QP {late.qpn} would .* wait 581 ms .* \(QP "
+                                           rf"{mine[0].qpn}: 17, 537 ms\)"):  # type: ignore[attr-defined]
+            late.connect(peer.ctx.gid, late_peer.qpn)
+        assert late.query()["state"] == "rtr"
+        # all seven at once, each with more packets posted than rxe lets fly: the queue holds 7 x 65
+        sge, per_qp = c.mr.sge(0, WRITE), 3
+        for n in range(per_qp):
+            for qp in mine:
+                qp.post_send(SendRequest(n, WrOpcode.RDMA_WRITE, (sge,), remote_addr=peer.mr.addr,  # type: ignore[attr-defined]
+                                         rkey=peer.mr.rkey))
+        started, done = time.monotonic(), []
+        while len(done) < per_qp * len(mine):
+            done += c.cq.wait(1, timeout=60)
+        took = time.monotonic() - started
+        print(f"\n7 QPs x {per_qp} x 64 KiB at 8 Mbit/s: {took:.1f} s, statuses {sorted({w.status for w in done})}")
+        assert all(w.status == 0 for w in done), [w for w in done if w.status]
+        assert took > per_qp * len(mine) * WRITE * 8 / 8e6 * 0.9  # the cap held them back
+    finally:
+        c.close()
         peer.close()
 
 

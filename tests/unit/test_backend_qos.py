@@ -86,7 +86,9 @@ def test_a_batched_connect_raises_each_qps_timeout_as_connecting_them_one_by_one
     with Context.attach(info_b, ARENA) as cb, Context.attach(info_a, ARENA) as ca:
         pd_a, cq_a, pd_b, cq_b = PD(ca), CQ(ca, 64), PD(cb), CQ(cb, 64)
         lone, lone_peer = QP(pd_a, cq_a, cq_a), QP(pd_b, cq_b, cq_b)
-        lone.connect(cb.gid, lone_peer.qpn)
+        lone.modify("init")
+        lone.modify("rtr", remote_gid=cb.gid, remote_qpn=lone_peer.qpn)
+        lone.modify("rts", timeout=25)  # one that the batch's nine QPs in the queue do not outlast
         mine, peers = QP.create_many(pd_a, cq_a, cq_a, 8), QP.create_many(pd_b, cq_b, cq_b, 8)
         asked.clear()
         QP.connect_many(ca, [(m, cb.gid, p.qpn) for m, p in zip(mine, peers, strict=True)])
@@ -94,6 +96,32 @@ def test_a_batched_connect_raises_each_qps_timeout_as_connecting_them_one_by_one
         floors = [rc_timeout_floor(1024, 2 + i, 12_000) for i in range(8)]
         assert [m.query()["timeout"] for m in mine] == floors
         assert floors[0] < floors[-1]  # the count moved the floor within the batch
+
+
+def test_connecting_a_qp_whose_packets_would_outlast_a_connected_qps_timeout_is_refused(
+        driver: VerbsDriver, make_vrnic: Callable[..., AttachInfo], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each RC QP connected into a class adds its packets in flight to the queue every packet waits in, and a
+    connected QP's timeout cannot change. So the connect that would make that wait outlast a connected QP's
+    timeout is refused, with the numbers: the QP stays in RTR, the others keep going. Once the short-timed QP
+    is gone, the same QP may join."""
+    monkeypatch.setattr(driver, "_qos_drain_kbit", lambda device, vrnic_id: 12_000 if device == "fake0" else None)
+    info_a, info_b = make_vrnic(), make_vrnic(device="fake1")
+    with Context.attach(info_b, ARENA) as cb, Context.attach(info_a, ARENA) as ca:
+        pd_a, cq_a, pd_b, cq_b = PD(ca), CQ(ca, 64), PD(cb), CQ(cb, 64)
+        mine, peers = [QP(pd_a, cq_a, cq_a) for _ in range(6)], [QP(pd_b, cq_b, cq_b) for _ in range(6)]
+        # the first QP gets 16 (268 ms: four times one QP's wait at 12 Mbit/s); five QPs' packets wait 243 ms, six's 291
+        assert queue_wait_s(1024, 5, 12_000) < RC_TIMEOUT_UNIT_S * 2 ** 16 < queue_wait_s(1024, 6, 12_000)
+        for m, p in zip(mine[:5], peers[:5], strict=True):
+            m.connect(cb.gid, p.qpn)
+        assert mine[0].query()["timeout"] == 16
+        with pytest.raises(Conflict, match=rf"connecting RC QP {mine[5].qpn} would .* wait 291 ms .* \(QP "
+                                           rf"{mine[0].qpn}: 16, 268 ms\), which RTS cannot raise") as refused:
+            mine[5].connect(cb.gid, peers[5].qpn)
+        assert refused.value.current_state == "rc_timeout_too_short"
+        assert [m.query()["state"] for m in mine] == ["rts"] * 5 + ["rtr"]
+        mine[0].close()  # its packets wait no more: five QPs (243 ms) are well within the next-shortest timeout (17)
+        mine[5].modify("rts")
+        assert mine[5].query()["state"] == "rts"
 
 
 def test_an_unshaped_devices_link_speed_is_read_once_not_on_every_connect(

@@ -30,7 +30,7 @@ from vrnic.backend.rnic_edge import PORT, DeviceContext, QpCaps, RtrParams, RtsP
 from vrnic.core import verb_args
 from vrnic.core.handover import QpCarry
 from vrnic.core.migration import DirtyLog
-from vrnic.core.qos import queue_wait_s, rc_timeout, rc_timeout_floor, rc_timeout_outlasts
+from vrnic.core.qos import queue_wait_s, rc_timeout, rc_timeout_floor, rc_timeout_outlasts, rc_timeout_s
 from vrnic.core.quota import Resource
 from vrnic.core.rings import CQ_SLOT, RQ_SLOT, SQ_SLOT, Access, Ring, RingFlags
 from vrnic.core.session_state import (
@@ -429,6 +429,8 @@ class GuestSession:
 
     def _to_rts(self, qp: QpEntry, link: verb_args.ModifyQp, floor: RcFloor | None = None) -> None:
         timeout = self.rc_timeout(qp.qp_type, qp.link.get("path_mtu", link.path_mtu), link.timeout, floor)
+        if qp.qp_type == "rc":
+            self._refuse_outlasting_join(qp, floor)
         self.device.qp_to_rts(qp.obj, qp.qp_type, RtsParams(sq_psn=link.sq_psn, timeout=timeout,
                                                             retry_cnt=link.retry_cnt, rnr_retry=link.rnr_retry,
                                                             max_rd_atomic=link.max_rd_atomic))
@@ -449,18 +451,36 @@ class GuestSession:
             connected = self._rc_connected()
         return rc_timeout(asked, rc_timeout_floor(path_mtu, max(connected, 1), drain))
 
-    def rc_timeouts_outlasted(self, drain_kbit: int) -> list[tuple[int, int, float]]:
+    def rc_timeouts_outlasted(self, drain_kbit: int, joining: QpEntry | None = None) -> list[tuple[int, int, float]]:
         """The connected RC QPs whose timeout, as the NIC holds it, a class draining at drain_kbit would outlast
-        with all their packets in flight waiting in its queue: (virtual QPN, timeout, that wait in s)."""
+        with all their packets in flight waiting in its queue: (virtual QPN, timeout, that wait in s). joining: a QP
+        about to reach RTS, whose packets count in the queue (its own timeout is the floor's business)."""
         with self.lock:
-            connected = self._connected_rc_qps()
+            timed = [q for q in self._connected_rc_qps() if q.state in ("rts", "sqd") and q is not joining]
+            senders = len(timed) + (joining is not None)
             outlasted = []
-            for qp in connected:
-                wait = queue_wait_s(qp.link.get("path_mtu", 1024), len(connected), drain_kbit)
+            for qp in timed:
+                wait = queue_wait_s(qp.link.get("path_mtu", 1024), senders, drain_kbit)
                 timeout = self.device.query_rc_timeout(qp.obj)
                 if not rc_timeout_outlasts(timeout, wait):
                     outlasted.append((qp.vqpn, timeout, wait))
             return outlasted
+
+    def _refuse_outlasting_join(self, qp: QpEntry, floor: RcFloor | None) -> None:
+        """Refuse to connect one more RC QP into a class whose queue, with its packets in flight too, would outlast
+        the timeout of a QP already connected: RTS cannot raise that timeout, and rxe would break the QP."""
+        drain = floor[0] if floor is not None else self._drain_kbit()
+        if drain is None:
+            return
+        outlasted = self.rc_timeouts_outlasted(drain, joining=qp)
+        if outlasted:
+            vqpn, timeout, wait_s = outlasted[0]
+            raise Conflict(
+                f"connecting RC QP {qp.vqpn} would make the packets in flight of vRNIC {self.vrnic_id}'s RC QPs wait "
+                f"{wait_s * 1000:.0f} ms in its QoS class (draining at {drain} kbit/s), longer than the RC timeout of "
+                f"{len(outlasted)} connected QP(s) (QP {vqpn}: {timeout}, {rc_timeout_s(timeout) * 1000:.0f} ms), "
+                f"which RTS cannot raise; rxe would break them. Connect those with a longer timeout, keep fewer RC "
+                f"QPs connected, or lift the class's rate", current_state="rc_timeout_too_short")
 
     def _drain_kbit(self) -> int | None:
         return self.qos_drain_kbit() if self.qos_drain_kbit is not None else None
