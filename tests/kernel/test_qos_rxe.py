@@ -4,11 +4,11 @@ pair topology, where traffic from rxe0 to rxe1 leaves through veth0 and so meets
 Proves on the real thing: a vRNIC's class appears with its policy and every vRNIC on the device gets one;
 each connected QP gets a filter (read back with `tc`), which goes with the QP; a cap holds an RDMA WRITE
 stream to within 10 %; a live change (set_qos) applies without disconnecting, and the stream goes on at the
-new cap; a live cap whose queue would outlast a connected QP's RC timeout is refused, and so is the connect that
-would make the queue outlast one; drift made with `tc` is
-put back by reconcile; a guarantee the link cannot give is refused with the numbers; what arrives for a
-vRNIC's QPs is counted (an ingress filter per QP); when no vRNIC on the device asks for QoS any more the
-qdiscs go. Kernel objects are back to their baseline at the end.
+new cap; a live cap whose queue would outlast a connected QP's RC timeout is refused, and so is the connect
+that would make the queue outlast one; twenty QPs sending at once into a capped class lose no packet in its
+queue; drift made with `tc` is put back by reconcile; a guarantee the link cannot give is refused with the
+numbers; what arrives for a vRNIC's QPs is counted (an ingress filter per QP); when no vRNIC on the device
+asks for QoS any more the qdiscs go. Kernel objects are back to their baseline at the end.
 
 Run: vrnic lab run -e PYTHONPATH=$PWD -- pytest -m kernel tests/kernel/test_qos_rxe.py
 """
@@ -223,6 +223,53 @@ def test_rc_qps_join_a_capped_class_while_their_queue_stays_within_every_timeout
         print(f"\n7 QPs x {per_qp} x 64 KiB at 8 Mbit/s: {took:.1f} s, statuses {sorted({w.status for w in done})}")
         assert all(w.status == 0 for w in done), [w for w in done if w.status]
         assert took > per_qp * len(mine) * WRITE * 8 / 8e6 * 0.9  # the cap held them back
+    finally:
+        c.close()
+        peer.close()
+
+
+def _leaf_drops(dev: str) -> dict[str, int]:
+    """parent class -> packets its pfifo queue dropped (`tc -s qdisc`)."""
+    drops, parent = {}, None
+    for line in _tc("-s", "qdisc", "show", "dev", dev).splitlines():
+        words = line.split()
+        if words[:2] == ["qdisc", "pfifo"] and len(words) > 4 and words[3] == "parent":
+            parent = words[4]
+        elif parent is not None and words[:1] == ["Sent"]:
+            drops[parent] = int(words[words.index("(dropped") + 1].rstrip(","))
+            parent = None
+    return drops
+
+
+def test_twenty_rc_qps_sending_at_once_into_a_capped_class_lose_no_packet(
+        qos_driver: object, device_pair: tuple[str, str]) -> None:
+    """rxe keeps 65 packets of each QP in flight; 20 QPs of one class then queue 1300 packets, past the 1000 of
+    HTB's own leaf queue (the netdev's txqueuelen). Dropped there, a packet waits for its QP's timeout (raised
+    to a second and more under a low cap): the lab saw such a stream stall for over a minute. Each class queues
+    in a pfifo of vrnicd's sized for 1024 QPs (vrnic.core.qos.LEAF_PACKETS): nothing is dropped, every WRITE
+    completes at the cap's pace."""
+    drv = qos_driver
+    dev = uplink_netdev(device_pair[0])
+    peer_info = _make(drv, 6, device_pair[1], QosPolicy())
+    c_info = _make(drv, 7, device_pair[0], QosPolicy(rate_cap_mbps=24))
+    c, peer = Guest(c_info), Guest(peer_info)
+    try:
+        # an RC timeout of 18 (1.07 s) covers the 485 ms 20 QPs' packets wait at 24 Mbit/s: no connect is refused
+        mine = [connected_pair(c, peer, rc_timeout=18)[0] for _ in range(20)]
+        assert _leaf_drops(dev) == {"7672:10": 0}
+        sge, per_qp = c.mr.sge(0, WRITE), 2
+        for n in range(per_qp):
+            for qp in mine:
+                qp.post_send(SendRequest(n, WrOpcode.RDMA_WRITE, (sge,), remote_addr=peer.mr.addr,  # type: ignore[attr-defined]
+                                         rkey=peer.mr.rkey))
+        started, done = time.monotonic(), []
+        while len(done) < per_qp * len(mine):
+            done += c.cq.wait(1, timeout=30)
+        took = time.monotonic() - started
+        print(f"\n20 QPs x {per_qp} x 64 KiB at 24 Mbit/s: {took:.1f} s, drops {_leaf_drops(dev)}")
+        assert all(w.status == 0 for w in done), [w for w in done if w.status]
+        assert _leaf_drops(dev) == {"7672:10": 0}
+        assert took < per_qp * len(mine) * WRITE * 8 / 24e6 * 5  # about the cap's pace: no stall
     finally:
         c.close()
         peer.close()

@@ -1,8 +1,9 @@
 """The HTB shaper on real netlink (vrnic.backend.qos_shaper), read back with iproute2's `tc`.
 
 A veth pair of its own (not the lab's rxe link), so this needs only netlink and sch_htb/cls_u32: classes
-and filters appear and go with vRNICs and QPs, a live policy change rewrites the class in place, drift
-made by hand (`tc` deleting a class and a filter) is restored by reconcile, and close() leaves nothing.
+and filters appear and go with vRNICs and QPs, each class queues in a pfifo of ours long enough never to drop,
+a live policy change rewrites the class in place, drift made by hand (`tc` deleting a class and a filter,
+shortening a queue) is restored by reconcile, and close() leaves nothing.
 
 Run: vrnic lab run -e PYTHONPATH=$PWD -- pytest -m kernel tests/kernel/test_qos_shaper.py
 """
@@ -47,6 +48,16 @@ def _classes() -> dict[str, tuple[int, int]]:
     return found
 
 
+def _leaves() -> dict[str, tuple[str, str]]:
+    """parent class -> (handle, limit) of the pfifo qdiscs under our classes."""
+    found = {}
+    for line in _tc("qdisc", "show", "dev", DEV).splitlines():
+        words = line.split()
+        if words[:2] == ["qdisc", "pfifo"] and words[3] == "parent" and words[4].startswith("7672:"):
+            found[words[4]] = (words[2], words[words.index("limit") + 1])
+    return found
+
+
 def _filters() -> dict[str, str]:
     """'match value' -> flowid of the u32 filters on 1:."""
     found = {}
@@ -81,6 +92,8 @@ def test_classes_and_filters_follow_vrnics_and_qps_and_drift_is_restored(veth: s
         shaper.set_policy("c", QosPolicy(weight=3))
         # a: weight 1 of the 70 Mbit/s no guarantee holds (17.5), c: weight 3 (52.5); b: its guarantee
         assert _classes() == {"7672:10": (17_500, 50_000), "7672:11": (30_000, 80_000), "7672:12": (52_500, 100_000)}
+        # each class queues in a pfifo of its own, long enough for 1024 QPs' packets in flight (never drops)
+        assert _leaves() == {f"7672:{m}": (f"80{m}:", "66560p") for m in ("10", "11", "12")}
         with pytest.raises(Conflict, match=r"sum to 110 Mbit/s \(30 given \+ 80 asked\) on a 100 Mbit/s link"):
             shaper.set_policy("d", QosPolicy(guarantee_mbps=80))
         assert "7672:13" not in _classes()  # nothing was installed for the refused one
@@ -104,8 +117,11 @@ def test_classes_and_filters_follow_vrnics_and_qps_and_drift_is_restored(veth: s
         handle = next(line.split("fh")[1].split()[0] for line in _tc("filter", "show", "dev", veth, "parent", "7672:")
                       .splitlines() if "flowid 7672:11" in line)
         _tc("filter", "del", "dev", veth, "parent", "7672:", "protocol", "ip", "prio", "10", "handle", handle, "u32")
+        _tc("qdisc", "replace", "dev", veth, "parent", "7672:11", "handle", "8011:", "pfifo", "limit", "10")
         found = shaper.reconcile()
         assert [c.minor for c in found.add_classes] == [0x12] and found.remove_classes == (0x99,)
+        assert [c.minor for c in found.change_classes] == [0x11]  # its queue shortened by hand
+        assert _leaves() == {f"7672:{m}": (f"80{m}:", "66560p") for m in ("10", "11", "12")}
         assert [f.key for f in found.add_filters] == [(0xC456, None)]
         assert shaper.reconcile().empty
         assert set(_classes()) == {"7672:10", "7672:11", "7672:12"} and _filters()["c45612b7"] == "7672:11"

@@ -72,6 +72,10 @@ def test_drift_is_a_set_difference() -> None:
     assert drift(want, dict(want), set(), set()).empty
     # the kernel rounds rates: within 1 % is the same
     assert drift({1: HtbClass(1, 40_000, 60_000)}, {1: HtbClass(1, 39_999, 60_001)}, (), ()).empty
+    # a class whose queue is not ours (HTB's own leaf: 0), or shortened, is a change: it gets its queue back
+    for leaf in (0, 1000):
+        assert drift(want, {**want, 0x10: HtbClass(0x10, 1000, 2000, leaf)}, (), ()).change_classes == (want[0x10],)
+    assert want[0x10].leaf_packets == 65 * 1024 and want[0x10].leaf_handle == 0x8010 << 16
 
 
 def test_u32_keys_and_their_decoding_round_trip() -> None:

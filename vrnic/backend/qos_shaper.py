@@ -24,6 +24,7 @@ from typing import Any
 
 from vrnic.core.qos import (
     FILTER_PRIO,
+    LEAF_MAJOR,
     PARENT_MINOR,
     ROOT_HANDLE,
     Drift,
@@ -202,6 +203,8 @@ class HtbShaper(QosMechanism):
             ipr.tc("replace-class", "htb", index, htb.classid, parent=ROOT_HANDLE | PARENT_MINOR,
                    rate=f"{htb.rate_kbit}kbit", ceil=f"{htb.ceil_kbit}kbit", burst=_burst(htb.rate_kbit),
                    cburst=_burst(htb.ceil_kbit))
+        with self._netlink("class queue") as (ipr, index):  # a queue its QPs' packets in flight never overflow
+            ipr.tc("replace", "pfifo", index, htb.leaf_handle, parent=htb.classid, limit=htb.leaf_packets)
 
     def _del_class(self, minor: int) -> None:
         with self._netlink("class") as (ipr, index):
@@ -219,18 +222,25 @@ class HtbShaper(QosMechanism):
             ipr.tc("del-filter", "u32", index, handle, parent=ROOT_HANDLE, prio=FILTER_PRIO,
                    protocol=ETH_P_IP, target=0, keys=[])
 
-    def _observed(self) -> tuple[dict[int, HtbClass], dict[Filter, int], dict[int, ClassCounters]]:
-        """The classes under 1:1 by minor, our filters (with their kernel handles), and each class's counters."""
+    def _observed(self, with_leaves: bool = False) \
+            -> tuple[dict[int, HtbClass], dict[Filter, int], dict[int, ClassCounters]]:
+        """The classes under 1:1 by minor (with their queue limits if asked; else they read 0), our filters (with
+        their kernel handles), and each class's counters."""
         classes: dict[int, HtbClass] = {}
         counters: dict[int, ClassCounters] = {}
         filters: dict[Filter, int] = {}
         with self._netlink("dump") as (ipr, index):
+            # each class's queue limit, when its leaf is ours: only reconcile compares it (a dump less elsewhere)
+            leaves = {q["parent"]: q.get_attr("TCA_OPTIONS")["limit"] for q in ipr.get_qdiscs(index)
+                      if q.get_attr("TCA_KIND") == "pfifo" and q["parent"] & 0xFFFF0000 == ROOT_HANDLE
+                      and q["handle"] >> 16 == LEAF_MAJOR + (q["parent"] & 0xFFFF)} if with_leaves else {}
             for c in ipr.get_classes(index):
                 if c.get_attr("TCA_KIND") != "htb" or c["parent"] != ROOT_HANDLE | PARENT_MINOR:
                     continue
                 parms = c.get_attr("TCA_OPTIONS").get_attr("TCA_HTB_PARMS")
                 minor = c["handle"] & 0xFFFF
-                classes[minor] = HtbClass(minor, parms["rate"] * 8 // 1000, parms["ceil"] * 8 // 1000)
+                classes[minor] = HtbClass(minor, parms["rate"] * 8 // 1000, parms["ceil"] * 8 // 1000,
+                                          leaves.get(c["handle"], 0))
                 stats = c.get_attr("TCA_STATS2")
                 basic = stats.get_attr("TCA_STATS_BASIC") if stats is not None else None
                 counters[minor] = ClassCounters(int(basic["bytes"]), int(basic["packets"])) if basic \
@@ -411,7 +421,7 @@ class HtbShaper(QosMechanism):
             if not self._shaped:
                 return Drift((), (), (), (), ())
             self._ensure_root()
-            observed_classes, observed_filters, _ = self._observed()
+            observed_classes, observed_filters, _ = self._observed(with_leaves=True)
             want_classes, want_filters = self.desired()
             found = drift(want_classes, observed_classes, want_filters, observed_filters)
             observed_rx = self._observed_rx()

@@ -23,9 +23,18 @@ ROCE_V2_PORT = 4791
 ROOT_HANDLE = 0x7672 << 16  # 7672: ("vr"), the HTB qdisc: a handle of its own marks it as vrnic's
 PARENT_MINOR = 1  # 1:1, under which every vRNIC's class hangs (it holds the link's rate)
 FIRST_MINOR = 0x10  # vRNIC classes are 1:10 and up
-MAX_MINOR = 0xFFFF
+MAX_MINOR = 0x7FFE  # so that a class's leaf qdisc major (LEAF_MAJOR + minor) stays below ffff:, ingress's
 FILTER_PRIO = 10
 MIN_RATE_KBIT = 8  # HTB needs a rate; a class with no guarantee and weight 0 gets this floor
+
+
+# Each class's queue (a pfifo leaf) holds this many packets. HTB's own leaf holds the netdev's txqueuelen (1000 on
+# veth): 16 RC QPs of a class sending at once, 65 packets in flight each (RXE_PACKETS_IN_FLIGHT), overflow it, and
+# rxe recovers a packet dropped there only when the QP's timeout fires (raised to seconds under a low cap, below):
+# 20 QPs at 24 Mbit/s stalled for over a minute in the lab. With this, 1024 QPs of a class can all send at once; the
+# queue only ever holds what its QPs have in flight, so its size costs nothing until they send.
+LEAF_PACKETS = 65 * 1024
+LEAF_MAJOR = 0x8000  # a class 1:minor's leaf qdisc is (LEAF_MAJOR + minor):
 
 
 @dataclass(frozen=True)
@@ -33,10 +42,15 @@ class HtbClass:
     minor: int  # the class is 1:minor
     rate_kbit: int
     ceil_kbit: int
+    leaf_packets: int = LEAF_PACKETS  # its queue's limit (observed: 0 when the leaf is not ours)
 
     @property
     def classid(self) -> int:
         return ROOT_HANDLE | self.minor
+
+    @property
+    def leaf_handle(self) -> int:
+        return (LEAF_MAJOR + self.minor) << 16
 
 
 @dataclass(frozen=True)
@@ -265,9 +279,11 @@ def _order(f: Filter) -> tuple[int, int, int]:
 
 
 def _close(observed: HtbClass, desired: HtbClass) -> bool:
-    """The kernel stores rates in bytes per second, so kbit values come back rounded: within 1 %."""
-    return all(abs(a - b) <= max(1, b // 100) for a, b in ((observed.rate_kbit, desired.rate_kbit),
-                                                          (observed.ceil_kbit, desired.ceil_kbit)))
+    """The kernel stores rates in bytes per second, so kbit values come back rounded: within 1 %. The queue's
+    limit comes back as it was set."""
+    return observed.leaf_packets == desired.leaf_packets and all(
+        abs(a - b) <= max(1, b // 100) for a, b in ((observed.rate_kbit, desired.rate_kbit),
+                                                    (observed.ceil_kbit, desired.ceil_kbit)))
 
 
 def jain_index(rates: Iterable[float]) -> float:
