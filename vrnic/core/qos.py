@@ -119,8 +119,9 @@ def plan_classes(link_mbps: int, shaped: Iterable[Shaped]) -> dict[str, HtbClass
 # restart the message at a PSN past its end (req_retry() in rxe_req.c counts the PSNs already acknowledged
 # into the head WQE even when ACKs of the originals took it past its last), and the responder then NAKs
 # "invalid request" (IBV_WC_REM_INV_REQ_ERR at the requester). So no shaped RC QP may time out on queueing:
-# vrnicd raises a QP's timeout at RTS, and refuses a later policy that slows its class below what that timeout
-# covers (RTS->RTS cannot change a timeout; seen in the lab as a live 8 Mbit/s cap on a QP connected at 14).
+# vrnicd raises a QP's timeout at RTS, and refuses what would later make the queue outlast it (RTS->RTS cannot
+# change a timeout): a policy that slows its class (seen in the lab as a live 8 Mbit/s cap on a QP connected at 14),
+# and a connect that adds a QP's packets to the queue (seen as two of 20 QPs broken at 8 Mbit/s).
 RXE_PACKETS_IN_FLIGHT = 65  # rxe stops a QP's requester once more than 64 of its packets are not yet freed
 ROCE_V2_OVERHEAD = 94  # wire bytes around a payload: Ethernet 14, IPv6 40 (IPv4 20), UDP 8, BTH 12, RETH 16, ICRC 4
 # The class's rate may fall to a quarter of its share at connect (guarantees admitted later), or emulation stall
