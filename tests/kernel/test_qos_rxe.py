@@ -20,6 +20,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -82,6 +83,20 @@ def _stream_mb_per_s(writer: Guest, qp: object, reader: Guest, seconds: float) -
     while done < posted:
         done += len(writer.cq.wait(1, timeout=30))
     return done * WRITE / (time.monotonic() - start) / 1e6
+
+
+def _write_at_once(writer: Guest, qps: list[object], reader: Guest, per_qp: int) -> tuple[float, list[Any]]:
+    """per_qp 64 KiB RDMA WRITEs on each QP, posted round-robin all at once: (seconds until all completed, the
+    completions)."""
+    sge = writer.mr.sge(0, WRITE)
+    for n in range(per_qp):
+        for qp in qps:
+            qp.post_send(SendRequest(n, WrOpcode.RDMA_WRITE, (sge,), remote_addr=reader.mr.addr,  # type: ignore[attr-defined]
+                                     rkey=reader.mr.rkey))
+    started, done = time.monotonic(), []
+    while len(done) < per_qp * len(qps):
+        done += writer.cq.wait(1, timeout=60)
+    return time.monotonic() - started, done
 
 
 @pytest.fixture
@@ -211,15 +226,8 @@ def test_rc_qps_join_a_capped_class_while_their_queue_stays_within_every_timeout
             late.connect(peer.ctx.gid, late_peer.qpn)
         assert late.query()["state"] == "rtr"
         # all seven at once, each with more packets posted than rxe lets fly: the queue holds 7 x 65
-        sge, per_qp = c.mr.sge(0, WRITE), 3
-        for n in range(per_qp):
-            for qp in mine:
-                qp.post_send(SendRequest(n, WrOpcode.RDMA_WRITE, (sge,), remote_addr=peer.mr.addr,  # type: ignore[attr-defined]
-                                         rkey=peer.mr.rkey))
-        started, done = time.monotonic(), []
-        while len(done) < per_qp * len(mine):
-            done += c.cq.wait(1, timeout=60)
-        took = time.monotonic() - started
+        per_qp = 3
+        took, done = _write_at_once(c, mine, peer, per_qp)
         print(f"\n7 QPs x {per_qp} x 64 KiB at 8 Mbit/s: {took:.1f} s, statuses {sorted({w.status for w in done})}")
         assert all(w.status == 0 for w in done), [w for w in done if w.status]
         assert took > per_qp * len(mine) * WRITE * 8 / 8e6 * 0.9  # the cap held them back
@@ -256,15 +264,8 @@ def test_twenty_rc_qps_sending_at_once_into_a_capped_class_lose_no_packet(
         # an RC timeout of 18 (1.07 s) covers the 485 ms 20 QPs' packets wait at 24 Mbit/s: no connect is refused
         mine = [connected_pair(c, peer, rc_timeout=18)[0] for _ in range(20)]
         assert _leaf_drops(dev) == {"7672:10": 0}
-        sge, per_qp = c.mr.sge(0, WRITE), 8  # long enough that every QP keeps its 65 in flight
-        for n in range(per_qp):
-            for qp in mine:
-                qp.post_send(SendRequest(n, WrOpcode.RDMA_WRITE, (sge,), remote_addr=peer.mr.addr,  # type: ignore[attr-defined]
-                                         rkey=peer.mr.rkey))
-        started, done = time.monotonic(), []
-        while len(done) < per_qp * len(mine):
-            done += c.cq.wait(1, timeout=30)
-        took = time.monotonic() - started
+        per_qp = 8  # long enough that every QP keeps its 65 in flight
+        took, done = _write_at_once(c, mine, peer, per_qp)
         print(f"\n20 QPs x {per_qp} x 64 KiB at 24 Mbit/s: {took:.1f} s, drops {_leaf_drops(dev)}")
         assert all(w.status == 0 for w in done), [w for w in done if w.status]
         assert _leaf_drops(dev) == {"7672:10": 0}
