@@ -434,6 +434,7 @@ class GuestSession:
         self.device.qp_to_rts(qp.obj, qp.qp_type, RtsParams(sq_psn=link.sq_psn, timeout=timeout,
                                                             retry_cnt=link.retry_cnt, rnr_retry=link.rnr_retry,
                                                             max_rd_atomic=link.max_rd_atomic))
+        qp.rts_timeout = (qp.obj, timeout)
         qp.link.update(timeout=link.timeout, retry_cnt=link.retry_cnt, rnr_retry=link.rnr_retry,
                        max_rd_atomic=link.max_rd_atomic)
 
@@ -461,10 +462,18 @@ class GuestSession:
             outlasted = []
             for qp in timed:
                 wait = queue_wait_s(qp.link.get("path_mtu", 1024), senders, drain_kbit)
-                timeout = self.device.query_rc_timeout(qp.obj)
+                timeout = self._rc_timeout_held(qp)
                 if not rc_timeout_outlasts(timeout, wait):
                     outlasted.append((qp.vqpn, timeout, wait))
             return outlasted
+
+    def _rc_timeout_held(self, qp: QpEntry) -> int:
+        """The RC timeout the NIC holds for the QP: the one vrnicd set at RTS on this very physical QP, else asked
+        of the NIC (a QP that moved to a shadow, or reached RTS another way)."""
+        held = qp.rts_timeout
+        if held is not None and held[0] is qp.obj:
+            return held[1]
+        return self.device.query_rc_timeout(qp.obj)
 
     def _refuse_outlasting_join(self, qp: QpEntry, floor: RcFloor | None) -> None:
         """Refuse to connect one more RC QP into a class whose queue, with its packets in flight too, would outlast
@@ -893,8 +902,9 @@ class GuestSession:
     # destination QP and its peer a second physical QP, and the two are connected to each other. At the
     # switchover the peer's QP only swaps to its second physical QP; nothing is modified then.
     def _wire(self, obj: Any, qp_type: str, access: int, qkey: int, dgid: str, dest_qpn: int,
-              link: Mapping[str, int]) -> None:
-        """INIT, RTR, RTS of a physical QP towards (dgid, dest_qpn), with the guest's connection parameters."""
+              link: Mapping[str, int]) -> int:
+        """INIT, RTR, RTS of a physical QP towards (dgid, dest_qpn), with the guest's connection parameters;
+        the timeout it got."""
         defaults = verb_args.ModifyQp.model_fields
 
         def get(name: str) -> int:
@@ -907,6 +917,7 @@ class GuestSession:
         timeout = self.rc_timeout(qp_type, get("path_mtu"), get("timeout"))
         self.device.qp_to_rts(obj, qp_type, RtsParams(timeout=timeout, retry_cnt=get("retry_cnt"),
                                                       rnr_retry=get("rnr_retry"), max_rd_atomic=get("max_rd_atomic")))
+        return timeout
 
     def shadow(self, qp: QpEntry, dgid: str, dest_qpn: int) -> tuple[Any, int]:
         """A second physical QP for one of this session's RC QPs, connected to (dgid, dest_qpn) and unused
@@ -955,8 +966,9 @@ class GuestSession:
         """A staged QP is connected ahead of the switchover to its peer's shadow; it stays held."""
         with self.lock:
             qp = self.state.qps.get(handle)
-            self._wire(qp.obj, qp.qp_type, access, qkey, peer_phys_gid, dest_qpn, link)
+            timeout = self._wire(qp.obj, qp.qp_type, access, qkey, peer_phys_gid, dest_qpn, link)
             qp.state, qp.access, qp.qkey, qp.link = "rts", access, qkey, dict(link)
+            qp.rts_timeout = (qp.obj, timeout)
             qp.peer_id, qp.peer_gid, qp.peer_vqpn, qp.dest_qpn = peer_id, peer_gid, peer_vqpn, dest_qpn
             self._classify(qp, dest_qpn)
             if self.guard is not None:

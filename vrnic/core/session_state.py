@@ -86,6 +86,9 @@ class QpEntry:
     dest_qpn: int | None = None  # the physical QPN an RC QP is connected to (what QoS classifies it by)
     qos_key: tuple[int, int | None] | None = None  # what QoS tells its packets by (rxe: UDP port, peer QPN)
     qos_rx: int | None = None  # the physical QPN whose arrivals QoS counts as its vRNIC's
+    # (the physical QP, the RC timeout vrnicd gave it at RTS): what QoS checks read instead of asking the NIC for
+    # every connected QP on every connect (O(N^2) queries for N connects); worth nothing once obj is another QP
+    rts_timeout: tuple[Any, int] | None = field(default=None, repr=False)
 
 
 # ----- snapshots: plain, JSON-able records -------------------------------------------------------------
