@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -144,3 +145,66 @@ def test_classes_and_filters_follow_vrnics_and_qps_and_drift_is_restored(veth: s
     left._ipr = None
     assert "htb 7672:" in _tc("qdisc", "show", "dev", veth)
     assert HtbShaper(veth).sweep() and "htb" not in _tc("qdisc", "show", "dev", veth)
+
+
+def _rx_filters() -> int:
+    """How many receive-counting filters (ingress, a pass action into ffff:1) are on the device."""
+    return sum("flowid ffff:1" in line for line in _tc("filter", "show", "dev", DEV, "ingress").splitlines())
+
+
+def test_destroying_many_qps_reads_the_filters_once_and_takes_filters_gone_by_hand_in_its_stride(
+        veth: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A QP's destroy deletes its two filters by the handles one dump read (a dump per destroy made destroying
+    N shaped QPs O(N^2)). A filter deleted by hand in between is simply gone; an ingress qdisc deleted by hand is
+    put back for the next QP; a netdev made again under the same name is found again by reconcile."""
+    shaper = HtbShaper(veth, link_mbps=100)
+    dumps = {"filters": 0, "rx": 0}
+    observed, observed_rx = shaper._observed, shaper._observed_rx
+
+    def counted_observed(with_leaves: bool = False) -> Any:
+        dumps["filters"] += 1
+        return observed(with_leaves)
+
+    def counted_observed_rx() -> Any:
+        dumps["rx"] += 1
+        return observed_rx()
+
+    monkeypatch.setattr(shaper, "_observed", counted_observed)
+    monkeypatch.setattr(shaper, "_observed_rx", counted_observed_rx)
+    try:
+        shaper.set_policy("a", QosPolicy(rate_cap_mbps=50))
+        keys = [(0xC100 + i, 0x100 + i) for i in range(20)]
+        for i, key in enumerate(keys):
+            shaper.classify("a", key)
+            shaper.count_received("a", 0x100 + i)
+        assert len(_filters()) == 20 and _rx_filters() == 20
+        # the first QP's two filters deleted by hand (their handles read with the shaper's own dumps, uncounted)
+        egress = next(handle for f, handle in observed()[1].items() if f.key == keys[0])
+        ingress = observed_rx()[0x100][0]
+        for parent, handle in (("7672:", egress), ("ffff:", ingress)):
+            _tc("filter", "del", "dev", veth, "parent", parent, "protocol", "ip", "prio", "10", "handle",
+                f"{handle >> 20:x}:{(handle >> 12) & 0xFF:x}:{handle & 0xFFF:x}", "u32")
+        assert len(_filters()) == 19 and _rx_filters() == 19
+        for i, key in enumerate(keys[:10]):
+            shaper.unclassify("a", key)
+            shaper.uncount_received("a", 0x100 + i)
+        assert len(_filters()) == 10 and _rx_filters() == 10
+        assert dumps == {"filters": 1, "rx": 1}
+        # the ingress qdisc deleted by hand (its filters with it): the next QP's counting puts it back
+        _tc("qdisc", "del", "dev", veth, "ingress")
+        shaper.count_received("a", 0x200)
+        assert _rx_filters() == 1
+        # the netdev made again under its name: reconcile finds the new one and puts everything back
+        subprocess.run(["ip", "link", "del", veth], check=True)
+        subprocess.run(["ip", "link", "add", veth, "type", "veth", "peer", "name", veth + "p"], check=True)
+        found = shaper.reconcile()
+        assert [c.minor for c in found.add_classes] == [0x10] and len(found.add_filters) == 10
+        assert set(_classes()) == {"7672:10"} and len(_filters()) == 10 and _rx_filters() == 11
+        for i, key in enumerate(keys[10:], 10):
+            shaper.unclassify("a", key)
+            shaper.uncount_received("a", 0x100 + i)
+        shaper.uncount_received("a", 0x200)
+        assert len(_filters()) == 0 and _rx_filters() == 0
+    finally:
+        shaper.close()
+    assert "htb" not in _tc("qdisc", "show", "dev", veth)
