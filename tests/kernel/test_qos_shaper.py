@@ -208,3 +208,34 @@ def test_destroying_many_qps_reads_the_filters_once_and_takes_filters_gone_by_ha
     finally:
         shaper.close()
     assert "htb" not in _tc("qdisc", "show", "dev", veth)
+
+
+def test_a_policy_change_puts_every_class_again_but_each_queue_once(
+        veth: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shares move with every policy, so each change puts every class again; replacing a class keeps its queue,
+    so the queue is put once per class (and again after reconcile found it changed by hand)."""
+    shaper = HtbShaper(veth, link_mbps=100)
+    asked: list[str] = []
+    netlink = shaper._netlink
+
+    def spied(what: str) -> Any:
+        asked.append(what)
+        return netlink(what)
+
+    monkeypatch.setattr(shaper, "_netlink", spied)
+    try:
+        shaper.set_policy("a", QosPolicy(rate_cap_mbps=50))
+        shaper.set_policy("b", QosPolicy(weight=3))
+        shaper.set_policy("a", QosPolicy(rate_cap_mbps=40))
+        assert asked.count("class") == 5 and asked.count("class queue") == 2  # a, then a b, then a b again
+        assert _classes() == {"7672:10": (25_000, 40_000), "7672:11": (75_000, 100_000)}
+        assert _leaves() == {f"7672:{m}": (f"80{m}:", "66560p") for m in ("10", "11")}
+        _tc("qdisc", "replace", "dev", veth, "parent", "7672:10", "handle", "8010:", "pfifo", "limit", "10")
+        assert [c.minor for c in shaper.reconcile().change_classes] == [0x10]
+        assert _leaves()["7672:10"] == ("8010:", "66560p")
+        asked.clear()
+        shaper.set_policy("b", QosPolicy(weight=1))
+        assert asked.count("class") == 2 and "class queue" not in asked
+        assert _classes() == {"7672:10": (40_000, 40_000), "7672:11": (50_000, 100_000)}
+    finally:
+        shaper.close()

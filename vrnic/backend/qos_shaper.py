@@ -180,6 +180,9 @@ class HtbShaper(QosMechanism):
         # per destroy made destroying N shaped QPs O(N^2) (a third of a second each at 32 QPs under TCG).
         self._filter_handles: dict[FlowKey, list[int]] | None = None
         self._rx_handles: dict[int, int] | None = None
+        # classes whose pfifo we put since reconcile last looked: replacing a class keeps its queue, so a policy
+        # change (which puts every class again, as shares move) puts each queue only once
+        self._leaves: set[int] = set()
 
     # ----- netlink (the edge) -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -218,10 +221,14 @@ class HtbShaper(QosMechanism):
             ipr.tc("replace-class", "htb", index, htb.classid, parent=ROOT_HANDLE | PARENT_MINOR,
                    rate=f"{htb.rate_kbit}kbit", ceil=f"{htb.ceil_kbit}kbit", burst=_burst(htb.rate_kbit),
                    cburst=_burst(htb.ceil_kbit))
+        if htb.minor in self._leaves:
+            return
         with self._netlink("class queue") as (ipr, index):  # a queue its QPs' packets in flight never overflow
             ipr.tc("replace", "pfifo", index, htb.leaf_handle, parent=htb.classid, limit=htb.leaf_packets)
+        self._leaves.add(htb.minor)
 
     def _del_class(self, minor: int) -> None:
+        self._leaves.discard(minor)
         with self._netlink("class") as (ipr, index):
             # pyroute2's htb builder wants a rate even to delete; the kernel goes by the class id
             ipr.tc("del-class", "htb", index, ROOT_HANDLE | minor, parent=ROOT_HANDLE | PARENT_MINOR, rate="8kbit")
@@ -464,6 +471,7 @@ class HtbShaper(QosMechanism):
         with self._lock:
             # looked at again, as drift may have changed them
             self._index, self._ingress_ready, self._filter_handles, self._rx_handles = None, False, None, None
+            self._leaves.clear()
             if not self._shaped:
                 return Drift((), (), (), (), ())
             self._ensure_root()
@@ -487,6 +495,7 @@ class HtbShaper(QosMechanism):
                 self._put_class(htb)
             for f in found.add_filters:
                 self._add_filter(f)
+            self._leaves = set(want_classes)  # each class's queue as observed, or put back above
             if not found.empty:
                 log.warning("QoS on %s drifted and was restored: %s", self.netdev, found)
             return found
@@ -527,6 +536,7 @@ class HtbShaper(QosMechanism):
             self._ipr.close()
             self._ipr, self._index, self._ingress_ready = None, None, False
             self._filter_handles, self._rx_handles = None, None
+            self._leaves.clear()
             self._shaped.clear()
             self._filters.clear()
             self._rx.clear()
