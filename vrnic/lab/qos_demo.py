@@ -51,9 +51,13 @@ Rates = dict[str, tuple[float, float]]  # tenant -> (data Mbit/s from completion
 
 @dataclass(frozen=True)
 class Plan:
-    """The link vrnicd is told of and the tenants' policies, as fractions of it (64 Mbit/s: 24, 32/40, 48)."""
+    """The link vrnicd is told of and the tenants' policies, in eighths of it (64 Mbit/s: 24, 32/40, 48)."""
 
     link_mbps: int
+    acme_cap: int  # 3/8
+    globex_guarantee: int  # 4/8
+    globex_cap: int  # 5/8
+    acme_raised: int  # 6/8
 
     @classmethod
     def for_capacity(cls, unshaped_mbps: float) -> Plan:
@@ -62,26 +66,7 @@ class Plan:
         if link < MIN_LINK_MBPS:
             raise ValueError(f"rxe moved only {unshaped_mbps:.1f} Mbit/s unshaped here (the lab is starved of CPU); "
                              f"the demo needs {MIN_LINK_MBPS / LINK_SHARE:.0f}")
-        return cls(link)
-
-    def _share(self, eighths: int) -> int:
-        return max(1, round(self.link_mbps * eighths / 8))
-
-    @property
-    def acme_cap(self) -> int:
-        return self._share(3)
-
-    @property
-    def globex_guarantee(self) -> int:
-        return self._share(4)
-
-    @property
-    def globex_cap(self) -> int:
-        return self._share(5)
-
-    @property
-    def acme_raised(self) -> int:
-        return self._share(6)
+        return cls(link, *(max(1, round(link * eighths / 8)) for eighths in (3, 4, 5, 6)))
 
     @property
     def policies(self) -> dict[str, QosPolicy]:
