@@ -5,7 +5,8 @@ Run inside the lab: `vrnic lab run --topology pair --timeout 600 -- python -m vr
    demo's link is 64 Mbit/s, or 45 % of that measure when rxe moves less (TCG on a slow or busy host), and
    every policy is scaled with it, so the link, not the CPU, is the bottleneck. Under TCG, HTB holding
    classes at their rates costs the CPU about half of what rxe moves unshaped: in the lab on 2026-11-27, 57-68
-   Mbit/s unshaped, 43-45 through classes that did not hold anything back, 30-32 with both classes held;
+   Mbit/s unshaped, 43-45 through classes that did not hold anything back, 30-31 in all with the demo's two
+   classes held at their rates on a 40 Mbit/s link;
 2. vrnicd (in-process verbs driver) told the link's speed; on rxe0 tenant acme (cap 3/8 of the link: 24
    Mbit/s of 64) and tenant globex (guarantee 1/2, cap 5/8: 32 and 40), each with a peer vRNIC on rxe1;
 3. what vrnicd installed on rxe0's uplink: an HTB class per vRNIC, a u32 filter per connected QP (tc);
