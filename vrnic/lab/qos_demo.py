@@ -27,8 +27,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from vrnic.backend.drivers.paravirtual import VerbsDriver
 from vrnic.backend.qos_shaper import uplink_netdev
@@ -47,6 +49,7 @@ PROBE_S = 2.5
 WRITE, IN_FLIGHT, WARM_S = 64 * 1024, 4, 0.5
 ACK_TIMEOUT = 17  # 4.096 us * 2^17 = 0.5 s (default 67 ms): packets wait in the shaper, longer under emulation
 ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
+T = TypeVar("T")
 Rates = dict[str, tuple[float, float]]  # tenant -> (data Mbit/s from completions, wire Mbit/s from its class)
 
 
@@ -144,15 +147,24 @@ def stop(streams: dict[str, Stream]) -> None:
         check(stream.error is None and not stream.is_alive(), f"a stream failed: {stream.error or 'it hung'}")
 
 
+def sampled(read: Callable[[], T], seconds: float) -> tuple[T, T, float, float]:
+    """read() once the streams have warmed up and again `seconds` later, with the times of the two."""
+    time.sleep(WARM_S)
+    before, t0 = read(), time.monotonic()
+    time.sleep(seconds)
+    after, t1 = read(), time.monotonic()
+    return before, after, t0, t1
+
+
+def mbit_per_s(octets: int, seconds: float) -> float:
+    return octets * 8 / seconds / 1e6
+
+
 def window(driver: VerbsDriver, streams: dict[str, Stream], seconds: float) -> Rates:
     """After a warm-up, each stream's rate over `seconds`: its data, and its class's bytes (packet headers too)."""
-    time.sleep(WARM_S)
-    before, t0 = driver.qos_counters(), time.monotonic()
-    time.sleep(seconds)
-    after, t1 = driver.qos_counters(), time.monotonic()
-    wire = {tenant: (after[tenant]["tx_bytes"] - before[tenant]["tx_bytes"]) * 8 / (t1 - t0) / 1e6
-            for tenant in streams}
-    return {tenant: (stream.mbit(t0, t1), wire[tenant]) for tenant, stream in streams.items()}
+    before, after, t0, t1 = sampled(driver.qos_counters, seconds)
+    return {tenant: (stream.mbit(t0, t1), mbit_per_s(after[tenant]["tx_bytes"] - before[tenant]["tx_bytes"], t1 - t0))
+            for tenant, stream in streams.items()}
 
 
 def tc(*args: str) -> list[str]:
@@ -212,25 +224,30 @@ def tx_bytes(netdev: str) -> int:
     return int(Path(f"/sys/class/net/{netdev}/statistics/tx_bytes").read_text())
 
 
-def unshaped_mbps(work: Path, devices: list[str], uplink: str) -> float:
-    """What the two tenants' streams put on the uplink together with no QoS at all (Mbit/s, frames)."""
-    driver = VerbsDriver(socket_path=work / "unshaped.sock")
+@contextlib.contextmanager
+def vrnicd(socket_path: Path, link_mbps: int | None = None) -> Iterator[tuple[VerbsDriver, dict[str, Guest]]]:
+    """An in-process vrnicd and the guests to be made on it: any guest still open at the end is closed, then
+    vrnicd (which releases what it still holds)."""
+    driver = VerbsDriver(socket_path=socket_path, qos_link_mbps=link_mbps)
     guests: dict[str, Guest] = {}
     try:
-        add_tenants(driver, devices, {"acme": QosPolicy(), "globex": QosPolicy()}, guests)
-        streams = start(guests, "acme", "globex")
-        time.sleep(WARM_S)
-        before, t0 = tx_bytes(uplink), time.monotonic()
-        time.sleep(PROBE_S)
-        after, t1 = tx_bytes(uplink), time.monotonic()
-        stop(streams)
-        close_tenants(driver, guests)
+        yield driver, guests
     finally:
         for guest in guests.values():
             with contextlib.suppress(VrnicError):
                 guest.close()
         driver.close()
-    return (after - before) * 8 / (t1 - t0) / 1e6
+
+
+def unshaped_mbps(work: Path, devices: list[str], uplink: str) -> float:
+    """What the two tenants' streams put on the uplink together with no QoS at all (Mbit/s, frames)."""
+    with vrnicd(work / "unshaped.sock") as (driver, guests):
+        add_tenants(driver, devices, {"acme": QosPolicy(), "globex": QosPolicy()}, guests)
+        streams = start(guests, "acme", "globex")
+        before, after, t0, t1 = sampled(lambda: tx_bytes(uplink), PROBE_S)
+        stop(streams)
+        close_tenants(driver, guests)
+    return mbit_per_s(after - before, t1 - t0)
 
 
 def run(out: Steps, work: Path) -> None:
@@ -249,9 +266,7 @@ def run(out: Steps, work: Path) -> None:
             f"costs the emulated CPU), so the link, not the CPU, is the bottleneck; each policy is a share of it")
     policies, caps = plan.policies, plan.caps
     out.title(f"vrnicd with QoS on {devices[0]} (uplink {uplink}, taken as a {plan.link_mbps} Mbit/s link)")
-    driver = VerbsDriver(socket_path=work / "vrnicd.sock", qos_link_mbps=plan.link_mbps)
-    guests: dict[str, Guest] = {}
-    try:
+    with vrnicd(work / "vrnicd.sock", plan.link_mbps) as (driver, guests):
         add_tenants(driver, devices, policies, guests)
         for tenant, policy in policies.items():
             out.say(f"tenant {tenant}: vRNIC {tenant} on {devices[0]} {policy.model_dump(exclude_none=True)}, "
@@ -301,11 +316,6 @@ def run(out: Steps, work: Path) -> None:
         left = [line for line in tc("qdisc", "show", "dev", uplink) if "htb 7672:" in line]
         check(not left, f"QoS left on {uplink} after the vRNICs went: {left}")
         out.say(f"tc qdisc show dev {uplink}: no htb 7672: (the qdisc went with the last vRNIC that asked for QoS)")
-    finally:
-        for guest in guests.values():
-            with contextlib.suppress(VrnicError):
-                guest.close()
-        driver.close()
     final = wait_for(baseline)
     check(final == baseline, f"kernel objects leaked: before {counts_line(baseline)}, after {counts_line(final)}")
     out.say(f"rdma res show: {counts_line(final)} (the baseline from before vrnicd started)")
