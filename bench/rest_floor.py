@@ -14,13 +14,13 @@ one GIL, so 1000 / (the sum in ms) allocations/s is the most this stack can reac
 
 # No `from __future__ import annotations`: FastAPI reads the route's annotations, whose types are local to
 # floor_app (imported there, so that importing this module does not load FastAPI).
-import functools
+import asyncio
 import gc
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -31,17 +31,14 @@ FLOOR_TOKEN = "vrt_floor"
 
 def floor_app() -> Any:
     from fastapi import APIRouter, Depends, FastAPI, Header, Response, status
-    from sqlalchemy import create_engine
 
     from vrnic.api import fast_routes, problems
     from vrnic.api.auth import Principal
     from vrnic.api.routes import CP, IDEMPOTENCY_KEY_MAX, Caller, Printable, answer_allocation, known_query_only
     from vrnic.api.schemas import VrnicCreate, VrnicOut
-    from vrnic.api.transactions import SqliteWriter
     from vrnic.core.lifecycle import VrnicState
     from vrnic.core.specs import AttachInfo, DataEngine, QosPolicy, Quota, VrnicMode
     from vrnic.core.vaddr import make_virtual_gid
-    from vrnic.db.unit_of_work import Database
     from vrnic.errors import Unauthenticated
 
     now, vrnic_id, gid = datetime.now(UTC), "vr-" + "0" * 32, make_virtual_gid(1, 1)
@@ -67,17 +64,17 @@ def floor_app() -> Any:
             return prepared, False
 
     class NoWorkControlPlane:
-        """What the routes read of the ControlPlane; writes hop to SQLite's writer thread (the daemon's
-        SqliteWriter, on an unused database: this allocate is not group-committable) and do nothing there."""
+        """What the routes read of the ControlPlane; writes hop to one thread, as on SQLite
+        (Transactions.run_write), and do nothing there."""
 
         tenants = Tenants()
         vrnics = Vrnics()
 
         def __init__(self) -> None:
-            self._writer = SqliteWriter(Database(create_engine("sqlite://")))
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="floor-writer")
 
         async def write(self, operation: Callable[..., T], *args: Any) -> T:
-            return await self._writer.run(functools.partial(operation, *args))
+            return await asyncio.get_running_loop().run_in_executor(self._writer, operation, *args)
 
     router = APIRouter(prefix="/api/v1", responses=problems.RESPONSES, dependencies=[Depends(known_query_only)])
 
@@ -106,10 +103,9 @@ def serve(port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, ws="none", log_level="warning", access_log=False)
 
 
-def allocate_cpu_ms(count: int, group: int = 1) -> float:
+def allocate_cpu_ms(count: int) -> float:
     """CPU time (ms) of one `Vrnics.allocate` called directly: a fresh SQLite file (WAL, as the daemon's), the
-    fake driver, one tenant, count allocations after a warm-up; group > 1: in group commits of that many, as the
-    daemon's writer runs allocations that wait together."""
+    fake driver, one tenant, count allocations after a warm-up."""
     from vrnic.api.auth import OPERATOR
     from vrnic.api.controlplane import ControlPlane
     from vrnic.api.schemas import TenantCreate, VrnicCreate
@@ -129,17 +125,11 @@ def allocate_cpu_ms(count: int, group: int = 1) -> float:
             token = cp.tenants.create_tenant(OPERATOR, TenantCreate(name="bench")).token
             who = cp.tenants.authenticate(token)
             body, warm_up = VrnicCreate(), min(count, 100)
-            db = cp.tx.db
-
-            def allocate(n: int) -> None:
-                for first in range(0, n, group):
-                    with db.group() if group > 1 else nullcontext():
-                        for _ in range(min(group, n - first)):
-                            cp.vrnics.allocate(who, body)
-
-            allocate(warm_up)
+            for _ in range(warm_up):
+                cp.vrnics.allocate(who, body)
             started = time.process_time()
-            allocate(count)
+            for _ in range(count):
+                cp.vrnics.allocate(who, body)
             spent = time.process_time() - started
             held = len(backend.vrnic_ids())
             if held != warm_up + count:

@@ -31,7 +31,7 @@ from vrnic.api.inventory import UP, HostRef, Inventory
 from vrnic.api.pagination import PageRequest
 from vrnic.api.schemas import Page, VrnicCounters, VrnicCreate, VrnicOut
 from vrnic.api.tenants import find_tenant, live_vrnics
-from vrnic.api.transactions import Transactions, group_committable
+from vrnic.api.transactions import Transactions
 from vrnic.backend.driver import drivers_serving
 from vrnic.backend.service import BackendService
 from vrnic.core.lifecycle import VrnicAction, VrnicState, check_vrnic_count, next_state, observed_state
@@ -169,7 +169,6 @@ class Vrnics:
 
     # -- allocate ---------------------------------------------------------------------------------
 
-    @group_committable
     def allocate(self, principal: Principal, body: VrnicCreate,
                  idempotency_key: str | None = None) -> tuple[VrnicOut, bool]:
         """(the vRNIC, replayed): replayed is True when idempotency_key matched an earlier allocation."""
@@ -529,7 +528,6 @@ class Vrnics:
 
     # -- release ----------------------------------------------------------------------------------
 
-    @group_committable
     def release(self, principal: Principal, vrnic_id: str, *, force: bool = False) -> VrnicOut:
         """Tear down the backend state; the record stays, in state released. An attached vRNIC (as observed
         now) needs force, which only the operator has."""

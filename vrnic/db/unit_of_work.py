@@ -3,10 +3,6 @@
 Database hands out units of work and owns SQLite's write serialisation. A unit of work is passed
 explicitly to whatever writes in its transaction (the control plane, the SR-IOV state store), so the
 vRNIC rows, desired VF state and audit events commit or roll back together.
-
-On SQLite, several write units of work may share one transaction (`Database.group`, a group commit): each
-runs in a savepoint of its own, so each still commits or fails alone as far as its caller can tell, and the
-group pays one BEGIN, one COMMIT and one write of each changed page to the WAL for all of them (issue 14).
 """
 
 from __future__ import annotations
@@ -98,27 +94,6 @@ class UnitOfWork:
         self._undo.clear()
 
 
-class GroupBroken(RuntimeError):
-    """The group's transaction ended under it (SQLite rolls back the whole transaction on some errors): nothing
-    of the group is committed, so every unit of work in it has to run again alone."""
-
-
-class WriteGroup:
-    """A group commit in progress on one thread: its connection, and the undo actions of the units of work
-    that succeeded in it (they run if the group's commit fails)."""
-
-    def __init__(self, connection: Connection) -> None:
-        self.connection = connection
-        self.succeeded: list[UnitOfWork] = []
-
-    def alive(self) -> bool:
-        raw = self.connection.connection.driver_connection
-        return self.connection.in_transaction() and bool(getattr(raw, "in_transaction", True))
-
-    def savepoint(self, verb: str) -> None:
-        self.connection.connection.driver_connection.execute(f"{verb} vrnic_unit")  # type: ignore[union-attr]
-
-
 class Database:
     """Units of work on one engine.
 
@@ -134,7 +109,6 @@ class Database:
         self.serialises_writes = engine.dialect.name == "sqlite"
         self._write_lock: AbstractContextManager[object] = threading.Lock() if self.serialises_writes \
             else nullcontext()
-        self._local = threading.local()  # .group: the WriteGroup this thread runs, if any
 
     def _joined_session(self, connection: Connection) -> Session:
         # in the connection's transaction: the session neither commits nor ends it; the unit of work does
@@ -143,13 +117,7 @@ class Database:
     @contextmanager
     def write(self, actor: str) -> Iterator[UnitOfWork]:
         """A read-write unit of work, committed when the block ends; on an exception it rolls back and its
-        undo actions run (in a new transaction, rolled back too: what they wrote concerned rolled-back rows).
-        In a group (this thread runs `group`), it is a savepoint of the group's transaction instead."""
-        group: WriteGroup | None = getattr(self._local, "group", None)
-        if group is not None:
-            with self._in_group(group, actor) as uow:
-                yield uow
-            return
+        undo actions run (in a new transaction, rolled back too: what they wrote concerned rolled-back rows)."""
         with self._write_lock, self.engine.connect() as connection:
             connection.begin()
             uow = UnitOfWork(actor, connection=connection, sessions=self._joined_session)
@@ -167,70 +135,6 @@ class Database:
             finally:
                 uow._drop_session()
 
-    def in_group(self) -> bool:
-        """Whether this thread runs a group commit (`group`)."""
-        return getattr(self._local, "group", None) is not None
-
-    @contextmanager
-    def group(self) -> Iterator[WriteGroup]:
-        """One transaction for every write (and read) unit of work this thread opens in the block, each in a
-        savepoint: one that fails rolls back to it and runs its undo at once, the others go on. Committed when
-        the block ends; if that commit fails (or the transaction ended under the group: GroupBroken), nothing
-        of the group is committed, the undo actions of every unit of work that had succeeded in it run, and
-        the error goes up. SQLite only: it is how its one writer commits several requests at once."""
-        if not self.serialises_writes:
-            raise NotImplementedError("group commits are SQLite's (PostgreSQL runs writers side by side)")
-        if self.in_group():
-            raise RuntimeError("a group commit inside a group commit")
-        with self._write_lock, self.engine.connect() as connection:
-            connection.begin()
-            group = self._local.group = WriteGroup(connection)
-            try:
-                yield group
-                self._local.group = None
-                if not group.alive():
-                    raise GroupBroken("the group's transaction ended before its commit")
-                connection.commit()
-            except BaseException:
-                self._local.group = None
-                if connection.in_transaction():
-                    connection.rollback()
-                for uow in reversed(group.succeeded):
-                    uow._run_undo()
-                if connection.in_transaction():
-                    connection.rollback()
-                raise
-            finally:
-                self._local.group = None
-
-    @contextmanager
-    def _in_group(self, group: WriteGroup, actor: str) -> Iterator[UnitOfWork]:
-        if not group.alive():  # outside a transaction, SAVEPOINT would begin one and RELEASE commit it alone
-            raise GroupBroken("the group's transaction ended under it")
-        connection = group.connection
-        group.savepoint("SAVEPOINT")
-        uow = UnitOfWork(actor, connection=connection, sessions=self._joined_session)
-        try:
-            yield uow
-            uow._flush()
-            group.savepoint("RELEASE")
-            group.succeeded.append(uow)  # its undo waits for the group's outcome
-        except BaseException:
-            uow._drop_session()
-            if not group.alive():  # its failure took the whole transaction: the group cannot go on
-                uow._run_undo()
-                raise
-            group.savepoint("ROLLBACK TO")
-            try:
-                uow._run_undo()  # in the savepoint, rolled back too (as a unit of work's own undo)
-            finally:
-                if group.alive():
-                    group.savepoint("ROLLBACK TO")
-                    group.savepoint("RELEASE")
-            raise
-        finally:
-            uow._drop_session()
-
     @staticmethod
     def _roll_back(uow: UnitOfWork, connection: Connection) -> None:
         uow._drop_session()
@@ -239,12 +143,6 @@ class Database:
 
     @contextmanager
     def read(self, actor: str = DAEMON_ACTOR) -> Iterator[UnitOfWork]:
-        """A read-only unit of work (on SQLite it runs beside the writer). In a group, it reads in the group's
-        transaction (what the group's earlier units of work wrote is what the next one must see)."""
-        group: WriteGroup | None = getattr(self._local, "group", None)
-        if group is not None:
-            with self._in_group(group, actor) as uow:
-                yield uow
-            return
+        """A read-only unit of work (on SQLite it runs beside the writer)."""
         with self._readonly_sessions() as session, session.begin():
             yield UnitOfWork(actor, session=session)
