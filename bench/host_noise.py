@@ -29,15 +29,17 @@ def steadiness(chunks_ms: list[float], factor: float = SLOW_FACTOR) -> Steadines
         raise ValueError("no chunks timed")
     median = statistics.median(chunks_ms)
     slowed, windows, longest, current = 0.0, 0, 0.0, 0.0
+    in_window = False
     for chunk in chunks_ms:
         if chunk >= factor * median:
             slowed += chunk
-            if current == 0.0:
-                windows += 1
+            if not in_window:
+                windows, current = windows + 1, 0.0
             current += chunk
             longest = max(longest, current)
+            in_window = True
         else:
-            current = 0.0
+            in_window = False
     return Steadiness(median, slowed / sum(chunks_ms), windows, longest)
 
 
