@@ -27,7 +27,7 @@ from vrnic.frontend import (
     WcStatus,
     WrOpcode,
 )
-from vrnic.frontend.guest_library import CQ_POOL, QP_POOL
+from vrnic.frontend.guest_library import CQ_POOL, MR_POOL, QP_POOL
 
 ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ | Access.REMOTE_ATOMIC
 
@@ -122,6 +122,26 @@ def test_rdma_read_pulls_from_peer_memory(connected: tuple[Guest, Guest]) -> Non
     assert a.mr.read(140, 100) == b"remote-secret!" * 10
 
 
+def test_a_pooled_mr_is_a_registration_of_its_own_whose_key_dies_with_it(connected: tuple[Guest, Guest],
+                                                                         engine: str) -> None:
+    a, b = connected
+    first, handed_out = MR(b.pd, 4096, ALL), MR(b.pd, 4096, ALL)
+    if engine == "ring":  # one reg_mrs made the pool; the second MR was a handout
+        assert b.ctx.spare_mr_count == (MR_POOL - 1) + (MR_POOL - 2)  # the guest's 64 KiB pool and this one
+    a.mr.write(b"pooled!!" b"stale!!!")
+    a.qp.post_send(SendRequest(1, WrOpcode.RDMA_WRITE, (a.mr.sge(0, 8),), remote_addr=handed_out.addr,
+                               rkey=handed_out.rkey))
+    assert a.cq.wait(1)[0].status == WcStatus.SUCCESS
+    assert handed_out.read(8) == b"pooled!!"
+    addr, rkey = handed_out.addr, handed_out.rkey
+    handed_out.close()  # deregistered, not pooled: a peer that kept its key reaches nothing
+    a.qp.post_send(SendRequest(2, WrOpcode.RDMA_WRITE, (a.mr.sge(8, 8),), remote_addr=addr, rkey=rkey))
+    wc = a.cq.wait(1)[0]
+    assert (wc.wr_id, wc.status) == (2, WcStatus.REM_ACCESS_ERR)
+    assert bytes(b.ctx.view[addr:addr + 8]) == b"pooled!!"
+    first.close()
+
+
 def test_atomics_compare_swap_and_fetch_add(connected: tuple[Guest, Guest]) -> None:
     a, b = connected
     b.mr.write(struct.pack("<Q", 41), 64)
@@ -190,7 +210,7 @@ def test_objects_in_use_cannot_be_destroyed_and_teardown_is_complete(make_vrnic:
     during = resource_counts()[device_pair[0]]
     spares = g.ctx.spare_qp_count  # its pool of new QPs (shared-ring engine)
     assert during["qp"] == before[device_pair[0]]["qp"] + 1 + spares
-    assert during["mr"] == before[device_pair[0]]["mr"] + 1
+    assert during["mr"] == before[device_pair[0]]["mr"] + 1 + g.ctx.spare_mr_count  # and its pool of MRs
     with pytest.raises(Conflict) as err:
         g.pd.close()
     assert err.value.current_state == "in_use"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 
@@ -12,8 +13,8 @@ from vrnic.core.rings import RingFlags
 from vrnic.core.specs import AttachInfo
 from vrnic.core.verb_args import MAX_BATCH
 from vrnic.errors import Conflict, InvalidArgument, NotFound, QuotaExceeded
-from vrnic.frontend import CQ, MR, PD, QP, Access, Context, SendRequest, WcStatus, WrOpcode
-from vrnic.frontend.guest_library import CQ_POOL, PD_POOL, QP_POOL
+from vrnic.frontend import CQ, MR, PD, QP, Access, Buffer, Context, SendRequest, WcStatus, WrOpcode
+from vrnic.frontend.guest_library import CQ_POOL, MR_POOL, MR_POOL_BYTES, PD_POOL, QP_POOL, MrShape
 
 ARENA = 4 << 20
 ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
@@ -274,3 +275,137 @@ def test_the_qp_pool_stops_at_the_quota_and_gives_back_spares_of_other_shapes(
         for qp in [rc, ud, *held]:
             qp.close()
         assert ctx.call("query_device")["quota_used"]["qp"] == 0
+
+
+def _used(ctx: Context) -> tuple[int, int]:
+    used = ctx.call("query_device")["quota_used"]
+    return used["mr"], used["pinned_bytes"]
+
+
+def test_mrs_of_one_shape_come_from_a_pool_and_a_closed_one_is_deregistered(make_vrnic: Callable[..., AttachInfo],
+                                                                            edge: FakeEdge) -> None:
+    live = len(edge.live)
+    with Context.attach(make_vrnic(), ARENA) as ca, Context.attach(make_vrnic(device="fake1"), ARENA) as cb:
+        pa, pb = PD(ca), PD(cb)
+        objects = len(edge.live)
+        first = MR(pa, 4096, ALL)
+        assert _used(ca) == (MR_POOL, MR_POOL * 4096)  # one reg_mrs filled the pool, pinned bytes and all
+        assert len(edge.live) == objects + MR_POOL  # registered on the NIC, not promises
+        others = [MR(pa, 4096, ALL) for _ in range(MR_POOL - 1)]
+        made = [first, *others]
+        assert _used(ca) == (MR_POOL, MR_POOL * 4096)  # handouts: nothing more registered
+        assert len({mr.handle for mr in made}) == len({mr.lkey for mr in made}) == MR_POOL
+        assert all(mr.lkey == mr.rkey for mr in made)
+        starts = sorted(mr.addr for mr in made)  # each on a buffer of its own
+        assert all(b - a >= 4096 for a, b in itertools.pairwise(starts))
+        # A pooled MR is an MR like any other: an RDMA WRITE from one pooled MR lands in the peer's pooled MR.
+        cqa, cqb = CQ(ca, 16), CQ(cb, 16)
+        qa, qb = QP(pa, cqa, cqa), QP(pb, cqb, cqb)
+        qa.connect(cb.gid, qb.qpn)
+        qb.connect(ca.gid, qa.qpn)
+        dst = MR(pb, 4096, ALL)
+        others[-1].write(b"pooled")
+        qa.post_send(SendRequest(1, WrOpcode.RDMA_WRITE, (others[-1].sge(0, 6),), remote_addr=dst.addr,
+                                 rkey=dst.rkey))
+        [done] = cqa.wait(1, timeout=5)
+        assert done.status == WcStatus.SUCCESS
+        assert dst.read(6) == b"pooled"
+        local = MR(pa, 4096)  # other access: another shape, another pool
+        assert _used(ca)[0] == 2 * MR_POOL
+        first.close()  # deregistered, not pooled: its key may have reached a peer
+        assert _used(ca) == (2 * MR_POOL - 1, (2 * MR_POOL - 1) * 4096)
+        with pytest.raises(NotFound):
+            ca.call("dereg_mr", mr=first.handle)
+        again = MR(pa, 4096, ALL)  # the pool is empty: a new one is filled
+        assert again.handle not in {mr.handle for mr in made} and again.lkey not in {mr.lkey for mr in made}
+        assert _used(ca)[0] == 3 * MR_POOL - 1
+        before = _used(ca)
+        large = MR(pa, MR_POOL_BYTES + 4096, ALL)  # larger than a pooled MR: registered alone
+        own = MR(pa, ca.alloc(4096), ALL)  # the caller's buffer: registered where it is
+        assert _used(ca) == (before[0] + 2, before[1] + MR_POOL_BYTES + 2 * 4096)
+        with pytest.raises(Conflict, match="still has"):
+            pa.close()
+        for obj in [qa, qb, *others, again, local, large, own, dst]:
+            obj.close()
+        assert ca.spare_mr_count == 2 * MR_POOL - 2
+        pa.close()  # its spare MRs go with it: a PD handed out again has no MR on it
+        assert ca.spare_mr_count == 0
+        assert _used(ca) == (0, 0)
+        assert ca.allocator.in_use() > 0  # the pooled CQs keep their rings; the MRs' buffers are back
+    assert len(edge.live) == live  # the pools go with the context
+
+
+def test_the_mr_pool_stops_at_the_quota_and_gives_back_spares_of_other_shapes(
+        make_vrnic: Callable[..., AttachInfo]) -> None:
+    with Context.attach(make_vrnic(max_mrs=MR_POOL + 1), ARENA) as ctx:
+        pd = PD(ctx)
+        a = MR(pd, 4096, ALL)
+        b = MR(pd, 8192, ALL)  # one MR of room left: a pool of one
+        assert (_used(ctx)[0], ctx.spare_mr_count) == (MR_POOL + 1, MR_POOL - 1)
+        c = MR(pd, 16384, ALL)  # no room: the spares of 4 KiB are given back, and make room for 16 KiB ones
+        assert _used(ctx)[0] == MR_POOL + 1
+        assert ctx.spare_mrs[MrShape(pd.handle, 4096, int(ALL))] == []
+        held = [MR(pd, 16384, ALL) for _ in range(MR_POOL - 2)]  # the rest of that pool, up to the quota
+        with pytest.raises(QuotaExceeded, match="max_mrs"):
+            MR(pd, 4096, ALL)
+        for mr in [a, b, c, *held]:
+            mr.close()
+        assert _used(ctx) == (0, 0)
+    with Context.attach(make_vrnic(max_pinned_bytes=3 * 4096), ARENA) as ctx:
+        pd = PD(ctx)
+        in_use = ctx.allocator.in_use()
+        a = MR(pd, 4096, ALL)
+        assert _used(ctx) == (3, 3 * 4096)  # the pool stopped at the pinned-bytes quota
+        b = MR(pd, 8192, ALL)  # the two spares of 4 KiB make room for it
+        assert (_used(ctx), ctx.spare_mr_count) == ((2, 3 * 4096), 0)
+        with pytest.raises(QuotaExceeded, match="max_pinned_bytes"):
+            MR(pd, 4096, ALL)
+        assert _used(ctx) == (2, 3 * 4096)  # a refused MR changes nothing
+        for mr in (a, b):
+            mr.close()
+        assert ctx.allocator.in_use() == in_use  # every spare's buffer went back to the arena
+
+
+def test_reg_mrs_checks_every_item_and_undoes_what_it_made(make_vrnic: Callable[..., AttachInfo]) -> None:
+    with Context.attach(make_vrnic(), ARENA) as ctx:
+        pd = PD(ctx)
+        buf = ctx.alloc(4096)
+        with pytest.raises(InvalidArgument, match="reg_mrs: addrs"):
+            ctx.call("reg_mrs", pd=pd.handle, addrs=[], length=4096, access=int(ALL))
+        with pytest.raises(InvalidArgument, match="reg_mrs: addrs"):
+            ctx.call("reg_mrs", pd=pd.handle, addrs=[buf.addr] * (MAX_BATCH + 1), length=4096, access=int(ALL))
+        with pytest.raises(InvalidArgument):  # the second is outside the arena: the first is taken back
+            ctx.call("reg_mrs", pd=pd.handle, addrs=[buf.addr, ARENA], length=4096, access=int(ALL))
+        assert _used(ctx) == (0, 0)
+        in_use = ctx.allocator.in_use()
+        with pytest.raises(InvalidArgument, match="LOCAL_WRITE"):  # the pool's first MR is refused: nothing kept
+            MR(pd, 4096, Access.REMOTE_WRITE)
+        assert ctx.allocator.in_use() == in_use and _used(ctx) == (0, 0) and ctx.spare_mr_count == 0
+        made = ctx.call("reg_mrs", pd=pd.handle, addrs=[buf.addr, buf.addr], length=4096, access=int(ALL))
+        assert len(set(made["mrs"])) == len(set(made["keys"])) == 2  # one range may be registered twice, as native
+        for handle in made["mrs"]:
+            ctx.call("dereg_mr", mr=handle)
+
+
+def test_spare_mrs_give_their_arena_back_when_the_caller_needs_it(make_vrnic: Callable[..., AttachInfo]) -> None:
+    with Context.attach(make_vrnic(), 1 << 20) as ctx:
+        pd = PD(ctx)
+
+        def fill() -> list[Buffer]:
+            chunks = []
+            with pytest.raises(QuotaExceeded, match="arena_bytes"):
+                while True:
+                    chunks.append(ctx.alloc(MR_POOL_BYTES))
+            return chunks
+
+        room = fill()
+        for chunk in room:
+            ctx.free(chunk)
+        mr = MR(pd, MR_POOL_BYTES, ALL)
+        assert ctx.spare_mr_count == MR_POOL - 1
+        chunks = fill()  # the spares' buffers are the pool's: the caller gets all but the one MR's
+        assert len(chunks) == len(room) - 1
+        assert ctx.spare_mr_count == 0 and _used(ctx) == (1, MR_POOL_BYTES)
+        for chunk in chunks:
+            ctx.free(chunk)
+        mr.close()

@@ -23,7 +23,7 @@ from vrnic.core.vaddr import make_virtual_gid
 from vrnic.core.verb_args import Attach
 from vrnic.errors import Conflict, InvalidArgument, NotSupported
 from vrnic.frontend import CQ, MR, PD, QP, Access, Context, RecvRequest, SendRequest, WcStatus, WrOpcode
-from vrnic.frontend.guest_library import CQ_POOL, PD_POOL, QP_POOL
+from vrnic.frontend.guest_library import CQ_POOL, MR_POOL, PD_POOL, QP_POOL
 
 ARENA = 1 << 20
 ME = PeerCred(os.getpid(), os.getuid(), os.getgid())
@@ -69,7 +69,8 @@ def test_a_session_restored_from_its_snapshot_keeps_every_guest_visible_name(
             assert len(spares) == 2 * (QP_POOL - 1)  # one pool per shape: RC and UD
             assert {q.handle: q.state for q in after.qps} == {qp_a.handle: "rts", idle.handle: "init", **spares}
             # the frontend's pools are the session's, as every PD, CQ and QP: they count and they move
-            assert after.used == {"pd": PD_POOL, "cq": CQ_POOL, "qp": 2 * QP_POOL, "mr": 1, "pinned_bytes": 8192}
+            assert after.used == {"pd": PD_POOL, "cq": CQ_POOL, "qp": 2 * QP_POOL, "mr": MR_POOL,
+                                  "pinned_bytes": MR_POOL * 8192}
             # The restored QP really is connected: an RDMA WRITE named by the guest's old keys lands in Bob.
             restored = session.state.qps.get(qp_a.handle)
             assert restored.peer_gid == cb.gid

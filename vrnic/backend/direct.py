@@ -137,6 +137,10 @@ class DirectSession(GuestSession):
         # The NIC knows the MR by vrnicd's address of it: guest address + iova_base.
         return {**result, "phys_lkey": window.phys_lkey, "iova_base": window.base}
 
+    def op_reg_mrs(self, args: verb_args.RegMrs) -> dict[str, Any]:
+        raise NotSupported("reg_mrs pools MRs on the shared-ring engine; the direct engine's guest learns each MR's "
+                           "physical key at reg_mr")
+
     def op_create_cqs(self, args: verb_args.CreateCqs) -> dict[str, Any]:
         raise NotSupported("create_cqs pools CQs on the shared-ring engine; the direct engine maps each CQ's "
                            "own queue at create_cq")

@@ -271,6 +271,24 @@ class GuestSession:
             self.registry.publish_mr(self.vrnic, window)
         return {"mr": mr.handle, "lkey": window.vkey, "rkey": window.vkey, "addr": args.addr, "length": args.length}
 
+    def op_reg_mrs(self, args: verb_args.RegMrs) -> dict[str, Any]:
+        """An MR at each of args.addrs, up to the quota (at least one, else the quota error of the first): the
+        frontend's pool of MRs of that shape. Any other failure takes back the MRs already made and is raised."""
+        made: list[dict[str, Any]] = []
+
+        def register(addr: int) -> int:
+            made.append(self.op_reg_mr(verb_args.RegMr(pd=args.pd, addr=addr, length=args.length,
+                                                       access=args.access)))
+            return int(made[-1]["mr"])
+
+        try:
+            handles = _within_quota(register, args.addrs)
+        except BaseException:
+            for reply in made:
+                self.op_dereg_mr(verb_args.MrRef(mr=reply["mr"]))
+            raise
+        return {"mrs": handles, "keys": [reply["lkey"] for reply in made]}
+
     def op_dereg_mr(self, args: verb_args.MrRef) -> dict[str, Any]:
         mr = self.state.take_mr(args.mr)
         self.registry.withdraw_mr(self.vrnic, mr.window.vkey)

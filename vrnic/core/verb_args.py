@@ -132,6 +132,18 @@ class AllocPds(Args):
     count: int = Field(ge=1, le=MAX_BATCH)
 
 
+class RegMrs(Args):
+    """An MR of the same PD, length and access at each arena offset in addrs, as many as the quota leaves room
+    for (at least one): the frontend's pool of MRs of that shape (pre-setup), so that its later MR of that
+    shape is a handout. Pooled MRs are ordinary MRs of the session: they count against the quota (MRs and pinned
+    bytes) and go with the session."""
+
+    pd: Handle
+    addrs: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, max_length=MAX_BATCH)
+    length: int = Field(gt=0)
+    access: int = Field(ge=0, le=15)
+
+
 class CreateCqs(Args):
     """Up to len(rings) CQs of cqe entries, one per ring, as many as the quota leaves room for (at least one):
     the frontend's pool of CQs of that size (pre-setup), so that its later create_cq of that size is a handout.
@@ -202,6 +214,7 @@ OPS: dict[str, type[Args]] = {
     "create_qp": CreateQp, "destroy_qp": QpRef, "modify_qp": ModifyQp, "query_qp": QpRef,
     "connect": Connect, "resolve_rkey": ResolveRkey, "translations": NoArgs,
     "create_qps": CreateQps, "connect_qps": ConnectQps, "alloc_pds": AllocPds, "create_cqs": CreateCqs,
+    "reg_mrs": RegMrs,
     "null_rpc": NoArgs,
     "busy_poll": BusyPoll, "sync": NoArgs, "detach": NoArgs,
     "resolve_ip": ResolveIp, "cm_listen": CmPort, "cm_unlisten": CmPort, "cm_get_request": CmGetRequest,

@@ -41,6 +41,8 @@ CQ_POOL = 4  # CQs of one size a context asks vrnicd for at once on the shared-r
 CQ_POOL_RING_BYTES = 64 << 10  # larger rings are not pooled: spare ones would take too much of the arena
 QP_POOL = 4  # QPs of one shape a context asks vrnicd for at once on the shared-ring engine (1 if the quota is short)
 QP_POOL_RING_BYTES = 64 << 10  # a QP whose two rings take more is not pooled, for the same reason
+MR_POOL = 4  # MRs of one shape (PD, length, access) a context asks vrnicd for at once on the shared-ring engine
+MR_POOL_BYTES = 64 << 10  # larger MRs are not pooled: spare ones would pin, and take, too much of the arena
 DEFAULT_VM_ARENA = 8 << 20  # four 2 MiB hugepages
 VM_POLL_SLEEP_S = 0.0002  # a VM guest has no completion eventfd: it polls, sleeping this long between polls
 DIRECT_SPIN_S = 0.02  # a direct guest polls the NIC's CQ as native verbs programs do: it spins this long, then naps
@@ -135,6 +137,7 @@ class Context(_Resource):
         self.spare_pds: list[int] = []  # PDs vrnicd allocated for this context and no PD object holds
         self.spare_cqs: dict[int, list[tuple[int, Buffer]]] = {}  # by size: CQs (and rings) no CQ object holds
         self.spare_qps: dict[QpShape, list[SpareQp]] = {}  # by shape: new QPs no QP object holds yet
+        self.spare_mrs: dict[MrShape, list[SpareMr]] = {}  # by shape: new MRs (on their buffers) no MR object holds
         self.vrnic_id: str = info["vrnic_id"]
         self.gid: str = info["virtual_gid"]
         self.ip: str | None = info.get("virtual_ip")  # its address in the VPC, if it has one (frontend.cm)
@@ -170,6 +173,11 @@ class Context(_Resource):
         return self.channel
 
     @property
+    def spare_mr_count(self) -> int:
+        """MRs in this context's pools: registered on the NIC, counted by the quota, that no MR object holds yet."""
+        return sum(len(pool) for pool in self.spare_mrs.values())
+
+    @property
     def spare_qp_count(self) -> int:
         """QPs in this context's pools: real QPs on the NIC, counted by the quota, that no QP object holds yet."""
         return sum(len(pool) for pool in self.spare_qps.values())
@@ -190,8 +198,15 @@ class Context(_Resource):
     def set_busy_poll(self, enabled: bool) -> None:
         self.call("busy_poll", enabled=enabled)
 
-    def alloc(self, length: int, align: int = 64) -> Buffer:
-        offset = self.allocator.alloc(length, align)
+    def alloc(self, length: int, align: int = 64, spare: bool = False) -> Buffer:
+        """length bytes of the arena. The buffers of spare MRs are the pool's, not the caller's: when the arena
+        is short they are given back first (not for another spare, which is simply not made)."""
+        try:
+            offset = self.allocator.alloc(length, align)
+        except QuotaExceeded as exc:
+            if spare or exc.limit != "arena_bytes" or not _give_back_spare_mrs(self):
+                raise
+            offset = self.allocator.alloc(length, align)
         return Buffer(self, offset, self.arena.wire(offset), length)
 
     def free(self, buffer: Buffer) -> None:
@@ -246,30 +261,46 @@ class PD(_Resource):
         if self.users:
             raise Conflict(f"PD {self.handle} still has {self.users} MR(s)/QP(s)", current_state="in_use")
         if not self.ctx.closed:
+            _give_back_spare_mrs(self.ctx, on_pd=self.handle)  # a PD handed out again starts with no MR on it
             self.ctx.spare_pds.append(self.handle)
         self.closed = True
 
 
 class MR(_Resource):
-    """A registered range of the arena: give a Buffer, or a length to allocate one."""
+    """A registered range of the arena: give a Buffer, or a length to allocate one.
+
+    Given a length of at most MR_POOL_BYTES, on the shared-ring engine, the MR is handed out from the context's
+    pool of MRs of its shape (PD, length, access; pre-setup, as CQs and QPs are): vrnicd registers up to MR_POOL
+    of them, each on a buffer of its own, in one request. The spare MRs are registered on the NIC and count
+    against the quota (MRs and pinned bytes). A closed MR is deregistered, never handed out again: its key may
+    have reached a peer. When the quota refuses a pool, the spare MRs of every shape are given back and the pool
+    is asked for again (vrnicd makes as many as the quota allows, at least one), so a tenant still gets exactly
+    its quota."""
 
     def __init__(self, pd: PD, buffer: Buffer | int, access: int = Access.LOCAL_WRITE) -> None:
         self.pd = pd
+        ctx = pd.ctx
         self.owned = not isinstance(buffer, Buffer)
-        self.buffer = pd.ctx.alloc(buffer) if isinstance(buffer, int) else buffer
+        if isinstance(buffer, int) and ctx.direct is None and 0 < buffer <= MR_POOL_BYTES:
+            ctx.open_channel()
+            self.handle, key, self.buffer = _spare_mr(ctx, MrShape(pd.handle, buffer, int(access)))
+            pd.users += 1
+            self.lkey = self.rkey = key
+            return
+        self.buffer = ctx.alloc(buffer) if isinstance(buffer, int) else buffer
         try:
-            reply = pd.ctx.call("reg_mr", pd=pd.handle, addr=self.buffer.addr, length=self.buffer.length,
-                                access=int(access))
+            reply = ctx.call("reg_mr", pd=pd.handle, addr=self.buffer.addr, length=self.buffer.length,
+                             access=int(access))
         except BaseException:
             if self.owned:
-                pd.ctx.free(self.buffer)
+                ctx.free(self.buffer)
             raise
         pd.users += 1
         self.handle = int(reply["mr"])
         self.lkey = int(reply["lkey"])
         self.rkey = int(reply["rkey"])
-        if pd.ctx.direct is not None:
-            pd.ctx.direct.learn_mr(reply)
+        if ctx.direct is not None:
+            ctx.direct.learn_mr(reply)
 
     @property
     def addr(self) -> int:
@@ -299,6 +330,74 @@ class MR(_Resource):
         if not self.closed:
             self.pd.users -= 1
         self.closed = True
+
+
+@dataclass(frozen=True)
+class MrShape:
+    """What an MR of a length asks for; new MRs of one shape are interchangeable before they are handed out."""
+    pd: int
+    length: int
+    access: int
+
+
+@dataclass(frozen=True)
+class SpareMr:
+    handle: int
+    key: int  # lkey and rkey: vrnicd gives an MR one virtual key for both
+    buffer: Buffer
+
+
+def _spare_mr(ctx: Context, shape: MrShape) -> tuple[int, int, Buffer]:
+    spares = ctx.spare_mrs.setdefault(shape, [])
+    if not spares:
+        spares += _reg_mrs(ctx, shape)[::-1]
+    spare = spares.pop()
+    return spare.handle, spare.key, spare.buffer
+
+
+def _reg_mrs(ctx: Context, shape: MrShape) -> list[SpareMr]:
+    """New MRs of this shape on buffers of their own: up to MR_POOL in one reg_mrs, as many as the arena and
+    the quota allow (at least one). When the quota refuses, the spare MRs of every shape are given back and the
+    request is made once more."""
+    buffers = [ctx.alloc(shape.length)]
+    try:
+        while len(buffers) < MR_POOL:
+            try:
+                buffers.append(ctx.alloc(shape.length, spare=True))
+            except VrnicError:  # the arena is short: fewer spares
+                break
+        request = {"pd": shape.pd, "addrs": [b.addr for b in buffers], "length": shape.length,
+                   "access": shape.access}
+        try:
+            reply = ctx.call("reg_mrs", **request)
+        except QuotaExceeded:
+            if not _give_back_spare_mrs(ctx):
+                raise
+            reply = ctx.call("reg_mrs", **request)
+    except BaseException:
+        for buffer in buffers:
+            ctx.free(buffer)
+        raise
+    handles = reply["mrs"]
+    made = [SpareMr(int(h), int(k), b) for h, k, b in zip(handles, reply["keys"], buffers[:len(handles)], strict=True)]
+    for buffer in buffers[len(made):]:
+        ctx.free(buffer)
+    return made
+
+
+def _give_back_spare_mrs(ctx: Context, on_pd: int | None = None) -> int:
+    """Deregister the context's spare MRs: those on PD on_pd (it is being closed), or all of them (the quota needs
+    the room); how many there were."""
+    given = 0
+    for shape, spares in ctx.spare_mrs.items():
+        if on_pd is not None and shape.pd != on_pd:
+            continue
+        while spares:
+            spare = spares.pop()
+            ctx.call("dereg_mr", mr=spare.handle)
+            ctx.free(spare.buffer)
+            given += 1
+    return given
 
 
 class CQ(_Resource):
