@@ -118,3 +118,64 @@ def test_lookups_race_with_destroys_without_errors() -> None:
     stop.set()
     writer.join()
     assert errors == []
+
+
+class KeyCachingSession(Session):
+    """A direct-engine session: it caches peers' keys, so it hears of every MR a reachable peer withdraws."""
+
+    def __init__(self) -> None:
+        self.told = 0
+
+    def translations_changed(self) -> None:
+        self.told += 1
+
+
+class CountingLocator:
+    """The security-group store, counting how often the rules are read."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def rules(self) -> list[object]:
+        self.reads += 1
+        return []
+
+
+def test_a_withdrawn_mr_is_told_only_to_reachable_key_caching_sessions() -> None:
+    locator = CountingLocator()
+    registry = Registry(locator=locator)  # type: ignore[arg-type]
+    a, same, other_vpc, gone = vrnic(1), vrnic(2), vrnic(3, vpc=2), vrnic(4)
+    ring_guests = [vrnic(10 + i, vpc=1 + i % 2) for i in range(50)]
+    attached(registry, a, *ring_guests)
+    cachers = {v.spec.id: KeyCachingSession() for v in (same, other_vpc, gone)}
+    for v in (same, other_vpc, gone):
+        registry.add(v)
+        registry.attach(v, cachers[v.spec.id])
+    registry.remove(gone.spec.id)  # released while attached: no longer told
+    window = MrWindow(vkey=9, offset=0, length=64, access=Access.REMOTE_WRITE, phys_lkey=1, phys_rkey=2, base=0)
+    registry.publish_mr(a, window)
+    registry.withdraw_mr(a, 9)
+    assert {i: s.told for i, s in cachers.items()} == {same.spec.id: 1, other_vpc.spec.id: 0, gone.spec.id: 0}
+    registry.detach(same, cachers[same.spec.id])
+    registry.detach(other_vpc, cachers[other_vpc.spec.id])
+    reads = locator.reads
+    registry.withdraw_mr(a, 9)  # ring guests cache no keys: the rules are not even read for them
+    assert locator.reads == reads and cachers[same.spec.id].told == 1
+
+
+def test_virtual_gids_stay_unique_and_are_found_after_releases() -> None:
+    registry = Registry()
+    a, b = vrnic(1), vrnic(2)
+    attached(registry, a, b)
+    with pytest.raises(Conflict, match="already in use"):
+        registry.add(VirtualRnic(spec=b.spec.model_copy(update={"id": "b2"}), device="d", token_hash="x",
+                                 phys_gid=b.phys_gid, gid_index=1))
+    assert registry.holds(b.spec.virtual_gid) and registry.peer(a, b.spec.virtual_gid) is b
+    registry.remove(b.spec.id)
+    assert not registry.holds(b.spec.virtual_gid)
+    with pytest.raises(NotFound):
+        registry.peer(a, b.spec.virtual_gid)
+    again = vrnic(2)  # the address is free again
+    registry.add(again)
+    registry.attach(again, Session())
+    assert registry.peer(a, again.spec.virtual_gid) is again

@@ -142,7 +142,11 @@ class Registry:
         self._remote_cache: dict[tuple[object, ...], tuple[float, object]] = {}  # UD lookups: (expiry, answer)
         self._mr_cache: dict[tuple[str, str], _MrCache] = {}  # (asker id, peer id) -> windows
         self._by_id: dict[str, VirtualRnic] = {}
+        self._by_gid: dict[str, VirtualRnic] = {}  # the same vRNICs by virtual GID: a connect looks its peer up here
         self._published: dict[str, _Published] = {}  # only attached vRNICs
+        # Attached vRNICs whose session caches peers' keys (the direct engine): only they hear of a withdrawn MR.
+        # Kept as sessions come and go, so a deregistration does not walk every vRNIC of the host (issue 14).
+        self._key_cachers: dict[str, VirtualRnic] = {}
         self._by_phys: dict[tuple[str, int], tuple[str, int]] = {}  # (phys GID, phys QPN) -> (vRNIC id, vQPN)
         self._dirty: dict[str, DirtyLog] = {}  # vRNICs whose VM migrates: peers log their writes into it here
         self._lock = threading.Lock()
@@ -152,13 +156,17 @@ class Registry:
         with self._lock:
             if vrnic.spec.id in self._by_id:
                 raise Conflict(f"vRNIC {vrnic.spec.id} already exists in the backend")
-            if any(v.spec.virtual_gid == vrnic.spec.virtual_gid for v in self._by_id.values()):
+            if vrnic.spec.virtual_gid in self._by_gid:
                 raise Conflict(f"virtual GID {vrnic.spec.virtual_gid} is already in use")
             self._by_id[vrnic.spec.id] = vrnic
+            self._by_gid[vrnic.spec.virtual_gid] = vrnic
 
     def remove(self, vrnic_id: str) -> VirtualRnic:
         with self._lock:
             vrnic = self._by_id.pop(vrnic_id, None)
+            self._key_cachers.pop(vrnic_id, None)
+            if vrnic is not None:
+                self._by_gid.pop(vrnic.spec.virtual_gid, None)
         if vrnic is None:
             raise NotFound(f"no vRNIC {vrnic_id} in the backend")
         return vrnic
@@ -211,7 +219,7 @@ class Registry:
                 raise Conflict(f"vRNIC {vrnic.spec.id} is bound to VM {vrnic.vm_domain}", current_state="attached")
             if vrnic.session is not None:
                 raise Conflict(f"vRNIC {vrnic.spec.id} already has a guest attached", current_state="attached")
-            vrnic.session = session
+            self._set_session(vrnic, session)
             self._published[vrnic.spec.id] = _Published()
 
     def detach(self, vrnic: VirtualRnic, session: Closeable) -> None:
@@ -221,7 +229,7 @@ class Registry:
         with self._lock:
             if vrnic.session is not None and vrnic.session is not session:
                 return
-            vrnic.session = None
+            self._set_session(vrnic, None)
             published = self._published.pop(vrnic.spec.id, None)
             if published is not None:
                 for phys_qpn in published.qpn_by_vqpn.values():
@@ -244,7 +252,7 @@ class Registry:
                 raise Conflict(f"vRNIC {vrnic.spec.id} has nothing published to hand over")
             for phys_qpn in published.qpn_by_vqpn.values():
                 self._by_phys.pop((vrnic.phys_gid, phys_qpn), None)
-            vrnic.session = new
+            self._set_session(vrnic, new)
             published.qpn_by_vqpn = dict(qpns)
             published.mrs = dict(mrs)
             for vqpn, phys_qpn in qpns.items():
@@ -256,12 +264,21 @@ class Registry:
         with self._lock:
             if vrnic.session is not None:
                 raise Conflict(f"vRNIC {vrnic.spec.id} already has a guest attached", current_state="attached")
-            vrnic.session, vrnic.vm_domain = session, domain
+            self._set_session(vrnic, session)
+            vrnic.vm_domain = domain
             published = self._published[vrnic.spec.id] = _Published()
             published.qpn_by_vqpn = dict(qpns)
             published.mrs = dict(mrs)
             for vqpn, phys_qpn in qpns.items():
                 self._by_phys[(vrnic.phys_gid, phys_qpn)] = (vrnic.spec.id, vqpn)
+
+    def _set_session(self, vrnic: VirtualRnic, session: Closeable | None) -> None:
+        """Under the lock: the vRNIC's session, and whether it is told of withdrawn MRs."""
+        vrnic.session = session
+        if getattr(session, "translations_changed", None) is not None:
+            self._key_cachers[vrnic.spec.id] = vrnic
+        else:
+            self._key_cachers.pop(vrnic.spec.id, None)
 
     def remote_peer(self, vrnic_id: str) -> RemotePeer | None:
         """A peer on another host that a session here connected to (None if none, or if it is held here)."""
@@ -365,7 +382,9 @@ class Registry:
             published = self._published.get(vrnic.spec.id)
             if published is not None:
                 published.mrs.pop(vkey, None)
-            others = [o for o in self._by_id.values() if o is not vrnic]
+            others = [o for o in self._key_cachers.values() if o is not vrnic]
+        if not others:
+            return
         # Direct guests that may have cached this key as a peer's rkey must look again.
         rules = self._rules_if_needed(vrnic.identity, [o.identity for o in others])
         for other in others:
@@ -419,7 +438,7 @@ class Registry:
         Anything else looks exactly like a GID that does not exist.
         """
         with self._lock:
-            found = next((v for v in self._by_id.values() if v.spec.virtual_gid == virtual_gid), None)
+            found = self._by_gid.get(virtual_gid)
             attached = found is not None and found.session is not None
         if found is None or not attached or not self.check(asker, found.identity, via).allowed:
             raise NotFound(f"no reachable vRNIC with virtual GID {virtual_gid}")
@@ -428,7 +447,7 @@ class Registry:
     def holds(self, virtual_gid: str) -> bool:
         """Does this vrnicd hold a vRNIC with that virtual GID (attached or not)?"""
         with self._lock:
-            return any(v.spec.virtual_gid == virtual_gid for v in self._by_id.values())
+            return virtual_gid in self._by_gid
 
     def peer(self, asker: VirtualRnic, virtual_gid: str) -> VirtualRnic:
         """A reachable attached vRNIC of this vrnicd (see local_peer)."""
