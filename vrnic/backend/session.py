@@ -282,12 +282,12 @@ class GuestSession:
             return int(made[-1]["mr"])
 
         try:
-            handles = _within_quota(register, args.addrs)
+            _within_quota(register, args.addrs)
         except BaseException:
             for reply in made:
                 self.op_dereg_mr(verb_args.MrRef(mr=reply["mr"]))
             raise
-        return {"mrs": handles, "keys": [reply["lkey"] for reply in made]}
+        return {"mrs": [reply["mr"] for reply in made], "keys": [reply["lkey"] for reply in made]}
 
     def op_dereg_mr(self, args: verb_args.MrRef) -> dict[str, Any]:
         mr = self.state.take_mr(args.mr)

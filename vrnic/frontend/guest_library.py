@@ -200,7 +200,7 @@ class Context(_Resource):
 
     def alloc(self, length: int, align: int = 64, spare: bool = False) -> Buffer:
         """length bytes of the arena. The buffers of spare MRs are the pool's, not the caller's: when the arena
-        is short they are given back first (not for another spare, which is simply not made)."""
+        is short they are given back first (not for a buffer that is itself a spare's, which is simply not made)."""
         try:
             offset = self.allocator.alloc(length, align)
         except QuotaExceeded as exc:
@@ -283,9 +283,9 @@ class MR(_Resource):
         self.owned = not isinstance(buffer, Buffer)
         if isinstance(buffer, int) and ctx.direct is None and 0 < buffer <= MR_POOL_BYTES:
             ctx.open_channel()
-            self.handle, key, self.buffer = _spare_mr(ctx, MrShape(pd.handle, buffer, int(access)))
+            spare = _spare_mr(ctx, MrShape(pd.handle, buffer, int(access)))
             pd.users += 1
-            self.lkey = self.rkey = key
+            self.handle, self.buffer, self.lkey, self.rkey = spare.handle, spare.buffer, spare.key, spare.key
             return
         self.buffer = ctx.alloc(buffer) if isinstance(buffer, int) else buffer
         try:
@@ -347,25 +347,19 @@ class SpareMr:
     buffer: Buffer
 
 
-def _spare_mr(ctx: Context, shape: MrShape) -> tuple[int, int, Buffer]:
+def _spare_mr(ctx: Context, shape: MrShape) -> SpareMr:
     spares = ctx.spare_mrs.setdefault(shape, [])
     if not spares:
         spares += _reg_mrs(ctx, shape)[::-1]
-    spare = spares.pop()
-    return spare.handle, spare.key, spare.buffer
+    return spares.pop()
 
 
 def _reg_mrs(ctx: Context, shape: MrShape) -> list[SpareMr]:
     """New MRs of this shape on buffers of their own: up to MR_POOL in one reg_mrs, as many as the arena and
     the quota allow (at least one). When the quota refuses, the spare MRs of every shape are given back and the
     request is made once more."""
-    buffers = [ctx.alloc(shape.length)]
+    buffers = _pool_buffers(ctx, shape.length, MR_POOL)
     try:
-        while len(buffers) < MR_POOL:
-            try:
-                buffers.append(ctx.alloc(shape.length, spare=True))
-            except VrnicError:  # the arena is short: fewer spares
-                break
         request = {"pd": shape.pd, "addrs": [b.addr for b in buffers], "length": shape.length,
                    "access": shape.access}
         try:
@@ -383,6 +377,18 @@ def _reg_mrs(ctx: Context, shape: MrShape) -> list[SpareMr]:
     for buffer in buffers[len(made):]:
         ctx.free(buffer)
     return made
+
+
+def _pool_buffers(ctx: Context, size: int, count: int) -> list[Buffer]:
+    """Buffers of size for a pool: the first one, or the arena's error; then up to count in all, as many as the
+    arena has room for (a spare is not made rather than make room for it)."""
+    buffers = [ctx.alloc(size)]
+    while len(buffers) < count:
+        try:
+            buffers.append(ctx.alloc(size, spare=True))
+        except VrnicError:  # the arena is short: fewer spares
+            break
+    return buffers
 
 
 def _give_back_spare_mrs(ctx: Context, on_pd: int | None = None) -> int:
@@ -508,13 +514,8 @@ def _create_cqs(ctx: Context, cqe: int) -> list[tuple[int, Buffer]]:
     quota allow (at least one). When the quota refuses, the spare CQs of other sizes are given back and the
     request is made once more."""
     size = Ring.bytes_needed(cqe, CQ_SLOT.size)
-    rings = [ctx.alloc(size)]
+    rings = _pool_buffers(ctx, size, CQ_POOL if size <= CQ_POOL_RING_BYTES else 1)
     try:
-        while len(rings) < (CQ_POOL if size <= CQ_POOL_RING_BYTES else 1):
-            try:
-                rings.append(ctx.alloc(size))
-            except VrnicError:  # the arena is short: fewer spares
-                break
         request = {"cqe": cqe, "rings": [ring.addr for ring in rings]}
         try:
             handles = [int(h) for h in ctx.call("create_cqs", **request)["cqs"]]
