@@ -365,3 +365,27 @@ def test_an_unsupported_version_is_answered_in_version_1_naming_those_spoken(
     assert version == JSON_VERSION  # what any peer reads
     assert reply["error"]["message"] == "unsupported protocol version 3 (this end speaks 1 and 2)"
     assert closed_by_server(sock)
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_a_guest_connects_before_it_builds_its_arena_and_leaves_nothing_when_either_fails(
+        serve: Callable[..., tuple[VerbsDriver, AttachInfo]], tmp_path: Path) -> None:
+    """The frontend connects first, so that vrnicd accepts while the guest builds its arena (issue 14): an arena
+    it cannot build closes that connection at once, and a vrnicd it cannot reach costs it no arena."""
+    drv, info = serve(attach_deadline_s=30)
+    before = _open_fds()
+    with pytest.raises(InvalidArgument, match="number of pages"):
+        Context(info.socket_path or "", info.token or "", arena_bytes=100)
+    assert _open_fds() == before
+    deadline = time.monotonic() + 5
+    while drv.server.pending and time.monotonic() < deadline:  # closed by the guest, not at the deadline
+        time.sleep(0.01)
+    assert drv.server.pending == 0
+    with pytest.raises(VrnicError, match="cannot reach vrnicd"):
+        Context(str(tmp_path / "nobody.sock"), info.token or "", arena_bytes=ARENA)
+    assert _open_fds() == before
+    with Context.attach(info, ARENA) as ctx:  # and a guest that can do both attaches as ever
+        assert ctx.vrnic_id == info.vrnic_id

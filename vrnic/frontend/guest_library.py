@@ -95,13 +95,23 @@ class Context(_Resource):
 
     def __init__(self, socket_path: str, token: str, arena_bytes: int = DEFAULT_ARENA,
                  busy_poll: bool = False) -> None:
-        arena = MemfdArena(arena_bytes)
         self.doorbell_fd: int | None = None
         self.notify_fd: int | None = None
+        # Connected first: vrnicd wakes and accepts while this guest builds its arena (issue 14)
+        channel = UnixChannel(socket_path)
+        arena: MemfdArena | None = None
         try:
+            arena = MemfdArena(arena_bytes)
             doorbell = self.doorbell_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
             notify = self.notify_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-            self._open(arena, lambda: UnixChannel(socket_path),
+        except BaseException:
+            channel.close()
+            if arena is not None:
+                arena.close()
+            self._close_fds()
+            raise
+        try:
+            self._open(arena, lambda: channel,
                        lambda ch: ch.call("attach", fds=[arena.fd, doorbell, notify], token=token,
                                           busy_poll=busy_poll))
         except BaseException:
