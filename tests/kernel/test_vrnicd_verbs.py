@@ -7,6 +7,7 @@ import struct
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -140,6 +141,33 @@ def test_a_pooled_mr_is_a_registration_of_its_own_whose_key_dies_with_it(connect
     assert (wc.wr_id, wc.status) == (2, WcStatus.REM_ACCESS_ERR)
     assert bytes(b.ctx.view[addr:addr + 8]) == b"pooled!!"
     first.close()
+
+
+def _rnr_naks(devices: tuple[str, str]) -> int:
+    """RNR NAKs the requesters of these rxe devices received so far."""
+    return sum(int(Path(f"/sys/class/infiniband/{d}/ports/1/hw_counters/rcvd_rnr_err").read_text()) for d in devices)
+
+
+def test_a_send_to_a_local_peer_finds_the_receive_its_guest_posted_first(make_vrnic: Callable[..., AttachInfo],
+                                                                        device_pair: tuple[str, str]) -> None:
+    """rxe answers a SEND that finds no receive with an RNR NAK and sends it again a timer tick later (4 ms or
+    more). Two vRNICs of one vrnicd have two shared-ring engines that race; the sender's engine posts the receives
+    of the QP it sends to before the SEND. The receiver's doorbell is never rung here, and rxe counts no RNR NAK."""
+    a, b = _guest(make_vrnic(device=device_pair[0])), _guest(make_vrnic(device=device_pair[1]))
+    a.qp.connect(b.ctx.gid, b.qp.qpn)
+    b.qp.connect(a.ctx.gid, a.qp.qpn)
+    before = _rnr_naks(device_pair)
+    for number in range(5):
+        b.qp.post_recv(RecvRequest(number, (b.mr.sge(0, 64),)), doorbell=False)
+        a.mr.write(b"ping %02d" % number)
+        a.qp.post_send(SendRequest(number, WrOpcode.SEND, (a.mr.sge(0, 7),)))
+        assert a.cq.wait(1)[0].status == WcStatus.SUCCESS
+        wc = b.cq.wait(1)[0]
+        assert (wc.wr_id, wc.status, wc.byte_len) == (number, WcStatus.SUCCESS, 7)
+        assert b.mr.read(7) == b"ping %02d" % number
+    assert _rnr_naks(device_pair) == before
+    _close(a)
+    _close(b)
 
 
 def test_atomics_compare_swap_and_fetch_add(connected: tuple[Guest, Guest]) -> None:

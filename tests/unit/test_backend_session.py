@@ -195,6 +195,29 @@ def test_a_receive_posted_before_a_send_reaches_the_nic_first(make_vrnic: Callab
         assert edge.rnr_naks == 0
 
 
+def test_a_receive_a_local_peer_posted_is_on_the_nic_before_a_send_to_it(make_vrnic: Callable[..., AttachInfo],
+                                                                       edge: FakeEdge) -> None:
+    """The same across two vRNICs of one vrnicd: their engines race, and a SEND that gets to the NIC before the
+    peer's receive is refused (RNR NAK; rxe sends it again a timer tick later, which held the ring engine's
+    ping-pong at 10 ms). Here the peer's engine is never even rung, and the receive is still there first: the
+    sender's engine posts the receives of the QP it sends to before the SEND."""
+    with Context.attach(make_vrnic(), ARENA) as ca, Context.attach(make_vrnic(device="fake1"), ARENA) as cb:
+        pa, pb = PD(ca), PD(cb)
+        cqa, cqb = CQ(ca, 16), CQ(cb, 16)
+        mra, mrb = MR(pa, 4096), MR(pb, 4096)
+        qa, qb = QP(pa, cqa, cqa), QP(pb, cqb, cqb)
+        qa.connect(cb.gid, qb.qpn)
+        qb.connect(ca.gid, qa.qpn)
+        for number in range(3):
+            mra.buffer.write(b"ping %d" % number)
+            qb.post_recv(RecvRequest(number, (mrb.sge(0, 64),)), doorbell=False)
+            qa.post_send(SendRequest(number, WrOpcode.SEND, (mra.sge(0, 6),)))
+            assert [(c.wr_id, c.status) for c in cqa.wait(1, timeout=5)] == [(number, 0)]
+            assert [(c.wr_id, c.status, c.byte_len) for c in cqb.wait(1, timeout=5)] == [(number, 0, 6)]
+            assert mrb.buffer.read(6) == b"ping %d" % number
+        assert edge.rnr_naks == 0
+
+
 def test_a_send_posted_before_its_qp_is_destroyed_reaches_the_nic(make_vrnic: Callable[..., AttachInfo],
                                                                   driver: VerbsDriver,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:

@@ -47,6 +47,7 @@ BATCH = 32
 IDLE_WAIT_S = 1.0  # with every CQ armed, a completion or a doorbell wakes us anyway
 UNKNOWN_FD_WAIT_S = 0.001  # a CQ whose channel fd is unknown must be polled
 WRITE_OPS = (WrOpcode.RDMA_READ, *ATOMICS)  # local buffers the NIC writes into
+CONSUMES_RECV = (WrOpcode.SEND, WrOpcode.SEND_WITH_IMM, WrOpcode.RDMA_WRITE_WITH_IMM)  # a receive at the peer
 WC_GRH = 1  # IBV_WC_GRH
 
 
@@ -99,6 +100,9 @@ class EngineHost(Protocol):
     def remote_writes(self, qp: QpEntry, address: int, length: int) -> None:
         """This QP's RDMA WRITE or atomic will write this range of its peer's memory."""
 
+    def post_peer_receives(self, qp: QpEntry) -> None:
+        """qp's SENDs are about to go out: the receives its peer's guest posted should be on the NIC first."""
+
 
 class DataPathEngine(ABC):
     busy_poll: bool
@@ -132,6 +136,11 @@ class DataPathEngine(ABC):
         destroyed: every completion it left is then in its CQs' rings when destroy_qp returns, so a CQ the
         frontend hands out again (its pool) never receives one later. Nothing to do where the guest polls the
         NIC's own CQ."""
+        return None
+
+    def post_receives(self, qp: QpEntry) -> None:
+        """Move the receives the guest posted on qp to the NIC now (the caller holds the lock). Nothing to do
+        where the guest posts to the NIC's own queue."""
         return None
 
 
@@ -217,10 +226,13 @@ class SharedRingEngine(DataPathEngine):
                 worked |= self._drain_queues(qp)
             completed = False
             for _, cq in host.state.cqs.items():
-                completed |= self._drain_cq(cq)
-            if completed and host.notify_fd is not None:
-                with contextlib.suppress(OSError):  # a full counter already means "look"
-                    os.eventfd_write(host.notify_fd, 1)
+                if cq.users:  # a CQ no QP uses gets nothing (a pool's spare): polling it costs a verb call
+                    completed |= self._drain_cq(cq)
+        # Rung with the lock released (the fd lives until this thread is joined): the write lets other threads
+        # run, and one that finds the lock taken gives up posting this guest's receives ahead of a local SEND
+        if completed and host.notify_fd is not None:
+            with contextlib.suppress(OSError):  # a full counter already means "look"
+                os.eventfd_write(host.notify_fd, 1)
         return worked or completed
 
     def _wait(self) -> None:
@@ -232,7 +244,7 @@ class SharedRingEngine(DataPathEngine):
         with host.lock:
             if host.closed:
                 return
-            cqs = [cq for _, cq in host.state.cqs.items()]
+            cqs = [cq for _, cq in host.state.cqs.items() if cq.users]
             by_fd: dict[int, CqEntry] = {}
             for cq in cqs:
                 fd = device.cq_event_fd(cq.obj)
@@ -280,6 +292,7 @@ class SharedRingEngine(DataPathEngine):
             for wr in retry:
                 self._post(qp, wr)
             # While the NIC's send queue is full, leave WRs in the ring: that is the guest's backpressure.
+            primed = qp.peer_id is None  # a local peer's receives go to the NIC before the first WR that needs one
             for slot in [] if qp.pending else sq.consume(BATCH):
                 worked = True
                 try:
@@ -288,6 +301,9 @@ class SharedRingEngine(DataPathEngine):
                     self._complete(qp.send_cq, Completion(slot[0], WcStatus.LOC_QP_OP_ERR, WcOpcode.SEND,
                                                           qp=qp.vqpn))
                     continue
+                if not primed and wr.opcode in CONSUMES_RECV:
+                    primed = True
+                    self.host.post_peer_receives(qp)
                 if qp.pending:
                     qp.pending.append(wr)
                 else:
@@ -338,6 +354,23 @@ class SharedRingEngine(DataPathEngine):
             qp.pending.append(wr)
         except VrnicError as exc:
             self._reject(qp, wr, WcStatus.LOC_QP_OP_ERR, str(exc))
+
+    def post_receives(self, qp: QpEntry) -> None:
+        """Move the receives the guest posted on qp to the NIC now, as the next step would (the caller holds the
+        session's lock): a SEND from another QP of this vrnicd must find them there."""
+        rq = qp.rq
+        if rq is None or qp.held:
+            return
+        try:
+            slots = rq.consume(rq.entries)
+        except RingCorrupt:
+            return  # the engine's own step marks the ring
+        posted = self.recvs_posted
+        for slot in slots:
+            self._post_recv(qp, slot)
+        if self.recvs_posted - posted < len(slots) and self.host.notify_fd is not None:
+            with contextlib.suppress(OSError):  # a refused receive completed in the guest's ring: tell it
+                os.eventfd_write(self.host.notify_fd, 1)
 
     def _post_recv(self, qp: QpEntry, slot: Any) -> None:
         try:

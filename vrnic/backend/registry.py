@@ -197,6 +197,12 @@ class Registry:
             raise NotFound(f"no vRNIC {vrnic_id} in the backend")
         return vrnic
 
+    def session_of(self, vrnic_id: str) -> Closeable | None:
+        """The session serving a vRNIC of this vrnicd; None if it has none, or is not here."""
+        with self._lock:
+            vrnic = self._by_id.get(vrnic_id)
+        return None if vrnic is None else vrnic.session
+
     def ids(self) -> set[str]:
         with self._lock:
             return set(self._by_id)
