@@ -179,3 +179,32 @@ def test_virtual_gids_stay_unique_and_are_found_after_releases() -> None:
     registry.add(again)
     registry.attach(again, Session())
     assert registry.peer(a, again.spec.virtual_gid) is again
+
+
+def test_an_attach_token_finds_its_vrnic_by_digest_through_reissues_and_releases() -> None:
+    registry = Registry()
+    vrnics = [vrnic(n) for n in range(1, 501)]
+    for v in vrnics:
+        registry.add(v)
+    assert registry.by_token("tok123") is vrnics[122]
+    assert registry.by_token("tok500") is vrnics[499]
+    with pytest.raises(NotFound, match="invalid attach token"):
+        registry.by_token("tok501")
+    new = registry.reissue_token("v7")
+    assert registry.by_token(new) is vrnics[6]
+    with pytest.raises(NotFound):
+        registry.by_token("tok7")  # the old token stops working
+    registry.remove("v123")
+    with pytest.raises(NotFound):
+        registry.by_token("tok123")
+    # two vRNICs holding one digest (a restore given the same hash twice): each is found until it goes
+    twin = VirtualRnic(spec=VrnicSpec(id="twin", tenant="t", vpc_id=1, virtual_gid=make_virtual_gid(1, 900)),
+                       device="d", token_hash=token_digest("tok42"), phys_gid="::ffff:10.0.0.1", gid_index=1)
+    registry.add(twin)
+    assert registry.by_token("tok42") is vrnics[41]
+    registry.remove("v42")
+    assert registry.by_token("tok42") is twin
+    registry.remove("twin")
+    with pytest.raises(NotFound):
+        registry.by_token("tok42")
+    assert registry.by_token("tok41") is vrnics[40]

@@ -149,6 +149,9 @@ class Registry:
         self._key_cachers: dict[str, VirtualRnic] = {}
         self._by_phys: dict[tuple[str, int], tuple[str, int]] = {}  # (phys GID, phys QPN) -> (vRNIC id, vQPN)
         self._dirty: dict[str, DirtyLog] = {}  # vRNICs whose VM migrates: peers log their writes into it here
+        # token digest -> its vRNICs (one; tests may reuse a digest): attach finds its vRNIC without comparing
+        # against every vRNIC on the host. The lookup's timing tells nothing of a token: a digest cannot be aimed.
+        self._by_token: dict[str, list[VirtualRnic]] = {}
         self._lock = threading.Lock()
 
     # ----- membership ----------------------------------------------------------------------------
@@ -160,6 +163,7 @@ class Registry:
                 raise Conflict(f"virtual GID {vrnic.spec.virtual_gid} is already in use")
             self._by_id[vrnic.spec.id] = vrnic
             self._by_gid[vrnic.spec.virtual_gid] = vrnic
+            self._by_token.setdefault(vrnic.token_hash, []).append(vrnic)
 
     def remove(self, vrnic_id: str) -> VirtualRnic:
         with self._lock:
@@ -167,14 +171,15 @@ class Registry:
             self._key_cachers.pop(vrnic_id, None)
             if vrnic is not None:
                 self._by_gid.pop(vrnic.spec.virtual_gid, None)
+                self._drop_token(vrnic)
         if vrnic is None:
             raise NotFound(f"no vRNIC {vrnic_id} in the backend")
         return vrnic
 
     def by_token(self, token: str) -> VirtualRnic:
-        with self._lock:
-            candidates = list(self._by_id.values())
         digest = token_digest(token)
+        with self._lock:
+            candidates = list(self._by_token.get(digest, ()))
         for vrnic in candidates:
             if hmac.compare_digest(vrnic.token_hash, digest):
                 return vrnic
@@ -187,8 +192,17 @@ class Registry:
             vrnic = self._by_id.get(vrnic_id)
             if vrnic is None:
                 raise NotFound(f"no vRNIC {vrnic_id} in the backend")
+            self._drop_token(vrnic)
             vrnic.token_hash = token_digest(token)
+            self._by_token.setdefault(vrnic.token_hash, []).append(vrnic)
         return token
+
+    def _drop_token(self, vrnic: VirtualRnic) -> None:
+        holders = [v for v in self._by_token.get(vrnic.token_hash, ()) if v is not vrnic]
+        if holders:
+            self._by_token[vrnic.token_hash] = holders
+        else:
+            self._by_token.pop(vrnic.token_hash, None)
 
     def get(self, vrnic_id: str) -> VirtualRnic:
         with self._lock:
