@@ -28,6 +28,7 @@ from vrnic.backend.rnic_edge import DeviceContext, PhysRecv, PhysSend, SendQueue
 from vrnic.core.rings import (
     WC_OF_WR,
     Completion,
+    Ring,
     RingCorrupt,
     RingFlags,
     WcOpcode,
@@ -285,9 +286,7 @@ class SharedRingEngine(DataPathEngine):
             # the peer's answer finds none (RNR NAK and back-off). A receive posted after a send loses nothing
             # by being early: only arriving SENDs consume receives. All of them (the ring is no longer than the QP's
             # receive queue), so none posted before a send stays behind it.
-            for slot in rq.consume(rq.entries):
-                worked = True
-                self._post_recv(qp, slot)
+            worked = self._post_ring_receives(qp, rq) > 0
             retry, qp.pending = qp.pending, []
             for wr in retry:
                 self._post(qp, wr)
@@ -361,16 +360,21 @@ class SharedRingEngine(DataPathEngine):
         rq = qp.rq
         if rq is None or qp.held:
             return
+        posted = self.recvs_posted
         try:
-            slots = rq.consume(rq.entries)
+            taken = self._post_ring_receives(qp, rq)
         except RingCorrupt:
             return  # the engine's own step marks the ring
-        posted = self.recvs_posted
-        for slot in slots:
-            self._post_recv(qp, slot)
-        if self.recvs_posted - posted < len(slots) and self.host.notify_fd is not None:
+        if self.recvs_posted - posted < taken and self.host.notify_fd is not None:
             with contextlib.suppress(OSError):  # a refused receive completed in the guest's ring: tell it
                 os.eventfd_write(self.host.notify_fd, 1)
+
+    def _post_ring_receives(self, qp: QpEntry, rq: Ring) -> int:
+        """Every receive in the guest's ring to the NIC (a refused one completes in error); how many were taken."""
+        slots = rq.consume(rq.entries)
+        for slot in slots:
+            self._post_recv(qp, slot)
+        return len(slots)
 
     def _post_recv(self, qp: QpEntry, slot: Any) -> None:
         try:

@@ -750,11 +750,13 @@ class GuestSession:
         SEND that arrives first is refused (RNR NAK) and rxe sends it again a timer tick later (4 ms at least),
         which held the shared-ring engine's ping-pong at 10 ms. Never waits for the peer's lock: whoever holds it
         (its engine, a verb) is at work on the peer, and the race is left as it was."""
-        peer = self.registry.session_of(qp.peer_id) if qp.peer_id is not None else None
+        if qp.peer_id is None or qp.peer_vqpn is None:
+            return
+        peer = self.registry.session_of(qp.peer_id)
         if not isinstance(peer, GuestSession) or not peer.lock.acquire(blocking=False):
             return  # on another host (the network gives its engine time), not attached, or busy
         try:
-            target = None if peer.closed else peer.state.qp_by_vqpn.get(qp.peer_vqpn or 0)
+            target = None if peer.closed else peer.state.qp_by_vqpn.get(qp.peer_vqpn)
             if target is not None and target.peer_id == self.vrnic_id and target.peer_vqpn == qp.vqpn:
                 peer.engine.post_receives(target)
         finally:
