@@ -124,6 +124,67 @@ def test_connecting_a_qp_whose_packets_would_outlast_a_connected_qps_timeout_is_
         assert mine[5].query()["state"] == "rts"
 
 
+def test_a_batched_connect_refuses_the_join_that_would_outlast_a_timeout_as_one_by_one_connects_do(
+        driver: VerbsDriver, make_vrnic: Callable[..., AttachInfo], monkeypatch: pytest.MonkeyPatch) -> None:
+    """connect_qps checks each join against the senders it keeps through the batch (the QPs connected before it,
+    then each of the batch's as it reaches RTS), not a walk over every QP per join: the batch's sixth sender is
+    refused with the numbers a single connect gets, and the batch is undone."""
+    monkeypatch.setattr(driver, "_qos_drain_kbit", lambda device, vrnic_id: 12_000 if device == "fake0" else None)
+    info_a, info_b = make_vrnic(), make_vrnic(device="fake1")
+    with Context.attach(info_b, ARENA) as cb, Context.attach(info_a, ARENA) as ca:
+        pd_a, cq_a, pd_b, cq_b = PD(ca), CQ(ca, 64), PD(cb), CQ(cb, 64)
+        mine, peers = [QP(pd_a, cq_a, cq_a) for _ in range(6)], [QP(pd_b, cq_b, cq_b) for _ in range(6)]
+        for m, p in zip(mine[:3], peers[:3], strict=True):
+            m.connect(cb.gid, p.qpn)  # the first gets 16: five senders' packets wait 243 ms, six's 291 (268 ms)
+        assert mine[0].query()["timeout"] == 16
+        batch = list(zip(mine[3:], peers[3:], strict=True))
+        with pytest.raises(Conflict, match=rf"connecting RC QP {mine[5].qpn} would .* wait 291 ms .* \(QP "
+                                           rf"{mine[0].qpn}: 16, 268 ms\), which RTS cannot raise"):
+            QP.connect_many(ca, [(m, cb.gid, p.qpn) for m, p in batch])
+        assert [m.query()["state"] for m in mine] == ["rts"] * 3 + ["reset"] * 3  # all of the batch, or none
+        QP.connect_many(ca, [(m, cb.gid, p.qpn) for m, p in batch[:2]])  # five senders: within 268 ms
+        mine[0].close()  # the shortest timeout goes; the next-shortest (17) holds six senders
+        QP.connect_many(ca, [(mine[5], cb.gid, peers[5].qpn)])
+        assert mine[5].query()["state"] == "rts"
+
+
+def test_the_drain_rate_is_planned_once_while_the_devices_policies_and_link_stay_the_same(
+        driver: VerbsDriver, make_vrnic: Callable[..., AttachInfo], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every RTS of an RC QP on a device that can shape asks its class's drain rate, and planning every class
+    of the device was most of a connect's Python under TCG. The plan is kept, and made again when a vRNIC comes
+    or goes, a policy changes or the link's speed does."""
+    import vrnic.backend.drivers.paravirtual as paravirtual
+
+    planned: list[dict[str, QosPolicy]] = []
+    plan = paravirtual.drain_rates
+
+    def counted(link_mbps: int, policies: dict[str, QosPolicy]) -> dict[str, int]:
+        planned.append(dict(policies))
+        return plan(link_mbps, policies)
+
+    monkeypatch.setattr(paravirtual, "drain_rates", counted)
+    monkeypatch.setattr(driver, "_can_shape", {"fake0": True})
+    link = {"fake0": 100}
+    monkeypatch.setattr(driver, "_unshaped_link_mbps", lambda device: link[device])
+    a, b = make_vrnic().vrnic_id, make_vrnic().vrnic_id
+    assert [driver._qos_drain_kbit("fake0", i) for i in (a, b, a, b)] == [50_000] * 4
+    assert len(planned) == 1
+    c = make_vrnic().vrnic_id
+    assert driver._qos_drain_kbit("fake0", a) == 33_333 and len(planned) == 2
+    # a new policy object with the same settings plans nothing new; other settings do
+    vrnic = driver.registry.get(c)
+    vrnic.spec = vrnic.spec.model_copy(update={"qos": QosPolicy()})
+    assert driver._qos_drain_kbit("fake0", c) == 33_333 and len(planned) == 2
+    vrnic.spec = vrnic.spec.model_copy(update={"qos": QosPolicy(weight=2)})
+    assert driver._qos_drain_kbit("fake0", c) == 50_000 and driver._qos_drain_kbit("fake0", a) == 25_000
+    assert len(planned) == 3
+    link["fake0"] = 40
+    assert driver._qos_drain_kbit("fake0", a) == 10_000 and len(planned) == 4
+    driver.release_vrnic(c)
+    assert driver._qos_drain_kbit("fake0", a) == 20_000 and len(planned) == 5
+    assert planned[-1].keys() == {a, b}
+
+
 def test_connects_check_the_timeouts_vrnicd_set_without_asking_the_nic_for_each_connected_qp(
         driver: VerbsDriver, make_vrnic: Callable[..., AttachInfo], monkeypatch: pytest.MonkeyPatch) -> None:
     """The join check weighs every connected RC QP's timeout on every connect: asked of the NIC each time, N

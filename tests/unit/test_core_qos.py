@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vrnic.backend.qos_shaper import decode_u32_keys
 from vrnic.core.qos import (
@@ -12,8 +14,10 @@ from vrnic.core.qos import (
     Filter,
     HtbClass,
     Shaped,
+    TimedSenders,
     admit,
     drain_kbit,
+    drain_rates,
     drift,
     jain_index,
     key_of,
@@ -22,6 +26,7 @@ from vrnic.core.qos import (
     queue_wait_s,
     rc_timeout,
     rc_timeout_floor,
+    rc_timeout_outlasts,
     rx_qpn_of,
     rx_u32_keys,
     u32_keys,
@@ -144,6 +149,18 @@ def test_the_rc_timeout_floor_is_the_smallest_exponent_above_margin_times_the_wa
     assert floor == 0 or RC_TIMEOUT_UNIT_S * 2 ** (floor - 1) < needed
 
 
+@settings(max_examples=500, deadline=None)
+@given(st.sampled_from((256, 512, 1024, 2048, 4096)), st.integers(1, 100_000), st.integers(1, 400_000_000),
+       st.floats(0.0, 16.0))
+def test_the_rc_timeout_floor_from_the_logarithm_is_the_one_counting_up_finds(mtu: int, qps: int, kbit: int,
+                                                                             margin: float) -> None:
+    wait = margin * queue_wait_s(mtu, qps, kbit)
+    counted = 0
+    while counted < 31 and RC_TIMEOUT_UNIT_S * (1 << counted) < wait:
+        counted += 1
+    assert rc_timeout_floor(mtu, qps, kbit, margin) == counted
+
+
 def test_rc_timeout_floor_values_and_bounds() -> None:
     assert rc_timeout_floor(1024, 1, 12_000) == 16  # 4 x 48 ms = 0.19 s -> 2^16 x 4.096 us = 0.27 s
     assert rc_timeout_floor(1024, 1, 16_000) == 16
@@ -168,3 +185,25 @@ def test_drain_rate_counts_every_vrnic_on_the_device_as_shaped() -> None:
     assert drain_kbit(16, policies, "x") == 10_000
     assert drain_kbit(16, policies, "y") == 4000 and drain_kbit(16, policies, "z") == 2000
     assert drain_kbit(24, {"x": QosPolicy(rate_cap_mbps=12)}, "x") == 12_000
+
+    # every vRNIC's rate from one plan is what each asks alone
+    assert drain_rates(16, policies) == {i: drain_kbit(16, policies, i) for i in policies}
+
+
+MTUS = (256, 512, 1024, 2048, 4096)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 31), st.sampled_from(MTUS)), max_size=40),
+       st.integers(1, 50_000_000))
+def test_one_more_sender_outlasts_a_timeout_exactly_when_a_walk_over_every_sender_finds_one(
+        senders: list[tuple[int, int]], drain: int) -> None:
+    """TimedSenders keeps the count and one QP, the one whose timeout per wire byte is least, so that a batch of
+    connects checks each join in O(1); it must answer as the walk over every connected QP does."""
+    timed = TimedSenders()
+    for timeout, mtu in senders:
+        timed.add(timeout, mtu)
+    walk = any(not rc_timeout_outlasts(timeout, queue_wait_s(mtu, len(senders) + 1, drain))
+               for timeout, mtu in senders)
+    assert timed.count == len(senders)
+    assert timed.outlasted_by_one_more(drain) == walk

@@ -15,6 +15,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
@@ -30,7 +31,14 @@ from vrnic.backend.rnic_edge import PORT, DeviceContext, QpCaps, RtrParams, RtsP
 from vrnic.core import verb_args
 from vrnic.core.handover import QpCarry
 from vrnic.core.migration import DirtyLog
-from vrnic.core.qos import queue_wait_s, rc_timeout, rc_timeout_floor, rc_timeout_outlasts, rc_timeout_s
+from vrnic.core.qos import (
+    TimedSenders,
+    queue_wait_s,
+    rc_timeout,
+    rc_timeout_floor,
+    rc_timeout_outlasts,
+    rc_timeout_s,
+)
 from vrnic.core.quota import Resource
 from vrnic.core.rings import CQ_SLOT, RQ_SLOT, SQ_SLOT, Access, Ring, RingFlags
 from vrnic.core.session_state import (
@@ -53,7 +61,18 @@ log = logging.getLogger(__name__)
 # engine thread compete with the verb for the CPU (issue 14).
 ENGINE_OPS = frozenset({"busy_poll"})
 RESOLVED_OPS = frozenset({"connect", "modify_qp"})
-RcFloor = tuple[int | None, int]  # rc_timeout's inputs kept through a batch: the QoS drain rate, connected RC QPs
+
+
+@dataclass
+class RcJoins:
+    """What an RC QP's RTS reads about its vRNIC, kept through a batch of connects: each is a walk over every
+    vRNIC on the device or every QP of the session, repeated per QP, and the drain rate plans every class."""
+
+    drain: int | None  # the class's drain rate (rc_timeout's and the join check's); None: nothing to hold
+    connected: int | None = None  # connected RC QPs, the one joining included (None: count them when needed)
+    timed: TimedSenders | None = None  # the senders a join check sees (None: walk the QPs when needed)
+
+
 # connect's path settings (INIT qkey, RTR and RTS): modify_qp's defaults, built once
 CONNECT_LINK = verb_args.ModifyQp(qp=1, state="rts")  # the handle is never read
 
@@ -445,29 +464,33 @@ class GuestSession:
         qp.link.update(path_mtu=link.path_mtu, max_dest_rd_atomic=link.max_dest_rd_atomic,
                        min_rnr_timer=link.min_rnr_timer)
 
-    def _to_rts(self, qp: QpEntry, link: verb_args.ModifyQp, floor: RcFloor | None = None) -> None:
-        timeout = self.rc_timeout(qp.qp_type, qp.link.get("path_mtu", link.path_mtu), link.timeout, floor)
-        if qp.qp_type == "rc":
-            self._refuse_outlasting_join(qp, floor)
+    def _to_rts(self, qp: QpEntry, link: verb_args.ModifyQp, batch: RcJoins | None = None) -> None:
+        if batch is None and qp.qp_type == "rc":
+            batch = RcJoins(self._drain_kbit())  # once for the timeout and the check: it plans the device's classes
+        timeout = self.rc_timeout(qp.qp_type, qp.link.get("path_mtu", link.path_mtu), link.timeout, batch)
+        if batch is not None and batch.drain is not None and (
+                batch.timed is None or batch.timed.outlasted_by_one_more(batch.drain)):
+            self._refuse_outlasting_join(qp, batch.drain)  # the walk, which names the QPs it would outlast
         self.device.qp_to_rts(qp.obj, qp.qp_type, RtsParams(sq_psn=link.sq_psn, timeout=timeout,
                                                             retry_cnt=link.retry_cnt, rnr_retry=link.rnr_retry,
                                                             max_rd_atomic=link.max_rd_atomic))
         qp.rts_timeout = (qp.obj, timeout)
         qp.link.update(timeout=link.timeout, retry_cnt=link.retry_cnt, rnr_retry=link.rnr_retry,
                        max_rd_atomic=link.max_rd_atomic)
+        if batch is not None and batch.timed is not None:
+            batch.timed.add(timeout, qp.link.get("path_mtu", 1024))  # as rc_timeouts_outlasted sees it from now
 
-    def rc_timeout(self, qp_type: str, path_mtu: int, asked: int, floor: RcFloor | None = None) -> int:
+    def rc_timeout(self, qp_type: str, path_mtu: int, asked: int, batch: RcJoins | None = None) -> int:
         """The RC timeout a physical QP gets: the guest's, raised so that its packets waiting in the QoS queue
         never make rxe retransmit (vrnic.core.qos.rc_timeout_floor: every connected RC QP of this vRNIC, this
-        one included, with its packets in flight ahead, drained at the class's rate). floor: the drain rate and
-        that count, when a batch keeps them (each costs a walk over every vRNIC or QP)."""
+        one included, with its packets in flight ahead, drained at the class's rate). batch: the drain rate and
+        that count, when the caller keeps them (each costs a walk over every vRNIC or QP)."""
         if qp_type != "rc":
             return asked
-        drain, connected = floor if floor is not None else (self._drain_kbit(), None)
+        drain = batch.drain if batch is not None else self._drain_kbit()
         if drain is None:
             return asked
-        if connected is None:
-            connected = self._rc_connected()
+        connected = batch.connected if batch is not None and batch.connected is not None else self._rc_connected()
         return rc_timeout(asked, rc_timeout_floor(path_mtu, max(connected, 1), drain))
 
     def rc_timeouts_outlasted(self, drain_kbit: int, joining: QpEntry | None = None) -> list[tuple[int, int, float]]:
@@ -493,12 +516,18 @@ class GuestSession:
             return held[1]
         return self.device.query_rc_timeout(qp.obj)
 
-    def _refuse_outlasting_join(self, qp: QpEntry, floor: RcFloor | None) -> None:
+    def _timed_senders(self, leaving_out: Iterable[QpEntry]) -> TimedSenders:
+        """The connected RC QPs rc_timeouts_outlasted counts as senders, except those left out."""
+        out = {id(q) for q in leaving_out}
+        timed = TimedSenders()
+        for qp in self._connected_rc_qps():
+            if qp.state in ("rts", "sqd") and id(qp) not in out:
+                timed.add(self._rc_timeout_held(qp), qp.link.get("path_mtu", 1024))
+        return timed
+
+    def _refuse_outlasting_join(self, qp: QpEntry, drain: int) -> None:
         """Refuse to connect one more RC QP into a class whose queue, with its packets in flight too, would outlast
         the timeout of a QP already connected: RTS cannot raise that timeout, and rxe would break the QP."""
-        drain = floor[0] if floor is not None else self._drain_kbit()
-        if drain is None:
-            return
         outlasted = self.rc_timeouts_outlasted(drain, joining=qp)
         if outlasted:
             vqpn, timeout, wait_s = outlasted[0]
@@ -576,7 +605,7 @@ class GuestSession:
         return self.registry.peer_qp(self.vrnic, gid, vqpn)
 
     def op_connect(self, args: verb_args.Connect, resolved: tuple[Peer, int] | None = None,
-                   floor: RcFloor | None = None) -> dict[str, Any]:
+                   batch: RcJoins | None = None) -> dict[str, Any]:
         """INIT, RTR and RTS with the default path settings (CONNECT_LINK), as three modify_qp would do them; the
         guest's earlier WRs reach the NIC first. The QP's state is each step's, so a failure leaves it there."""
         qp = self.state.qps.get(args.qp)
@@ -588,7 +617,7 @@ class GuestSession:
         self._to_rtr(qp, resolved or self._resolve(args.remote_gid, args.remote_qpn), args.remote_gid,
                      args.remote_qpn, CONNECT_LINK)
         qp.state = "rtr"
-        self._to_rts(qp, CONNECT_LINK, floor)
+        self._to_rts(qp, CONNECT_LINK, batch)
         qp.state = "rts"
         return {"state": "rts"}
 
@@ -621,12 +650,13 @@ class GuestSession:
         was_reset = [qp.state == "reset" for qp in qps]
         drain = self._drain_kbit()
         connected = self._rc_connected() if drain is not None else 0
+        batch = RcJoins(drain, connected, None if drain is None else self._timed_senders(leaving_out=qps))
         index = 0
         try:
             for index, c in enumerate(args.connections):
                 connected += qps[index].dest_qpn is None  # counted once connected, as rc_timeout counts it
-                self.op_connect(c, resolved=None if resolved is None else resolved[index],
-                                floor=(drain, connected))
+                batch.connected = connected
+                self.op_connect(c, resolved=None if resolved is None else resolved[index], batch=batch)
         except BaseException:
             for qp, reset in zip(qps[:index + 1], was_reset, strict=False):  # the failed one may be half-way
                 if reset and qp.state != "reset":

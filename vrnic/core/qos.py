@@ -13,6 +13,7 @@ one destination QP).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -151,7 +152,11 @@ def rc_timeout_floor(path_mtu: int, qps: int, drain_kbit: int, margin: float = R
     """The smallest RC timeout exponent whose time (4.096 us * 2^t) is at least margin times queue_wait_s (31 at
     most: 2.4 hours)."""
     wait = margin * queue_wait_s(path_mtu, qps, drain_kbit)
-    floor = 0
+    # From the logarithm, then settled on the exact comparison (log2 may round either way): every RTS computes
+    # this, and counting up from 0 was sixteen-odd calls under TCG.
+    floor = min(max(math.ceil(math.log2(wait / RC_TIMEOUT_UNIT_S)), 0), RC_TIMEOUT_MAX) if wait > 0 else 0
+    while floor > 0 and rc_timeout_s(floor - 1) >= wait:
+        floor -= 1
     while floor < RC_TIMEOUT_MAX and rc_timeout_s(floor) < wait:
         floor += 1
     return floor
@@ -162,13 +167,48 @@ def rc_timeout(asked: int, floor: int) -> int:
     return asked if asked == 0 or asked >= floor else floor
 
 
+@dataclass
+class TimedSenders:
+    """The connected RC QPs sending into one class whose timeouts the NIC holds, as a join needs to see them: how
+    many, and the one a longer queue outlasts first. A queue's wait grows with the senders alike for all of them,
+    so the QP with the least timeout per wire byte of a packet fails first, and if it holds, all do. Kept
+    through a batch of connects, a join costs O(1) instead of a walk over every QP (that walk made connecting N
+    QPs O(N^2); issue 14)."""
+
+    count: int = 0
+    tightest: tuple[int, int] | None = None  # (timeout exponent, path MTU); None: no sender has a timeout
+
+    def add(self, timeout: int, path_mtu: int) -> None:
+        self.count += 1
+        if timeout == 0:  # no timeout: nothing outlasts it
+            return
+        if self.tightest is None or _timeout_per_byte(timeout, path_mtu) < _timeout_per_byte(*self.tightest):
+            self.tightest = (timeout, path_mtu)
+
+    def outlasted_by_one_more(self, drain_kbit: int) -> bool:
+        """Whether one more sender would make the class's queue outlast a timeout the NIC holds."""
+        if self.tightest is None:
+            return False
+        timeout, path_mtu = self.tightest
+        return not rc_timeout_outlasts(timeout, queue_wait_s(path_mtu, self.count + 1, drain_kbit))
+
+
+def _timeout_per_byte(timeout: int, path_mtu: int) -> float:
+    return rc_timeout_s(timeout) / (path_mtu + ROCE_V2_OVERHEAD)
+
+
 def drain_kbit(link_mbps: int, policies: Mapping[str, QosPolicy], vrnic_id: str) -> int:
     """The rate of vrnic_id's class with every vRNIC on the device shaped by its policy (QoS on a device gives
     each of them a class as soon as any asks for it), whether or not the device shapes now."""
     everyone = dict(policies)
     everyone.setdefault(vrnic_id, QosPolicy())
-    shaped = [Shaped(i, p, FIRST_MINOR + n) for n, (i, p) in enumerate(sorted(everyone.items()))]
-    return plan_classes(link_mbps, shaped)[vrnic_id].rate_kbit
+    return drain_rates(link_mbps, everyone)[vrnic_id]
+
+
+def drain_rates(link_mbps: int, policies: Mapping[str, QosPolicy]) -> dict[str, int]:
+    """drain_kbit of every vRNIC in policies, from one plan."""
+    shaped = [Shaped(i, p, FIRST_MINOR + n) for n, (i, p) in enumerate(sorted(policies.items()))]
+    return {i: c.rate_kbit for i, c in plan_classes(link_mbps, shaped).items()}
 
 
 FlowKey = tuple[int, int | None]  # (UDP source port, BTH destination QPN or None for UD)

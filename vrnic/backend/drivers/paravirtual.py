@@ -44,7 +44,7 @@ from vrnic.backend.vm_link import VmLink, connect_channel
 from vrnic.core.handover import HandoverPhase, QpCarry
 from vrnic.core.migration import MigrationPhase
 from vrnic.core.peer_wire import MrWindowWire
-from vrnic.core.qos import admit, drain_kbit, rc_timeout_s
+from vrnic.core.qos import admit, drain_kbit, drain_rates, rc_timeout_s
 from vrnic.core.recovery import token_digest
 from vrnic.core.session_state import SessionSnapshot
 from vrnic.core.specs import (
@@ -94,6 +94,8 @@ class VerbsDriver(RnicDriver):
         self._shapers: dict[str, QosMechanism] = {}  # by device, while any vRNIC on it asks for QoS
         self._qos_lock = threading.RLock()
         self._can_shape: dict[str, bool] = {}  # device -> has a QoS mechanism (DeviceInfo caps "qos_shaping")
+        # device -> ((link, its vRNICs' policies), each one's drain rate): _qos_drain_kbit's plan
+        self._drain_plans: dict[str, tuple[tuple[int, tuple[tuple[str, QosPolicy], ...]], dict[str, int]]] = {}
         # device -> its uplink's speed as the RC timeout floor assumes it while the device shapes nothing (read once,
         # as a shaper reads it once): two sysfs reads on every connect cost a third of the verb under TCG (issue 14)
         self._unshaped_link: dict[str, int | None] = {}
@@ -765,7 +767,15 @@ class VerbsDriver(RnicDriver):
         link = shaper.link_mbps if shaper is not None else self._unshaped_link_mbps(device)
         if link is None:
             return None
-        return drain_kbit(link, {v.spec.id: v.spec.qos for v in self.registry.all_on(device)}, vrnic_id)
+        # Every RTS asks, and planning the classes is most of a connect's Python under TCG: the plan is kept
+        # while the link and the policies on the device are the same (the tuple compares objects by identity
+        # first, so an unchanged device costs a walk over its vRNICs and no plan).
+        key = (link, tuple((v.spec.id, v.spec.qos) for v in self.registry.all_on(device)))
+        kept = self._drain_plans.get(device)
+        if kept is None or kept[0] != key:
+            kept = self._drain_plans[device] = (key, drain_rates(link, dict(key[1])))
+        rate = kept[1].get(vrnic_id)
+        return rate if rate is not None else drain_kbit(link, dict(key[1]), vrnic_id)
 
     def _unshaped_link_mbps(self, device: str) -> int | None:
         """The device's uplink speed (sysfs, else the operator's figure; None without either or without an uplink),
