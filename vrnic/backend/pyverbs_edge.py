@@ -11,8 +11,6 @@ import functools
 import ipaddress
 import os
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pyverbs.enums as e
@@ -50,23 +48,54 @@ CAPS = ("max_qp", "max_qp_wr", "max_sge", "max_cq", "max_cqe", "max_mr", "max_mr
         "max_qp_rd_atom", "max_qp_init_rd_atom", "max_ah", "atomic_caps", "phys_port_cnt")
 
 
+# Each transition's attribute mask, as pyverbs' to_init/to_rtr/to_rts send it for these QP types.
+TRANSITION_MASKS = {
+    ("rc", "init"): e.IBV_QP_STATE | e.IBV_QP_PKEY_INDEX | e.IBV_QP_PORT | e.IBV_QP_ACCESS_FLAGS,
+    ("ud", "init"): e.IBV_QP_STATE | e.IBV_QP_PKEY_INDEX | e.IBV_QP_PORT | e.IBV_QP_QKEY,
+    ("rc", "rtr"): e.IBV_QP_STATE | e.IBV_QP_AV | e.IBV_QP_PATH_MTU | e.IBV_QP_DEST_QPN | e.IBV_QP_RQ_PSN
+    | e.IBV_QP_MAX_DEST_RD_ATOMIC | e.IBV_QP_MIN_RNR_TIMER,
+    ("ud", "rtr"): e.IBV_QP_STATE,
+    ("rc", "rts"): e.IBV_QP_STATE | e.IBV_QP_TIMEOUT | e.IBV_QP_RETRY_CNT | e.IBV_QP_RNR_RETRY | e.IBV_QP_SQ_PSN
+    | e.IBV_QP_MAX_QP_RD_ATOMIC,
+    ("ud", "rts"): e.IBV_QP_STATE | e.IBV_QP_SQ_PSN,
+}
+KEPT_ATTRS = 256  # attribute objects kept per context for QP sizes and routes (more: start over)
+
+
 def _display_gid(text: str) -> str:
     address = ipaddress.IPv6Address(text)
     return f"::ffff:{address.ipv4_mapped}" if address.ipv4_mapped else str(address)
 
 
-@contextmanager
-def device_errors(what: str) -> Iterator[None]:
-    """Turn pyverbs failures into DeviceError (with errno) or NotSupported."""
-    try:
-        yield
-    except PyverbsRDMAError as exc:
-        code = abs(exc.error_code or 0)
-        if code in (errnos.EOPNOTSUPP, errnos.ENOSYS):
-            raise NotSupported(f"{what}: not supported by the device") from exc
-        raise DeviceError(f"{what}: {os.strerror(code) if code else exc}", code) from exc
-    except PyverbsError as exc:
-        raise DeviceError(f"{what}: {exc}") from exc
+class device_errors:  # noqa: N801 -- used as a function: `with device_errors("what"):`
+    """Turn pyverbs failures into DeviceError (with errno) or NotSupported.
+
+    A class rather than a generator: a generator-based context manager cost more Python than the verb's own
+    under TCG, and every create and transition goes through one (issue 14)."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _tb: object) -> None:
+        if isinstance(exc, PyverbsRDMAError):
+            code = abs(exc.error_code or 0)
+            if code in (errnos.EOPNOTSUPP, errnos.ENOSYS):
+                raise NotSupported(f"{self.what}: not supported by the device") from exc
+            raise DeviceError(f"{self.what}: {os.strerror(code) if code else exc}", code) from exc
+        if isinstance(exc, PyverbsError):
+            raise DeviceError(f"{self.what}: {exc}") from exc
+
+
+# Kept for the calls made per QP (an instance holds nothing between uses)
+_CREATE_QP = device_errors("create QP")
+_MODIFY_INIT = device_errors("modify QP to init")
+_MODIFY_RTR = device_errors("modify QP to rtr")
+_MODIFY_RTS = device_errors("modify QP to rts")
 
 
 def device_names() -> list[str]:
@@ -187,6 +216,13 @@ class PyverbsContext(DeviceContext):
         # twice, which cost more than the CQ itself (issue 14). Destroying a CQ drops its pending events from
         # the channel (the kernel's ib_uverbs_release_ucq), so a reused channel carries none of the old CQ's.
         self._spare_channels: list[tuple[CompChannel, int | None]] = []
+        # Attribute objects kept for the next create or transition (see qp_to_init); the lock keeps two threads
+        # from filling the one QPAttr at once (a session's verbs run under its own lock, a shadow's under it too).
+        self._attr = QPAttr(port_num=PORT)
+        self._attr.pkey_index = 0
+        self._attr_lock = threading.Lock()
+        self._caps: dict[QpCaps, QPCap] = {}
+        self._routes: dict[tuple[str, int], AHAttr] = {}
 
     def query_device(self) -> DeviceLimits:
         with device_errors("query device"):
@@ -221,52 +257,73 @@ class PyverbsContext(DeviceContext):
         return cq.fd
 
     def create_qp(self, pd: PD, send_cq: _Cq, recv_cq: _Cq, qp_type: str, caps: QpCaps) -> tuple[QP, int]:
-        cap = QPCap(max_send_wr=caps.max_send_wr, max_recv_wr=caps.max_recv_wr, max_send_sge=caps.max_sge,
-                    max_recv_sge=caps.max_sge)
+        cap = self._caps.get(caps)
+        if cap is None:
+            if len(self._caps) >= KEPT_ATTRS:
+                self._caps.clear()
+            cap = self._caps[caps] = QPCap(max_send_wr=caps.max_send_wr, max_recv_wr=caps.max_recv_wr,
+                                           max_send_sge=caps.max_sge, max_recv_sge=caps.max_sge)
         init = QPInitAttr(qp_type=e.IBV_QPT_RC if qp_type == "rc" else e.IBV_QPT_UD, scq=send_cq.real,
                           rcq=recv_cq.real, cap=cap, sq_sig_all=0)
-        with device_errors("create QP"):
+        with _CREATE_QP:
             qp = QP(pd, init)
         return qp, qp.qp_num
 
+    # The transitions set the fields their mask names on one QPAttr kept per context, and send the masks below:
+    # each pyverbs attribute object asks logging for a logger when made, and pyverbs' to_init/to_rtr/to_rts
+    # build a dict of every QP type's masks per call (and may chain an INIT in; the edge's contract is one
+    # transition per call). The fields outside a transition's mask are not read. (issue 14)
     def qp_to_init(self, qp: QP, qp_type: str, access: int, qkey: int) -> None:
-        attr = QPAttr(qp_state=e.IBV_QPS_INIT, port_num=PORT)
-        attr.pkey_index = 0
-        if qp_type == "rc":
-            attr.qp_access_flags = access
-        else:
-            attr.qkey = qkey
-        with device_errors("modify QP to init"):
-            qp.to_init(attr)
+        with self._attr_lock, _MODIFY_INIT:
+            attr = self._attr
+            attr.qp_state = e.IBV_QPS_INIT
+            if qp_type == "rc":
+                attr.qp_access_flags = access
+            else:
+                attr.qkey = qkey
+            qp.modify(attr, TRANSITION_MASKS[qp_type, "init"])
 
     def qp_to_rtr(self, qp: QP, qp_type: str, params: RtrParams | None) -> None:
-        attr = QPAttr(port_num=PORT)
-        if params is not None:
-            route = GlobalRoute(dgid=_gid(params.dgid), sgid_index=params.sgid_index, hop_limit=64)
-            attr.ah_attr = AHAttr(gr=route, is_global=1, port_num=PORT)
-            attr.path_mtu = MTU_ENUM[params.path_mtu]
-            attr.dest_qp_num = params.dest_qpn
-            attr.rq_psn = params.rq_psn
-            attr.max_dest_rd_atomic = params.max_dest_rd_atomic
-            attr.min_rnr_timer = params.min_rnr_timer
-        with device_errors("modify QP to rtr"):
-            qp.to_rtr(attr)
+        if params is None and qp_type == "rc":
+            raise DeviceError("modify QP to rtr: an RC QP needs its destination")
+        with self._attr_lock, _MODIFY_RTR:
+            attr = self._attr
+            attr.qp_state = e.IBV_QPS_RTR
+            if params is not None:
+                attr.ah_attr = self._route(params.dgid, params.sgid_index)
+                attr.path_mtu = MTU_ENUM[params.path_mtu]
+                attr.dest_qp_num = params.dest_qpn
+                attr.rq_psn = params.rq_psn
+                attr.max_dest_rd_atomic = params.max_dest_rd_atomic
+                attr.min_rnr_timer = params.min_rnr_timer
+            qp.modify(attr, TRANSITION_MASKS[qp_type, "rtr"])
+
+    def _route(self, dgid: str, sgid_index: int) -> AHAttr:
+        """The address vector towards dgid (kept: QPAttr copies it in)."""
+        route = self._routes.get((dgid, sgid_index))
+        if route is None:
+            if len(self._routes) >= KEPT_ATTRS:
+                self._routes.clear()
+            route = self._routes[dgid, sgid_index] = AHAttr(
+                gr=GlobalRoute(dgid=_gid(dgid), sgid_index=sgid_index, hop_limit=64), is_global=1, port_num=PORT)
+        return route
 
     def qp_to_rts(self, qp: QP, qp_type: str, params: RtsParams) -> None:
-        attr = QPAttr(port_num=PORT)
-        attr.sq_psn = params.sq_psn
-        if qp_type == "rc":
-            attr.timeout = params.timeout
-            attr.retry_cnt = params.retry_cnt
-            attr.rnr_retry = params.rnr_retry
-            attr.max_rd_atomic = params.max_rd_atomic
-        with device_errors("modify QP to rts"):
-            qp.to_rts(attr)
+        with self._attr_lock, _MODIFY_RTS:
+            attr = self._attr
+            attr.qp_state = e.IBV_QPS_RTS
+            attr.sq_psn = params.sq_psn
+            if qp_type == "rc":
+                attr.timeout = params.timeout
+                attr.retry_cnt = params.retry_cnt
+                attr.rnr_retry = params.rnr_retry
+                attr.max_rd_atomic = params.max_rd_atomic
+            qp.modify(attr, TRANSITION_MASKS[qp_type, "rts"])
 
     def qp_to_state(self, qp: QP, state: str) -> None:
-        target = e.IBV_QPS_ERR if state == "err" else e.IBV_QPS_RESET
-        with device_errors(f"modify QP to {state}"):
-            qp.modify(QPAttr(qp_state=target), e.IBV_QP_STATE)
+        with self._attr_lock, device_errors(f"modify QP to {state}"):
+            self._attr.qp_state = e.IBV_QPS_ERR if state == "err" else e.IBV_QPS_RESET
+            qp.modify(self._attr, e.IBV_QP_STATE)
 
     def query_qp_state(self, qp: QP) -> str:
         with device_errors("query QP"):

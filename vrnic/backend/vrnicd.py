@@ -12,6 +12,7 @@ hosts without the control plane, the examples and the tests.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import signal
@@ -90,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
             spec, device = parse_vrnic(text, serial, quota)
             records.append(driver.create_vrnic(spec, device).model_dump(mode="json"))
         out = "".join(json.dumps(r) + "\n" for r in records)
+        # What start-up made (pyverbs, pydantic, the driver) lives as long as the process: out of the cyclic GC's
+        # sight, whose collections otherwise walked all of it every so often in the middle of a guest's verb
+        # (`vrnic daemon` does the same).
+        gc.collect()
+        gc.freeze()
         if args.attach_out:
             partial = args.attach_out.with_suffix(".tmp")
             partial.write_text(out)
