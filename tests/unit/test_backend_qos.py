@@ -5,6 +5,7 @@ on rxe in the lab (tests/kernel/test_qos_rxe.py) and on real netlink (tests/kern
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -146,6 +147,46 @@ def test_a_batched_connect_refuses_the_join_that_would_outlast_a_timeout_as_one_
         mine[0].close()  # the shortest timeout goes; the next-shortest (17) holds six senders
         QP.connect_many(ca, [(mine[5], cb.gid, peers[5].qpn)])
         assert mine[5].query()["state"] == "rts"
+
+
+def test_a_connect_the_bounds_clear_walks_no_qp_and_one_they_do_not_clear_walks_as_before(
+        driver: VerbsDriver, make_vrnic: Callable[..., AttachInfo], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A single connect's timeout floor and join check walk every QP of the session; they are skipped when a
+    bound already answers: the floor for all of the session's QPs is under the asked timeout, and the least
+    timeout ever given outlasts a queue of all of them at the largest MTU. On a fast class (10 Gbit/s) every
+    connect is cleared that way and keeps the guest's timeout. A guest asking for a timeout of 1 (8 us) gets
+    the floor, counted with the walk; once a QP holds that short a timeout, the next connect's bound fails and
+    the join check walks, as before. (The refusals that walk finds are the tests above and below.)"""
+    from vrnic.backend.session import GuestSession
+
+    monkeypatch.setattr(driver, "_qos_drain_kbit",
+                        lambda device, vrnic_id: 10_000_000 if device == "fake0" else None)
+    walks: list[str] = []
+    for name in ("_rc_connected", "rc_timeouts_outlasted"):
+        original = getattr(GuestSession, name)
+
+        def counted(self: GuestSession, *args: object, _name: str = name, _original: Any = original,
+                    **kwargs: object) -> object:
+            walks.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(GuestSession, name, counted)
+    info_a, info_b = make_vrnic(), make_vrnic(device="fake1")
+    with Context.attach(info_b, ARENA) as cb, Context.attach(info_a, ARENA) as ca:
+        pd_a, cq_a, pd_b, cq_b = PD(ca), CQ(ca, 64), PD(cb), CQ(cb, 64)
+        mine, peers = [QP(pd_a, cq_a, cq_a) for _ in range(5)], [QP(pd_b, cq_b, cq_b) for _ in range(5)]
+        for m, p in zip(mine[:3], peers[:3], strict=True):
+            m.connect(cb.gid, p.qpn)
+        assert walks == [] and [m.query()["timeout"] for m in mine[:3]] == [14] * 3
+        mine[3].modify("init")
+        mine[3].modify("rtr", remote_gid=cb.gid, remote_qpn=peers[3].qpn)
+        mine[3].modify("rts", timeout=1)  # 8 us: raised to the floor for four connected QPs, 1 ms
+        assert mine[3].query()["timeout"] == rc_timeout_floor(1024, 4, 10_000_000) == 8
+        assert "_rc_connected" in walks  # the bound could not clear that floor: counted
+        walks.clear()
+        mine[4].connect(cb.gid, peers[4].qpn)  # five senders at the largest MTU would wait 1.09 ms: the walk
+        assert "rc_timeouts_outlasted" in walks  # runs, and finds five at 1024 bytes within 1.05 ms
+        assert mine[4].query()["state"] == "rts"
 
 
 def test_the_drain_rate_is_planned_once_while_the_devices_policies_and_link_stay_the_same(

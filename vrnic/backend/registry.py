@@ -26,7 +26,7 @@ from typing import Protocol, TypeVar
 
 from vrnic.backend.peer_directory import Locator, PeerDirectory, RemotePeer
 from vrnic.core.migration import DirtyLog
-from vrnic.core.peering import Decision, Identity, SecurityRule, decide
+from vrnic.core.peering import SAME_VPC, Decision, Identity, SecurityRule, decide
 from vrnic.core.recovery import token_digest
 from vrnic.core.specs import VrnicSpec
 from vrnic.core.translate import MrWindow
@@ -56,6 +56,8 @@ class VirtualRnic:
     gid_index: int
     session: Closeable | None = field(default=None, repr=False)  # the attached guest's session
     vm_domain: str | None = None  # the running VM this vRNIC is bound to; only its channel may attach
+    # (the spec it was made from, the identity): every connect asks for both ends' identities
+    _identity: tuple[VrnicSpec, Identity] | None = field(default=None, repr=False, compare=False)
 
     @property
     def vrnic_id(self) -> str:
@@ -63,7 +65,10 @@ class VirtualRnic:
 
     @property
     def identity(self) -> Identity:
-        return identity_of(self.spec)
+        kept = self._identity
+        if kept is None or kept[0] is not self.spec:  # a new spec (set_qos replaces it) makes it again
+            kept = self._identity = (self.spec, identity_of(self.spec))
+        return kept[1]
 
 
 # What a session connects a QP to: a vRNIC of this vrnicd, or one of another host's.
@@ -434,6 +439,8 @@ class Registry:
 
     def check(self, asker: Identity, target: Identity, via: str) -> Decision:
         """decide(), with refusals and cross-VPC allows written to the audit log (never under the lock)."""
+        if same_vpc(asker, target):  # decide's first answer, with nothing to read or audit
+            return SAME_VPC
         decision = decide(asker, target, self._rules_if_needed(asker, [target]))
         if decision.cross_vpc and self.locator is not None:
             action = "peer.allowed" if decision.allowed else "peer.refused"

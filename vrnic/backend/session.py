@@ -32,6 +32,7 @@ from vrnic.core import verb_args
 from vrnic.core.handover import QpCarry
 from vrnic.core.migration import DirtyLog
 from vrnic.core.qos import (
+    MAX_PATH_MTU,
     TimedSenders,
     queue_wait_s,
     rc_timeout,
@@ -130,6 +131,9 @@ class GuestSession:
         self.staged = False  # a migration's destination session: built, not yet published or serving
         self.engine = engine_factory(self)
         self._may_run = self._engine_running = False
+        # The least RC timeout (0, none, aside) vrnicd has given any QP of this session at RTS, never raised again:
+        # a lower bound on every timeout the NIC holds for them, which lets a connect skip the walk of the join check
+        self._least_timeout: int | None = None
         LIVE_SESSIONS.add(self)
 
     @property
@@ -468,12 +472,12 @@ class GuestSession:
         if batch is None and qp.qp_type == "rc":
             batch = RcJoins(self._drain_kbit())  # once for the timeout and the check: it plans the device's classes
         timeout = self.rc_timeout(qp.qp_type, qp.link.get("path_mtu", link.path_mtu), link.timeout, batch)
-        if batch is not None and batch.drain is not None and (
-                batch.timed is None or batch.timed.outlasted_by_one_more(batch.drain)):
+        if batch is not None and batch.drain is not None and self._join_may_outlast(batch.timed, batch.drain):
             self._refuse_outlasting_join(qp, batch.drain)  # the walk, which names the QPs it would outlast
         self.device.qp_to_rts(qp.obj, qp.qp_type, RtsParams(sq_psn=link.sq_psn, timeout=timeout,
                                                             retry_cnt=link.retry_cnt, rnr_retry=link.rnr_retry,
                                                             max_rd_atomic=link.max_rd_atomic))
+        self._note_timeout(timeout)
         qp.rts_timeout = (qp.obj, timeout)
         qp.link.update(timeout=link.timeout, retry_cnt=link.retry_cnt, rnr_retry=link.rnr_retry,
                        max_rd_atomic=link.max_rd_atomic)
@@ -490,8 +494,29 @@ class GuestSession:
         drain = batch.drain if batch is not None else self._drain_kbit()
         if drain is None:
             return asked
-        connected = batch.connected if batch is not None and batch.connected is not None else self._rc_connected()
+        connected = batch.connected if batch is not None else None
+        if connected is None:
+            # Every QP of the session is at least every connected one: if even that many cannot raise the floor
+            # above the asked timeout, no count of connected QPs can, and the walk that counts them is spared.
+            if asked == 0 or rc_timeout_floor(path_mtu, max(len(self.state.qps), 1), drain) <= asked:
+                return asked
+            connected = self._rc_connected()
         return rc_timeout(asked, rc_timeout_floor(path_mtu, max(connected, 1), drain))
+
+    def _note_timeout(self, timeout: int) -> None:
+        if timeout and (self._least_timeout is None or timeout < self._least_timeout):
+            self._least_timeout = timeout
+
+    def _join_may_outlast(self, timed: TimedSenders | None, drain: int) -> bool:
+        """Whether one more sender might make the class's queue outlast a connected QP's timeout: exactly, from
+        the senders a batch keeps; else a bound, which clears most connects without a walk over every QP (the
+        session's QPs are at least the senders with the joining one, none has a larger MTU than the largest, and
+        none was given a timeout under the least one ever given)."""
+        if timed is not None:
+            return timed.outlasted_by_one_more(drain)
+        least = self._least_timeout
+        return least is not None and not rc_timeout_outlasts(
+            least, queue_wait_s(MAX_PATH_MTU, len(self.state.qps), drain))
 
     def rc_timeouts_outlasted(self, drain_kbit: int, joining: QpEntry | None = None) -> list[tuple[int, int, float]]:
         """The connected RC QPs whose timeout, as the NIC holds it, a class draining at drain_kbit would outlast
@@ -983,6 +1008,7 @@ class GuestSession:
         timeout = self.rc_timeout(qp_type, get("path_mtu"), get("timeout"))
         self.device.qp_to_rts(obj, qp_type, RtsParams(timeout=timeout, retry_cnt=get("retry_cnt"),
                                                       rnr_retry=get("rnr_retry"), max_rd_atomic=get("max_rd_atomic")))
+        self._note_timeout(timeout)
         return timeout
 
     def shadow(self, qp: QpEntry, dgid: str, dest_qpn: int) -> tuple[Any, int]:

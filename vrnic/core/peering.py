@@ -50,6 +50,9 @@ class Decision:
     cross_vpc: bool = False  # worth an audit line even when allowed: a peering rule was used
 
 
+SAME_VPC = Decision(True, "same VPC")
+
+
 def _side(owner: Identity, other: Identity, rules: Iterable[SecurityRule]) -> tuple[bool, str]:
     """Whether owner's VPC lets `other` in, and why."""
     mine = [r for r in rules if r.owner_tenant == owner.tenant and r.names(other.tenant)]
@@ -63,7 +66,7 @@ def _side(owner: Identity, other: Identity, rules: Iterable[SecurityRule]) -> tu
 def decide(asker: Identity, target: Identity, rules: Iterable[SecurityRule]) -> Decision:
     """May asker connect to target? Same tenant and VPC: yes. Otherwise both VPCs' rules must allow it."""
     if asker.tenant == target.tenant and asker.vpc_id == target.vpc_id:
-        return Decision(True, "same VPC")
+        return SAME_VPC
     rules = list(rules)
     for owner, other in ((target, asker), (asker, target)):
         ok, why = _side(owner, other, rules)

@@ -13,6 +13,7 @@ one destination QP).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -130,6 +131,7 @@ ROCE_V2_OVERHEAD = 94  # wire bytes around a payload: Ethernet 14, IPv6 40 (IPv4
 RC_TIMEOUT_MARGIN = 4
 RC_TIMEOUT_UNIT_S = 4.096e-6
 RC_TIMEOUT_MAX = 31
+MAX_PATH_MTU = 4096  # the largest path MTU a QP may be given (verb_args.ModifyQp)
 
 
 def queue_wait_s(path_mtu: int, qps: int, drain_kbit: int) -> float:
@@ -148,6 +150,7 @@ def rc_timeout_outlasts(timeout: int, wait_s: float) -> bool:
     return timeout == 0 or rc_timeout_s(timeout) >= wait_s
 
 
+@functools.lru_cache(maxsize=4096)  # every RTS asks, with a few distinct arguments
 def rc_timeout_floor(path_mtu: int, qps: int, drain_kbit: int, margin: float = RC_TIMEOUT_MARGIN) -> int:
     """The smallest RC timeout exponent whose time (4.096 us * 2^t) is at least margin times queue_wait_s (31 at
     most: 2.4 hours)."""
