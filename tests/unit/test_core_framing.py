@@ -35,6 +35,8 @@ from vrnic.core.framing import (
     decode_body,
     encode,
     encode_body,
+    encode_ok,
+    encode_request,
 )
 from vrnic.errors import InvalidArgument
 from vrnic.frontend import channel as channel_module
@@ -486,3 +488,39 @@ def test_a_vm_port_channel_calls_in_its_version(monkeypatch: pytest.MonkeyPatch,
                                                            (version, "echo")]
     os.close(controller)
     os.close(device)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, INT_MAX) | st.integers(INT_MIN, -1), messages)
+def test_a_reply_encoded_without_its_dict_is_the_same_bytes(request_id: int, result: dict[str, Any]) -> None:
+    """vrnicd answers every request through encode_ok; a guest must read exactly what encode() would send."""
+    for version in (BINARY_VERSION, JSON_VERSION):
+        assert encode_ok(request_id, result, version) == encode({"id": request_id, "ok": True, "result": result},
+                                                                version)
+
+
+def test_a_reply_encoded_without_its_dict_refuses_what_encode_refuses() -> None:
+    for result, match in (({"x": "a" * (MAX_BODY + 1)}, "exceeds"), ({"x": "\ud800"}, "not valid Unicode"),
+                          (nested(MAX_DEPTH), "nests deeper")):
+        with pytest.raises(ProtocolError, match=match):
+            encode({"id": 1, "ok": True, "result": result}, BINARY_VERSION)
+        with pytest.raises(ProtocolError, match=match):
+            encode_ok(1, result, BINARY_VERSION)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, INT_MAX), st.text(max_size=70), messages)
+def test_a_request_encoded_without_its_dict_is_the_same_bytes(request_id: int, op: str, args: dict[str, Any]) -> None:
+    """Every call a guest makes goes through encode_request; vrnicd must read exactly what encode() would send."""
+    for version in (BINARY_VERSION, JSON_VERSION):
+        assert encode_request(request_id, op, args, version) == encode(
+            {"id": request_id, "op": op, "args": args}, version)
+
+
+def test_a_request_encoded_without_its_dict_refuses_what_encode_refuses() -> None:
+    for op, args, match in (("x", {"x": "a" * (MAX_BODY + 1)}, "exceeds"), ("\ud800", {}, "not valid Unicode"),
+                            ("x", {"x": "\ud800"}, "not valid Unicode"), ("x", nested(MAX_DEPTH), "nests deeper")):
+        with pytest.raises(ProtocolError, match=match):
+            encode({"id": 1, "op": op, "args": args}, BINARY_VERSION)
+        with pytest.raises(ProtocolError, match=match):
+            encode_request(1, op, args, BINARY_VERSION)

@@ -42,7 +42,7 @@ from pydantic import ValidationError
 
 from vrnic.backend.attachment import AttachedSession, PeerCred, SessionOpener
 from vrnic.core import verb_args
-from vrnic.core.framing import fds_of
+from vrnic.core.framing import encode_ok, fds_of
 from vrnic.core.proto import FrameDecoder, ParsedRequest, ProtocolError, encode, parse_request, reply_error, reply_ok
 from vrnic.errors import Conflict, InvalidArgument, VrnicError
 
@@ -335,7 +335,7 @@ class ChannelServer:
                     session.close()
                     _send(conn, version, reply_ok(request.id))
                     return True
-                _send(conn, version, reply_ok(request.id, session.handle(request.op, request.args)))
+                _send_ok(conn, version, request.id, session.handle(request.op, request.args))
             except VrnicError as exc:
                 _send(conn, version, reply_error(request_id, exc))
             except Exception as exc:  # a daemon bug fails one request, not the daemon
@@ -384,6 +384,12 @@ def _send(conn: socket.socket, version: int, message: dict[str, Any], fds: list[
             data = data[sent:]
         if data:
             conn.sendall(data)
+
+
+def _send_ok(conn: socket.socket, version: int, request_id: int, result: dict[str, Any]) -> None:
+    """_send of reply_ok(request_id, result), encoded without the reply dict (every verb's answer)."""
+    with contextlib.suppress(OSError):
+        conn.sendall(encode_ok(request_id, result or {}, version))
 
 
 def _close_fds(fds: list[int]) -> None:

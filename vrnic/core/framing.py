@@ -397,17 +397,67 @@ def encode(message: dict[str, Any], version: int = VERSION) -> bytes:
     if version == BINARY_VERSION:
         out = bytearray(_HEADER_ROOM)
         _encode_into(out, message)
-        size = len(out) - HEADER.size
-        if size > MAX_BODY:
-            raise ProtocolError(f"message of {size} bytes exceeds the {MAX_BODY}-byte cap")
-        HEADER.pack_into(out, 0, MAGIC, BINARY_VERSION, 0, size)
-        return bytes(out)
+        return _framed(out)
     if version != JSON_VERSION:
         raise _unsupported(version)
     body = _json_encode(message).encode()
     if len(body) > MAX_BODY:
         raise ProtocolError(f"message of {len(body)} bytes exceeds the {MAX_BODY}-byte cap")
     return HEADER.pack(MAGIC, JSON_VERSION, 0, len(body)) + body
+
+
+# A successful reply, {"id": ..., "ok": True, "result": ...}, and a request, {"id": ..., "op": ..., "args": ...},
+# around the parts that vary (see encode_ok and encode_request)
+_OK_HEAD = _REQUEST_HEAD = bytes([_FIXDICT | 3]) + _key("id")
+_OK_MIDDLE = _key("ok") + bytes([_TRUE]) + _key("result")
+_OP_KEY, _ARGS_KEY = _key("op"), _key("args")
+
+
+def encode_ok(request_id: int, result: dict[str, Any], version: int = VERSION) -> bytes:
+    """encode({"id": request_id, "ok": True, "result": result}, version), the same bytes, without the reply dict
+    and a level of the encoder's loop: every answer vrnicd sends is one (issue 14)."""
+    if version != BINARY_VERSION or type(request_id) is not int or type(result) is not dict:
+        return encode({"id": request_id, "ok": True, "result": result}, version)
+    out = bytearray(_HEADER_ROOM)
+    out += _OK_HEAD
+    _put_int(out, request_id)
+    out += _OK_MIDDLE
+    try:
+        _put_dict(out, result, 2)
+    except UnicodeEncodeError as exc:
+        raise ProtocolError(f"a str is not valid Unicode text ({exc.reason})") from None
+    except RecursionError:
+        raise ProtocolError(f"the message nests deeper than {MAX_DEPTH} levels") from None
+    return _framed(out)
+
+
+def _framed(out: bytearray) -> bytes:
+    """A version 2 frame from its buffer (header room first, body after), the header packed in."""
+    size = len(out) - HEADER.size
+    if size > MAX_BODY:
+        raise ProtocolError(f"message of {size} bytes exceeds the {MAX_BODY}-byte cap")
+    HEADER.pack_into(out, 0, MAGIC, BINARY_VERSION, 0, size)
+    return bytes(out)
+
+
+def encode_request(request_id: int, op: str, args: dict[str, Any], version: int = VERSION) -> bytes:
+    """encode({"id": request_id, "op": op, "args": args}, version), the same bytes, as encode_ok builds a reply:
+    every call a guest makes is one."""
+    if version != BINARY_VERSION or type(request_id) is not int or type(op) is not str or type(args) is not dict:
+        return encode({"id": request_id, "op": op, "args": args}, version)
+    out = bytearray(_HEADER_ROOM)
+    out += _REQUEST_HEAD
+    _put_int(out, request_id)
+    out += _OP_KEY
+    try:
+        _put_str(out, op)
+        out += _ARGS_KEY
+        _put_dict(out, args, 2)
+    except UnicodeEncodeError as exc:
+        raise ProtocolError(f"a str is not valid Unicode text ({exc.reason})") from None
+    except RecursionError:
+        raise ProtocolError(f"the message nests deeper than {MAX_DEPTH} levels") from None
+    return _framed(out)
 
 
 def _decode_json(body: bytes) -> dict[str, Any]:

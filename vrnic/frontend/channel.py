@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
-from vrnic.core.framing import BINARY_VERSION, VERSIONS, FrameDecoder, encode, fds_of
+from vrnic.core.framing import BINARY_VERSION, VERSIONS, FrameDecoder, encode_request, fds_of
 from vrnic.errors import ChannelLost, InvalidArgument, NotFound, VrnicError, error_from_dict
 
 VIRTIO_PORTS = Path("/sys/class/virtio-ports")
@@ -62,7 +62,7 @@ class Channel(ABC):
 
     def call(self, op: str, fds: list[int] | None = None, **args: Any) -> dict[str, Any]:
         request_id = next(self._ids)
-        data = encode({"id": request_id, "op": op, "args": args}, self.version)
+        data = encode_request(request_id, op, args, self.version)
         with self._lock:
             try:
                 self._send(data, fds)
@@ -76,7 +76,7 @@ class Channel(ABC):
 
     def notify(self, op: str) -> None:
         """A one-way message vrnicd does not answer (the VM's doorbell)."""
-        data = encode({"id": 0, "op": op, "args": {}}, self.version)
+        data = encode_request(0, op, {}, self.version)
         with self._lock:
             try:
                 self._send(data, None)
