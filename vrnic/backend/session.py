@@ -477,7 +477,7 @@ class GuestSession:
         self.device.qp_to_rts(qp.obj, qp.qp_type, RtsParams(sq_psn=link.sq_psn, timeout=timeout,
                                                             retry_cnt=link.retry_cnt, rnr_retry=link.rnr_retry,
                                                             max_rd_atomic=link.max_rd_atomic))
-        self._note_timeout(timeout)
+        self._note_timeout(qp.qp_type, timeout)
         qp.rts_timeout = (qp.obj, timeout)
         qp.link.update(timeout=link.timeout, retry_cnt=link.retry_cnt, rnr_retry=link.rnr_retry,
                        max_rd_atomic=link.max_rd_atomic)
@@ -503,8 +503,8 @@ class GuestSession:
             connected = self._rc_connected()
         return rc_timeout(asked, rc_timeout_floor(path_mtu, max(connected, 1), drain))
 
-    def _note_timeout(self, timeout: int) -> None:
-        if timeout and (self._least_timeout is None or timeout < self._least_timeout):
+    def _note_timeout(self, qp_type: str, timeout: int) -> None:
+        if qp_type == "rc" and timeout and (self._least_timeout is None or timeout < self._least_timeout):
             self._least_timeout = timeout
 
     def _join_may_outlast(self, timed: TimedSenders | None, drain: int) -> bool:
@@ -1008,7 +1008,7 @@ class GuestSession:
         timeout = self.rc_timeout(qp_type, get("path_mtu"), get("timeout"))
         self.device.qp_to_rts(obj, qp_type, RtsParams(timeout=timeout, retry_cnt=get("retry_cnt"),
                                                       rnr_retry=get("rnr_retry"), max_rd_atomic=get("max_rd_atomic")))
-        self._note_timeout(timeout)
+        self._note_timeout(qp_type, timeout)
         return timeout
 
     def shadow(self, qp: QpEntry, dgid: str, dest_qpn: int) -> tuple[Any, int]:
