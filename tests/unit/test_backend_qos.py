@@ -4,7 +4,8 @@ on rxe in the lab (tests/kernel/test_qos_rxe.py) and on real netlink (tests/kern
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -24,6 +25,18 @@ pytestmark = pytest.mark.unit
 def _spec(n: int, qos: QosPolicy) -> VrnicSpec:
     return VrnicSpec(id=f"q{n}", tenant="t1", vpc_id=1, quota=Quota(), virtual_gid=make_virtual_gid(1, 700 + n),
                      qos=qos)
+
+
+@contextmanager
+def _pair_with_qps(driver: VerbsDriver, make_vrnic: Callable[..., AttachInfo], monkeypatch: pytest.MonkeyPatch,
+                   count: int, kbit: int = 12_000) -> Iterator[tuple[Context, Context, list[QP], list[QP]]]:
+    """Guest a on fake0, whose class drains at kbit (what a shaping device would report; the fake NIC cannot
+    shape), and guest b on fake1 (shapes nothing), with count RC QPs each on one 64-entry CQ."""
+    monkeypatch.setattr(driver, "_qos_drain_kbit", lambda device, vrnic_id: kbit if device == "fake0" else None)
+    info_a, info_b = make_vrnic(), make_vrnic(device="fake1")
+    with Context.attach(info_b, ARENA) as cb, Context.attach(info_a, ARENA) as ca:
+        pd_a, cq_a, pd_b, cq_b = PD(ca), CQ(ca, 64), PD(cb), CQ(cb, 64)
+        yield ca, cb, [QP(pd_a, cq_a, cq_a) for _ in range(count)], [QP(pd_b, cq_b, cq_b) for _ in range(count)]
 
 
 def test_a_limiting_policy_on_a_device_without_a_mechanism_is_refused(driver: VerbsDriver) -> None:
@@ -105,11 +118,7 @@ def test_connecting_a_qp_whose_packets_would_outlast_a_connected_qps_timeout_is_
     connected QP's timeout cannot change. So the connect that would make that wait outlast a connected QP's
     timeout is refused, with the numbers: the QP stays in RTR, the others keep going. Once the short-timed QP
     is gone, the same QP may join."""
-    monkeypatch.setattr(driver, "_qos_drain_kbit", lambda device, vrnic_id: 12_000 if device == "fake0" else None)
-    info_a, info_b = make_vrnic(), make_vrnic(device="fake1")
-    with Context.attach(info_b, ARENA) as cb, Context.attach(info_a, ARENA) as ca:
-        pd_a, cq_a, pd_b, cq_b = PD(ca), CQ(ca, 64), PD(cb), CQ(cb, 64)
-        mine, peers = [QP(pd_a, cq_a, cq_a) for _ in range(6)], [QP(pd_b, cq_b, cq_b) for _ in range(6)]
+    with _pair_with_qps(driver, make_vrnic, monkeypatch, 6) as (ca, cb, mine, peers):
         # the first QP gets 16 (268 ms: four times one QP's wait at 12 Mbit/s); five QPs' packets wait 243 ms, six's 291
         assert queue_wait_s(1024, 5, 12_000) < RC_TIMEOUT_UNIT_S * 2 ** 16 < queue_wait_s(1024, 6, 12_000)
         for m, p in zip(mine[:5], peers[:5], strict=True):
@@ -130,11 +139,7 @@ def test_a_batched_connect_refuses_the_join_that_would_outlast_a_timeout_as_one_
     """connect_qps checks each join against the senders it keeps through the batch (the QPs connected before it,
     then each of the batch's as it reaches RTS), not a walk over every QP per join: the batch's sixth sender is
     refused with the numbers a single connect gets, and the batch is undone."""
-    monkeypatch.setattr(driver, "_qos_drain_kbit", lambda device, vrnic_id: 12_000 if device == "fake0" else None)
-    info_a, info_b = make_vrnic(), make_vrnic(device="fake1")
-    with Context.attach(info_b, ARENA) as cb, Context.attach(info_a, ARENA) as ca:
-        pd_a, cq_a, pd_b, cq_b = PD(ca), CQ(ca, 64), PD(cb), CQ(cb, 64)
-        mine, peers = [QP(pd_a, cq_a, cq_a) for _ in range(6)], [QP(pd_b, cq_b, cq_b) for _ in range(6)]
+    with _pair_with_qps(driver, make_vrnic, monkeypatch, 6) as (ca, cb, mine, peers):
         for m, p in zip(mine[:3], peers[:3], strict=True):
             m.connect(cb.gid, p.qpn)  # the first gets 16: five senders' packets wait 243 ms, six's 291 (268 ms)
         assert mine[0].query()["timeout"] == 16
@@ -159,8 +164,6 @@ def test_a_connect_the_bounds_clear_walks_no_qp_and_one_they_do_not_clear_walks_
     the join check walks, as before. (The refusals that walk finds are the tests above and below.)"""
     from vrnic.backend.session import GuestSession
 
-    monkeypatch.setattr(driver, "_qos_drain_kbit",
-                        lambda device, vrnic_id: 10_000_000 if device == "fake0" else None)
     walks: list[str] = []
     for name in ("_rc_connected", "rc_timeouts_outlasted"):
         original = getattr(GuestSession, name)
@@ -171,10 +174,7 @@ def test_a_connect_the_bounds_clear_walks_no_qp_and_one_they_do_not_clear_walks_
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(GuestSession, name, counted)
-    info_a, info_b = make_vrnic(), make_vrnic(device="fake1")
-    with Context.attach(info_b, ARENA) as cb, Context.attach(info_a, ARENA) as ca:
-        pd_a, cq_a, pd_b, cq_b = PD(ca), CQ(ca, 64), PD(cb), CQ(cb, 64)
-        mine, peers = [QP(pd_a, cq_a, cq_a) for _ in range(5)], [QP(pd_b, cq_b, cq_b) for _ in range(5)]
+    with _pair_with_qps(driver, make_vrnic, monkeypatch, 5, kbit=10_000_000) as (ca, cb, mine, peers):
         for m, p in zip(mine[:3], peers[:3], strict=True):
             m.connect(cb.gid, p.qpn)
         assert walks == [] and [m.query()["timeout"] for m in mine[:3]] == [14] * 3
@@ -242,15 +242,11 @@ def test_connects_check_the_timeouts_vrnicd_set_without_asking_the_nic_for_each_
         return query(self, qp)  # type: ignore[arg-type]
 
     monkeypatch.setattr(FakeContext, "query_rc_timeout", counted)
-    monkeypatch.setattr(driver, "_qos_drain_kbit", lambda device, vrnic_id: 12_000 if device == "fake0" else None)
-    info_a, info_b = make_vrnic(), make_vrnic(device="fake1")
-    with Context.attach(info_b, ARENA) as cb, Context.attach(info_a, ARENA) as ca:
-        pd_a, cq_a, pd_b, cq_b = PD(ca), CQ(ca, 64), PD(cb), CQ(cb, 64)
-        mine, peers = [QP(pd_a, cq_a, cq_a) for _ in range(6)], [QP(pd_b, cq_b, cq_b) for _ in range(6)]
+    with _pair_with_qps(driver, make_vrnic, monkeypatch, 6) as (ca, cb, mine, peers):
         for m, p in zip(mine[:5], peers[:5], strict=True):
             m.connect(cb.gid, p.qpn)
         assert asked == []  # four connects weighed 1 + 2 + 3 + 4 connected QPs from vrnicd's own record
-        session = driver.registry.get(info_a.vrnic_id).session
+        session = driver.registry.get(ca.vrnic_id).session
         first = next(q for _, q in session.state.qps.items() if q.vqpn == mine[0].qpn)
         assert first.rts_timeout == (first.obj, 16)
         # a record of another physical QP (as after a migration's shadow took over) is not trusted: the NIC is asked

@@ -26,7 +26,7 @@ from typing import Protocol, TypeVar
 
 from vrnic.backend.peer_directory import Locator, PeerDirectory, RemotePeer
 from vrnic.core.migration import DirtyLog
-from vrnic.core.peering import SAME_VPC, Decision, Identity, SecurityRule, decide
+from vrnic.core.peering import Decision, Identity, SecurityRule, decide
 from vrnic.core.recovery import token_digest
 from vrnic.core.specs import VrnicSpec
 from vrnic.core.translate import MrWindow
@@ -439,9 +439,9 @@ class Registry:
 
     def check(self, asker: Identity, target: Identity, via: str) -> Decision:
         """decide(), with refusals and cross-VPC allows written to the audit log (never under the lock)."""
-        if same_vpc(asker, target):  # decide's first answer, with nothing to read or audit
-            return SAME_VPC
-        decision = decide(asker, target, self._rules_if_needed(asker, [target]))
+        # One target: whether the rules are needed is one comparison (the list and any() of _rules_if_needed
+        # were a third of a connect's peer lookup under TCG; issue 14)
+        decision = decide(asker, target, () if same_vpc(asker, target) else self._rules())
         if decision.cross_vpc and self.locator is not None:
             action = "peer.allowed" if decision.allowed else "peer.refused"
             key = (action, asker.vrnic_id, target.vrnic_id)

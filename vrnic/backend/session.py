@@ -523,7 +523,7 @@ class GuestSession:
         with all their packets in flight waiting in its queue: (virtual QPN, timeout, that wait in s). joining: a QP
         about to reach RTS, whose packets count in the queue (its own timeout is the floor's business)."""
         with self.lock:
-            timed = [q for q in self._connected_rc_qps() if q.state in ("rts", "sqd") and q is not joining]
+            timed = self._timed_qps(leaving_out=() if joining is None else (joining,))
             senders = len(timed) + (joining is not None)
             outlasted = []
             for qp in timed:
@@ -541,13 +541,16 @@ class GuestSession:
             return held[1]
         return self.device.query_rc_timeout(qp.obj)
 
-    def _timed_senders(self, leaving_out: Iterable[QpEntry]) -> TimedSenders:
-        """The connected RC QPs rc_timeouts_outlasted counts as senders, except those left out."""
+    def _timed_qps(self, leaving_out: Iterable[QpEntry]) -> list[QpEntry]:
+        """The connected RC QPs whose timeouts the NIC holds (RTS, SQD): the senders a join is weighed against."""
         out = {id(q) for q in leaving_out}
+        return [q for q in self._connected_rc_qps() if q.state in ("rts", "sqd") and id(q) not in out]
+
+    def _timed_senders(self, leaving_out: Iterable[QpEntry]) -> TimedSenders:
+        """_timed_qps as a batch keeps them."""
         timed = TimedSenders()
-        for qp in self._connected_rc_qps():
-            if qp.state in ("rts", "sqd") and id(qp) not in out:
-                timed.add(self._rc_timeout_held(qp), qp.link.get("path_mtu", 1024))
+        for qp in self._timed_qps(leaving_out):
+            timed.add(self._rc_timeout_held(qp), qp.link.get("path_mtu", 1024))
         return timed
 
     def _refuse_outlasting_join(self, qp: QpEntry, drain: int) -> None:

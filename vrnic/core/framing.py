@@ -217,11 +217,12 @@ def _put(out: bytearray, value: Any, depth: int) -> None:
                             f"list and dict")
 
 
-def _encode_into(out: bytearray, message: dict[str, Any]) -> None:
+def _encode_into(out: bytearray, message: dict[str, Any], depth: int = 1) -> None:
+    """A dict at depth (1: the message itself; 2: an envelope's args or result), encoding errors as ours."""
     if type(message) is not dict and not isinstance(message, dict):
         raise ProtocolError(f"a message is a dict, not a {type(message).__name__}")
     try:
-        _put_dict(out, message, 1)
+        _put_dict(out, message, depth)
     except UnicodeEncodeError as exc:
         raise ProtocolError(f"a str is not valid Unicode text ({exc.reason})") from None
     except RecursionError:  # a cyclic list or dict: caught by the depth cap first, kept as a backstop
@@ -422,12 +423,7 @@ def encode_ok(request_id: int, result: dict[str, Any], version: int = VERSION) -
     out += _OK_HEAD
     _put_int(out, request_id)
     out += _OK_MIDDLE
-    try:
-        _put_dict(out, result, 2)
-    except UnicodeEncodeError as exc:
-        raise ProtocolError(f"a str is not valid Unicode text ({exc.reason})") from None
-    except RecursionError:
-        raise ProtocolError(f"the message nests deeper than {MAX_DEPTH} levels") from None
+    _encode_into(out, result, 2)
     return _framed(out)
 
 
@@ -442,21 +438,18 @@ def _framed(out: bytearray) -> bytes:
 
 def encode_request(request_id: int, op: str, args: dict[str, Any], version: int = VERSION) -> bytes:
     """encode({"id": request_id, "op": op, "args": args}, version), the same bytes, as encode_ok builds a reply:
-    every call a guest makes is one."""
-    if version != BINARY_VERSION or type(request_id) is not int or type(op) is not str or type(args) is not dict:
+    every call a guest makes is one. An op that is not ASCII (none is) goes the general way, which turns a
+    lone surrogate into our error."""
+    if version != BINARY_VERSION or type(request_id) is not int or type(op) is not str or type(args) is not dict \
+            or not op.isascii():
         return encode({"id": request_id, "op": op, "args": args}, version)
     out = bytearray(_HEADER_ROOM)
     out += _REQUEST_HEAD
     _put_int(out, request_id)
     out += _OP_KEY
-    try:
-        _put_str(out, op)
-        out += _ARGS_KEY
-        _put_dict(out, args, 2)
-    except UnicodeEncodeError as exc:
-        raise ProtocolError(f"a str is not valid Unicode text ({exc.reason})") from None
-    except RecursionError:
-        raise ProtocolError(f"the message nests deeper than {MAX_DEPTH} levels") from None
+    _put_str(out, op)
+    out += _ARGS_KEY
+    _encode_into(out, args, 2)
     return _framed(out)
 
 
