@@ -71,6 +71,19 @@ def samples_ms(operation: Callable[[], Callable[[], None] | None], repeat: int =
     return samples
 
 
+def alternating(first: Callable[[], float], second: Callable[[], float],
+                rounds: int) -> tuple[list[float], list[float]]:
+    """One sample of each per round, the order swapped every round, so that drift hits both alike and neither
+    always runs right after the other: (first's samples, second's samples). For measures that each set up their
+    own objects untimed (a pair to connect): a bare verb in turns would run cold (see paravirt.control_verbs)."""
+    samples: tuple[list[float], list[float]] = ([], [])
+    measures = (first, second)
+    for n in range(rounds):
+        for which in (0, 1) if n % 2 == 0 else (1, 0):
+            samples[which].append(measures[which]())
+    return samples
+
+
 def median_ms(operation: Callable[[], Callable[[], None] | None], repeat: int = 50) -> float:
     """Median wall time of operation() in ms; a returned callable (cleanup) runs untimed."""
     return statistics.median(samples_ms(operation, repeat))

@@ -44,18 +44,20 @@ def control_verbs(device: str = "rxe0", repeat: int = 50) -> list[Record]:
     return records
 
 
-def connect_and_data(pair: tuple[str, str] = ("rxe0", "rxe1"), repeat: int = 20) -> list[Record]:
-    def connect():  # type: ignore[no-untyped-def]
-        a, b = RcEndpoint(pair[0]), RcEndpoint(pair[1])
-        started = time.perf_counter()
-        a.connect(b.info())
-        b.connect(a.info())
-        elapsed = time.perf_counter() - started
-        a.close()
-        b.close()
-        return elapsed * 1e3
+def connect_pair_ms(pair: tuple[str, str] = ("rxe0", "rxe1")) -> float:
+    """One RC pair connected (INIT, RTR, RTS on both sides), its endpoints made and closed untimed."""
+    a, b = RcEndpoint(pair[0]), RcEndpoint(pair[1])
+    started = time.perf_counter()
+    a.connect(b.info())
+    b.connect(a.info())
+    elapsed = time.perf_counter() - started
+    a.close()
+    b.close()
+    return elapsed * 1e3
 
-    connects = sorted(connect() for _ in range(repeat))
+
+def connect_and_data(pair: tuple[str, str] = ("rxe0", "rxe1"), repeat: int = 20) -> list[Record]:
+    connects = sorted(connect_pair_ms(pair) for _ in range(repeat))
     records = [Record("native.connect_qp_pair", "ms", connects[len(connects) // 2])]
 
     size = 64 * 1024
@@ -87,26 +89,28 @@ def connect_and_data(pair: tuple[str, str] = ("rxe0", "rxe1"), repeat: int = 20)
     return records
 
 
-def setup_qp_pairs(count: int = 64, pair: tuple[str, str] = ("rxe0", "rxe1"), repeat: int = 5) -> list[Record]:
+def setup_pairs_ms(count: int = 64, pair: tuple[str, str] = ("rxe0", "rxe1")) -> float:
     """count RC QPs on each device and each pair connected (INIT, RTR, RTS on both sides), with one PD and one CQ
-    per side already there: what paravirt.setup_64_qp_pairs does through vrnicd in batches."""
-    def setup():  # type: ignore[no-untyped-def]
-        sides = [RcEndpoint(name) for name in pair]
-        started = time.perf_counter()
-        qps = [[QP(side.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=side.cq, rcq=side.cq,
-                                       cap=QPCap(max_send_wr=64, max_recv_wr=64, max_send_sge=1, max_recv_sge=1)))
-                for _ in range(count)] for side in sides]
-        for i in range(count):
-            for me, peer in ((0, 1), (1, 0)):
-                connect_rc(qps[me][i], sides[peer].gid, qps[peer][i].qp_num, sides[me].gid_index)
-        elapsed = (time.perf_counter() - started) * 1e3
-        for side, mine in zip(sides, qps, strict=True):
-            for qp in mine:
-                qp.close()
-            side.close()
-        return elapsed
+    per side already there (made and closed untimed): what paravirt.setup_64_qp_pairs does through vrnicd in
+    batches."""
+    sides = [RcEndpoint(name) for name in pair]
+    started = time.perf_counter()
+    qps = [[QP(side.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=side.cq, rcq=side.cq,
+                                   cap=QPCap(max_send_wr=64, max_recv_wr=64, max_send_sge=1, max_recv_sge=1)))
+            for _ in range(count)] for side in sides]
+    for i in range(count):
+        for me, peer in ((0, 1), (1, 0)):
+            connect_rc(qps[me][i], sides[peer].gid, qps[peer][i].qp_num, sides[me].gid_index)
+    elapsed = (time.perf_counter() - started) * 1e3
+    for side, mine in zip(sides, qps, strict=True):
+        for qp in mine:
+            qp.close()
+        side.close()
+    return elapsed
 
-    samples = sorted(setup() for _ in range(repeat))
+
+def setup_qp_pairs(count: int = 64, pair: tuple[str, str] = ("rxe0", "rxe1"), repeat: int = 5) -> list[Record]:
+    samples = sorted(setup_pairs_ms(count, pair) for _ in range(repeat))
     return [Record(f"native.setup_{count}_qp_pairs", "ms", samples[len(samples) // 2])]
 
 

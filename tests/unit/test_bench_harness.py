@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.harness import Record, load, median_ms, samples_ms, write
+from bench.harness import Record, alternating, load, median_ms, samples_ms, write
 
 
 def test_within_is_a_tolerance_on_both_sides_of_one() -> None:
@@ -64,3 +64,14 @@ def test_an_absolute_target_bounds_the_value_from_below_above_or_both(tmp_path: 
     path = tmp_path / "r.json"
     write([rate], path)
     assert load(path) == [rate]
+
+
+def test_alternating_takes_one_sample_of_each_per_round_and_swaps_who_goes_first() -> None:
+    calls: list[str] = []
+
+    def measure(name: str, value: float):  # type: ignore[no-untyped-def]
+        return lambda: (calls.append(name), value)[1]
+
+    firsts, seconds = alternating(measure("native", 1.0), measure("mediated", 2.0), rounds=4)
+    assert firsts == [1.0] * 4 and seconds == [2.0] * 4
+    assert calls == ["native", "mediated", "mediated", "native", "native", "mediated", "mediated", "native"]
