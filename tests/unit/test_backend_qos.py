@@ -226,6 +226,39 @@ def test_the_drain_rate_is_planned_once_while_the_devices_policies_and_link_stay
     assert planned[-1].keys() == {a, b}
 
 
+def test_the_drain_rate_walks_the_devices_vrnics_only_after_a_spec_or_the_membership_changed(
+        driver: VerbsDriver, make_vrnic: Callable[..., AttachInfo], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kept plan is checked against vrnic.backend.registry.ChangeMark, which every spec assignment and every
+    registry add or remove moves: while it stays put, an RTS's question walks nothing."""
+    from vrnic.backend.registry import ChangeMark
+
+    monkeypatch.setattr(driver, "_can_shape", {"fake0": True})
+    monkeypatch.setattr(driver, "_unshaped_link_mbps", lambda device: 100)
+    walks: list[str] = []
+    all_on = driver.registry.all_on
+    monkeypatch.setattr(driver.registry, "all_on", lambda device: walks.append(device) or all_on(device))
+
+    def asked(vrnic_id: str) -> tuple[int | None, int]:
+        """The drain rate and how many walks asking it took."""
+        before = len(walks)
+        return driver._qos_drain_kbit("fake0", vrnic_id), len(walks) - before
+
+    a = make_vrnic().vrnic_id
+    assert asked(a) == (100_000, 1)
+    assert [asked(a) for _ in range(3)] == [(100_000, 0)] * 3
+    b = make_vrnic().vrnic_id  # a new vRNIC moves the mark
+    assert asked(b) == (50_000, 1)
+    assert asked(a) == (50_000, 0)
+    vrnic = driver.registry.get(a)
+    mark = ChangeMark.current
+    vrnic.spec = vrnic.spec.model_copy(update={"qos": QosPolicy(weight=3)})  # so does any spec assignment
+    assert ChangeMark.current != mark
+    assert asked(a) == (75_000, 1) and asked(b) == (25_000, 0)
+    vrnic.spec = vrnic.spec.model_copy(update={"qos": QosPolicy()})
+    driver.release_vrnic(b)  # and a release
+    assert asked(a) == (100_000, 1)
+
+
 def test_connects_check_the_timeouts_vrnicd_set_without_asking_the_nic_for_each_connected_qp(
         driver: VerbsDriver, make_vrnic: Callable[..., AttachInfo], monkeypatch: pytest.MonkeyPatch) -> None:
     """The join check weighs every connected RC QP's timeout on every connect: asked of the NIC each time, N

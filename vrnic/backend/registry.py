@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import itertools
 import logging
 import secrets
 import threading
@@ -47,6 +48,19 @@ class Closeable(Protocol):
     def close(self) -> None: ...
 
 
+class ChangeMark:
+    """Moves at every change of any vRNIC's spec and of the vRNICs a registry holds, so that what is kept while it
+    stays put (the QoS drain plan, asked at every connect) needs no walk to stay right. Each move draws a new
+    number, so a writer that lost a race cannot set the mark back to one a reader kept."""
+
+    _draws = itertools.count(1)
+    current = 0
+
+    @classmethod
+    def move(cls) -> None:
+        cls.current = next(cls._draws)
+
+
 @dataclass
 class VirtualRnic:
     spec: VrnicSpec
@@ -69,6 +83,11 @@ class VirtualRnic:
         if kept is None or kept[0] is not self.spec:  # a new spec (set_qos replaces it) makes it again
             kept = self._identity = (self.spec, identity_of(self.spec))
         return kept[1]
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        if name == "spec":  # after the new spec is in place: a reader that sees the mark move sees the spec
+            ChangeMark.move()
 
 
 # What a session connects a QP to: a vRNIC of this vrnicd, or one of another host's.
@@ -169,6 +188,7 @@ class Registry:
             self._by_id[vrnic.spec.id] = vrnic
             self._by_gid[vrnic.spec.virtual_gid] = vrnic
             self._by_token.setdefault(vrnic.token_hash, []).append(vrnic)
+            ChangeMark.move()
 
     def remove(self, vrnic_id: str) -> VirtualRnic:
         with self._lock:
@@ -177,6 +197,7 @@ class Registry:
             if vrnic is not None:
                 self._by_gid.pop(vrnic.spec.virtual_gid, None)
                 self._drop_token(vrnic)
+                ChangeMark.move()
         if vrnic is None:
             raise NotFound(f"no vRNIC {vrnic_id} in the backend")
         return vrnic

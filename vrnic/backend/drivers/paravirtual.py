@@ -37,7 +37,7 @@ from vrnic.backend.peer_directory import LOOKUP_TIMEOUT_S, AgentDirectory, Locat
 from vrnic.backend.peer_service import PeerService
 from vrnic.backend.qos_shaper import HtbShaper, QosMechanism, link_speed_mbps, uplink_netdev
 from vrnic.backend.rdma_cgroup import Confinement
-from vrnic.backend.registry import Registry, VirtualRnic
+from vrnic.backend.registry import ChangeMark, Registry, VirtualRnic
 from vrnic.backend.rnic_edge import DeviceContext, RnicEdge
 from vrnic.backend.session import GuestSession
 from vrnic.backend.vm_link import VmLink, connect_channel
@@ -94,8 +94,8 @@ class VerbsDriver(RnicDriver):
         self._shapers: dict[str, QosMechanism] = {}  # by device, while any vRNIC on it asks for QoS
         self._qos_lock = threading.RLock()
         self._can_shape: dict[str, bool] = {}  # device -> has a QoS mechanism (DeviceInfo caps "qos_shaping")
-        # device -> ((link, its vRNICs' policies), each one's drain rate): _qos_drain_kbit's plan
-        self._drain_plans: dict[str, tuple[tuple[int, tuple[tuple[str, QosPolicy], ...]], dict[str, int]]] = {}
+        # device -> (ChangeMark then, (link, its vRNICs' policies), each one's drain rate): _qos_drain_kbit's plan
+        self._drain_plans: dict[str, tuple[int, tuple[int, tuple[tuple[str, QosPolicy], ...]], dict[str, int]]] = {}
         # device -> its uplink's speed as the RC timeout floor assumes it while the device shapes nothing (read once,
         # as a shaper reads it once): two sysfs reads on every connect cost a third of the verb under TCG (issue 14)
         self._unshaped_link: dict[str, int | None] = {}
@@ -768,14 +768,17 @@ class VerbsDriver(RnicDriver):
         if link is None:
             return None
         # Every RTS asks, and planning the classes is most of a connect's Python under TCG: the plan is kept
-        # while the link and the policies on the device are the same (the tuple compares objects by identity
-        # first, so an unchanged device costs a walk over its vRNICs and no plan).
-        key = (link, tuple((v.spec.id, v.spec.qos) for v in self.registry.all_on(device)))
+        # while the link and the policies on the device are the same. While no vRNIC's spec and no membership
+        # changed (ChangeMark, read before the walk), that costs no walk; after a change, a walk over the device's
+        # vRNICs, and a new plan only if a policy differs (the tuple compares objects by identity first).
+        mark = ChangeMark.current
         kept = self._drain_plans.get(device)
-        if kept is None or kept[0] != key:
-            kept = self._drain_plans[device] = (key, drain_rates(link, dict(key[1])))
-        rate = kept[1].get(vrnic_id)
-        return rate if rate is not None else drain_kbit(link, dict(key[1]), vrnic_id)
+        if kept is None or kept[0] != mark or kept[1][0] != link:
+            key = (link, tuple((v.spec.id, v.spec.qos) for v in self.registry.all_on(device)))
+            rates = kept[2] if kept is not None and kept[1] == key else drain_rates(link, dict(key[1]))
+            kept = self._drain_plans[device] = (mark, key, rates)
+        rate = kept[2].get(vrnic_id)
+        return rate if rate is not None else drain_kbit(link, dict(kept[1][1]), vrnic_id)
 
     def _unshaped_link_mbps(self, device: str) -> int | None:
         """The device's uplink speed (sysfs, else the operator's figure; None without either or without an uplink),
