@@ -143,6 +143,7 @@ def connect_and_data(infos: list[AttachInfo], native: dict[str, float], repeat: 
         pa, pb = PD(ca), PD(cb)
         cqa, cqb = CQ(ca, 256), CQ(cb, 256)
         mra, mrb = MR(pa, size, ALL), MR(pb, size, ALL)
+
         def connect_pair_ms() -> float:
             qa, qb = QP(pa, cqa, cqa), QP(pb, cqb, cqb)
             started = time.perf_counter()
