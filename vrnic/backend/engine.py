@@ -150,15 +150,18 @@ class SharedRingEngine(DataPathEngine):
         self.host = host
         self.busy_poll = busy_poll
         self.failed = False
-        self._stop = threading.Event()
+        # A flag, not an Event, and the thread made when it starts (with the first QP): each Event or Thread made
+        # here was a Condition that Python builds through three AttributeErrors, on every attach (issue 14).
+        self._stopping = False
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._thread = threading.Thread(target=self._run, name=f"engine-{host.vrnic_id}", daemon=True)
+        self._thread: threading.Thread | None = None
         self.posted = 0
         self.recvs_posted = 0
         self.completed = 0
         self.waits = 0  # times the engine went to sleep: a cheap check that idle means idle
 
     def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"engine-{self.host.vrnic_id}", daemon=True)
         self._thread.start()
 
     def wake(self) -> None:
@@ -166,12 +169,13 @@ class SharedRingEngine(DataPathEngine):
             os.eventfd_write(self._wake_fd, 1)
 
     def stop(self) -> None:
-        if self._stop.is_set():
+        if self._stopping:
             return
-        self._stop.set()
+        self._stopping = True
         self.wake()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=10)
+        thread = self._thread
+        if thread is not None and thread.is_alive() and threading.current_thread() is not thread:
+            thread.join(timeout=10)
         os.close(self._wake_fd)
 
     def drain_queues(self, qps: list[QpEntry] | None = None) -> int:
@@ -199,14 +203,15 @@ class SharedRingEngine(DataPathEngine):
 
     def stats(self) -> dict[str, Any]:
         """What the engine did so far, and whether its thread still runs (a daemon's debug dump)."""
+        thread = self._thread
         return {"posted": self.posted, "recvs_posted": self.recvs_posted, "completed": self.completed,
-                "waits": self.waits, "failed": self.failed, "alive": self._thread.is_alive(),
+                "waits": self.waits, "failed": self.failed, "alive": thread is not None and thread.is_alive(),
                 "busy_poll": self.busy_poll}
 
     # ----- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while not self._stop.is_set():
+            while not self._stopping:
                 if self._step():
                     continue
                 if self.busy_poll:
