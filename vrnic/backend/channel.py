@@ -163,20 +163,21 @@ class ChannelServer:
             self.sock.close()
 
     def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:  # EMFILE and friends: keep serving those already here
-                log.warning("guest channel: accept failed: %s", exc)
-                return
-            pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-            cred = PeerCred(pid, uid, gid)
-            self._make_room(uid)
-            conn.setblocking(False)
-            self._pending[conn] = _Pending(conn, cred, time.monotonic() + self.limits.attach_deadline_s)
-            self._selector.register(conn, selectors.EVENT_READ, "guest")
+        """One connection per call: the selector reports the socket again while more wait (level-triggered), and
+        accepting until EAGAIN raised and caught an exception on every attach (issue 14)."""
+        try:
+            conn, _ = self.sock.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:  # EMFILE and friends: keep serving those already here
+            log.warning("guest channel: accept failed: %s", exc)
+            return
+        pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        cred = PeerCred(pid, uid, gid)
+        self._make_room(uid)
+        conn.setblocking(False)
+        self._pending[conn] = _Pending(conn, cred, time.monotonic() + self.limits.attach_deadline_s)
+        self._selector.register(conn, selectors.EVENT_READ, "guest")
 
     def _make_room(self, uid: int) -> None:
         """Drop the oldest pending connections until the newcomer fits under both caps.
