@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from pydantic import SecretStr
 
@@ -65,6 +65,15 @@ DEFAULT_SOCKET = Path("/run/vrnic/vrnicd.sock")
 _UCRED = struct.Struct("3i")
 
 
+class _DrainPlan(NamedTuple):
+    """_qos_drain_kbit's plan for one device: right while ChangeMark and the link stay at mark and link."""
+
+    mark: int
+    link: int
+    policies: tuple[tuple[str, QosPolicy], ...]  # (vRNIC id, its policy) for each vRNIC on the device
+    rates: dict[str, int]  # each one's drain rate, kbit/s
+
+
 class VerbsDriver(RnicDriver):
     name: ClassVar[str] = "verbs"
     modes: ClassVar[frozenset[VrnicMode]] = frozenset({VrnicMode.PARAVIRTUAL})
@@ -94,8 +103,7 @@ class VerbsDriver(RnicDriver):
         self._shapers: dict[str, QosMechanism] = {}  # by device, while any vRNIC on it asks for QoS
         self._qos_lock = threading.RLock()
         self._can_shape: dict[str, bool] = {}  # device -> has a QoS mechanism (DeviceInfo caps "qos_shaping")
-        # device -> (ChangeMark then, (link, its vRNICs' policies), each one's drain rate): _qos_drain_kbit's plan
-        self._drain_plans: dict[str, tuple[int, tuple[int, tuple[tuple[str, QosPolicy], ...]], dict[str, int]]] = {}
+        self._drain_plans: dict[str, _DrainPlan] = {}  # by device
         # device -> its uplink's speed as the RC timeout floor assumes it while the device shapes nothing (read once,
         # as a shaper reads it once): two sysfs reads on every connect cost a third of the verb under TCG (issue 14)
         self._unshaped_link: dict[str, int | None] = {}
@@ -773,12 +781,15 @@ class VerbsDriver(RnicDriver):
         # vRNICs, and a new plan only if a policy differs (the tuple compares objects by identity first).
         mark = ChangeMark.current
         kept = self._drain_plans.get(device)
-        if kept is None or kept[0] != mark or kept[1][0] != link:
-            key = (link, tuple((v.spec.id, v.spec.qos) for v in self.registry.all_on(device)))
-            rates = kept[2] if kept is not None and kept[1] == key else drain_rates(link, dict(key[1]))
-            kept = self._drain_plans[device] = (mark, key, rates)
-        rate = kept[2].get(vrnic_id)
-        return rate if rate is not None else drain_kbit(link, dict(kept[1][1]), vrnic_id)
+        if kept is None or kept.mark != mark or kept.link != link:
+            policies = tuple((v.spec.id, v.spec.qos) for v in self.registry.all_on(device))
+            if kept is not None and (kept.link, kept.policies) == (link, policies):
+                rates = kept.rates  # a spec changed, but no policy on this device
+            else:
+                rates = drain_rates(link, dict(policies))
+            kept = self._drain_plans[device] = _DrainPlan(mark, link, policies, rates)
+        rate = kept.rates.get(vrnic_id)
+        return rate if rate is not None else drain_kbit(link, dict(kept.policies), vrnic_id)
 
     def _unshaped_link_mbps(self, device: str) -> int | None:
         """The device's uplink speed (sysfs, else the operator's figure; None without either or without an uplink),
