@@ -230,11 +230,47 @@ def test_modify_to_err_flushes_and_reset_allows_reconnect(connected: tuple[Guest
     assert a.qp.query()["state"] == "rts"
 
 
+def test_a_shared_ring_vrnic_keeps_one_device_context_across_its_guests(driver: object,
+                                                                         make_vrnic: Callable[..., AttachInfo],
+                                                                         device_pair: tuple[str, str]) -> None:
+    """Issue 14's pre-setup of the device open: the context is opened at admission, each guest takes it over (no
+    new one in `rdma res`), a detach gives it back with nothing of the guest's left in it, and the next guest
+    moves data through it as the first did. The direct engine hands its context's fd to the guest: none is kept."""
+    dev = device_pair[0]
+    before = resource_counts()
+    direct = make_vrnic(device=dev, engine="direct")
+    assert resource_counts() == before
+    info, peer = make_vrnic(device=dev), make_vrnic(device=device_pair[1])
+    kept = {**before[dev], "ctx": before[dev]["ctx"] + 1}
+    assert resource_counts()[dev] == kept
+    b = _guest(peer)
+    try:
+        for n in range(2):
+            a = _guest(info)
+            assert resource_counts()[dev]["ctx"] == kept["ctx"]  # taken over, not opened
+            a.qp.connect(b.ctx.gid, b.qp.qpn)
+            b.qp.connect(a.ctx.gid, a.qp.qpn)
+            a.mr.write(b"guest %d" % n)
+            a.qp.post_send(SendRequest(n, WrOpcode.RDMA_WRITE, (a.mr.sge(0, 7),), remote_addr=b.mr.addr,
+                                       rkey=b.mr.rkey))
+            [done] = a.cq.wait(1)
+            assert (done.wr_id, done.status) == (n, WcStatus.SUCCESS) and b.mr.read(7) == b"guest %d" % n
+            _close(a)
+            assert resource_counts()[dev] == kept  # nothing of the guest's left, its context kept
+            b.qp.modify("reset")
+    finally:
+        _close(b)
+    for made in (info, peer, direct):
+        driver.release_vrnic(made.vrnic_id)  # type: ignore[attr-defined]
+    assert resource_counts() == before
+
+
 def test_objects_in_use_cannot_be_destroyed_and_teardown_is_complete(make_vrnic: Callable[..., AttachInfo],
                                                                      device_pair: tuple[str, str],
                                                                      engine: str) -> None:
-    before = resource_counts()
-    g = _guest(make_vrnic(device=device_pair[0], engine=engine))
+    info = make_vrnic(device=device_pair[0], engine=engine)
+    before = resource_counts()  # with the vRNIC: a shared-ring one holds a device context for its guest already
+    g = _guest(info)
     during = resource_counts()[device_pair[0]]
     spares = g.ctx.spare_qp_count  # its pool of new QPs (shared-ring engine)
     assert during["qp"] == before[device_pair[0]]["qp"] + 1 + spares
@@ -312,8 +348,9 @@ def test_qps_are_real_rxe_qps_handed_out_from_a_pool_and_never_twice(make_vrnic:
     """Pre-setup on the shared-ring engine: the first QP of a shape brings QP_POOL real QPs onto rxe, the next
     ones are handouts that connect and carry data as any QP does, and a closed QP is destroyed, so no QP is
     handed out twice. Past the pool, one create_qps fills it again."""
+    infos = make_vrnic(device="rxe0"), make_vrnic(device="rxe1")
     before = resource_counts()
-    a, b = _guest(make_vrnic(device="rxe0")), _guest(make_vrnic(device="rxe1"))
+    a, b = _guest(infos[0]), _guest(infos[1])
     try:
         assert resource_counts()["rxe0"]["qp"] == before["rxe0"]["qp"] + QP_POOL
         seen = {a.qp.qpn}
@@ -344,8 +381,9 @@ def test_cqs_are_real_rxe_cqs_handed_out_from_a_pool_and_come_back_empty(
         make_vrnic: Callable[..., AttachInfo]) -> None:
     """Pre-setup on the shared-ring engine: the first CQ of a size brings CQ_POOL real CQs onto rxe, a closed one
     goes back to the pool, and what a destroyed QP left never shows up in the CQ's next life."""
+    infos = make_vrnic(device="rxe0"), make_vrnic(device="rxe1")
     before = resource_counts()
-    a, b = _guest(make_vrnic(device="rxe0")), _guest(make_vrnic(device="rxe1"))
+    a, b = _guest(infos[0]), _guest(infos[1])
     try:
         assert resource_counts()["rxe0"]["cq"] == before["rxe0"]["cq"] + CQ_POOL
         for _ in range(2):

@@ -21,6 +21,15 @@ def ok(answer: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
+def once_moved(counts: dict[str, dict[str, int]], vrnic: Mapping[str, Any]) -> dict[str, dict[str, int]]:
+    """a's `rdma res` once vrnic has left for b: less the device context it kept for its next guest while it was
+    here (a shared-ring vRNIC holds one from its admission on: vrnic.backend.idle_contexts)."""
+    left = {device: dict(kinds) for device, kinds in counts.items()}
+    if vrnic.get("engine", "ring") == "ring":
+        left[vrnic["device"]]["ctx"] -= 1
+    return left
+
+
 def eventually(check: Callable[[], Any], timeout: float, every: float = 0.25) -> Any:
     deadline = time.monotonic() + timeout
     while True:

@@ -53,7 +53,7 @@ from vrnic.vm.domain_xml import (
     VrnicAttachment,
 )
 
-from .support import Rigs, eventually, migratable_image, release
+from .support import Rigs, eventually, migratable_image, once_moved, release
 
 SHARED = lab_output_dir("two-hosts", "virsh")
 SOCKETS = Path("/run/vrnic-virsh/vm")  # the same path on both hosts (b's hook makes it at prepare)
@@ -240,8 +240,9 @@ def test_virsh_migrate_cancelled_then_done_under_rdma_traffic(
                        switchover=switch[-1].get("detail"))
         peer.close()
         peer = None
-        back = eventually(lambda: resource_counts() == baseline, timeout=30)
-        assert back, (resource_counts(), baseline)  # a keeps nothing of the VM
+        left = once_moved(baseline, vm_row)
+        back = eventually(lambda: resource_counts() == left, timeout=30)
+        assert back, (resource_counts(), left)  # a keeps nothing of the VM
     finally:
         (SHARED.parent / "virsh-migrate.json").write_text(json.dumps(timings, indent=2, default=str))
         print(f"virsh migrate: {json.dumps(timings, default=str)}")

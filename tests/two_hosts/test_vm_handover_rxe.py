@@ -38,7 +38,7 @@ from vrnic.lab.two_hosts.rig import Rig
 from vrnic.lab.two_hosts.vm_move import MovingVm
 from vrnic.lab.vm_host import ensure_kvm
 
-from .support import Rigs, eventually, migratable_image, release
+from .support import Rigs, eventually, migratable_image, once_moved, release
 
 SHARED = lab_output_dir("two-hosts", "xvm")
 DOMAIN = "xmig"
@@ -86,7 +86,7 @@ def booting(rig: Rig) -> tuple[Path, Literal["kvm", "tcg"]]:
 @dataclass
 class Scene:
     moving: MovingVm
-    baseline: dict[str, dict[str, int]]  # a's rdma res before the VM and its peer
+    moved: dict[str, dict[str, int]]  # what a's rdma res should show once the VM's vRNIC has left for b
 
 
 @pytest.fixture
@@ -100,7 +100,7 @@ def scene(rig: Rig, booting: tuple[Path, Literal["kvm", "tcg"]], tmp_path: Path,
     try:
         moving = MovingVm.start(rig, api, DOMAIN, booting[0], booting[1], tmp_path, vm_row, peer_row)
         time.sleep(1.0)  # traffic before
-        yield Scene(moving, baseline)
+        yield Scene(moving, once_moved(baseline, vm_row))
     finally:
         if moving is not None:
             print(f"{request.node.name}: {json.dumps(moving.timings, default=str)}")
@@ -162,9 +162,9 @@ def test_a_move_refused_then_made_under_traffic_takes_the_vm_and_its_vrnic_to_b(
         assert moving.api.get(f"/vrnics/{moving.vrnic_id}").json()["host"] == "b"
         timings.update(peer_blackout_ms=largest_gap_ms(done["times"]), writes=len(writes), sends=len(sends))
         moving.stream.peer.close()
-        # a keeps nothing of the VM: with the peer gone, its rxe0 is back to where it was before the test
-        back = eventually(lambda: resource_counts() == scene.baseline, timeout=30)
-        assert back, (resource_counts(), scene.baseline)
+        # a keeps nothing of the VM: with the peer gone, rxe0 is as before, less the moved vRNIC
+        back = eventually(lambda: resource_counts() == scene.moved, timeout=30)
+        assert back, (resource_counts(), scene.moved)
     finally:
         (SHARED.parent / "vm-handover-rxe.json").write_text(json.dumps(moving.timings, indent=2, default=str))
 
@@ -185,5 +185,5 @@ def test_a_peer_killed_during_the_move_breaks_only_its_qp(rig: Rig, scene: Scene
     stream = moving.dest.call("control", verb="recv_stream_stop", args={"expect": 10 ** 6, "timeout": 5})
     assert any("FLUSH" in e for e in stream["errors"]), stream  # a defined error, not silence
     assert moving.api.get(f"/vrnics/{moving.vrnic_id}").json()["host"] == "b"
-    back = eventually(lambda: resource_counts() == scene.baseline, timeout=30)
-    assert back, (resource_counts(), scene.baseline)
+    back = eventually(lambda: resource_counts() == scene.moved, timeout=30)
+    assert back, (resource_counts(), scene.moved)

@@ -331,6 +331,9 @@ class FakeContext(DeviceContext):
                     with contextlib.suppress(OSError):
                         os.close(obj.event_fd)
 
+    def reusable(self) -> bool:
+        return not self.closed  # nothing it destroys can fail
+
     def close(self) -> None:
         with self.edge.lock:
             if not self.closed:

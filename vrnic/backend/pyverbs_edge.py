@@ -169,15 +169,17 @@ def open_context(name: str) -> Context:
         return Context(name=name)
 
 
-def close_quietly(*resources: Any) -> None:
-    """Close in the order given; keep going past failures so nothing else leaks."""
+def close_quietly(*resources: Any) -> int:
+    """Close in the order given; keep going past failures so nothing else leaks. The number that failed."""
+    failed = 0
     for resource in resources:
         if resource is None:
             continue
         try:
             resource.close()
         except PyverbsError:
-            continue
+            failed += 1
+    return failed
 
 
 # ----- the RNIC edge over pyverbs ---------------------------------------------------------------------
@@ -201,8 +203,8 @@ class _Cq:
     def __init__(self, real: CQ, channel: CompChannel, fd: int | None) -> None:
         self.real, self.channel, self.fd = real, channel, fd
 
-    def close(self) -> None:
-        close_quietly(self.real, self.channel)
+    def close(self) -> int:
+        return close_quietly(self.real, self.channel)
 
 
 SPARE_CHANNELS = 64  # completion channels a context keeps from destroyed CQs, for the next create_cq
@@ -223,6 +225,7 @@ class PyverbsContext(DeviceContext):
         self._attr_lock = threading.Lock()
         self._caps: dict[QpCaps, QPCap] = {}
         self._routes: dict[tuple[str, int], AHAttr] = {}
+        self._failed_destroys = 0  # an object that may live on in the context: it is closed, not kept for reuse
 
     def query_device(self) -> DeviceLimits:
         with device_errors("query device"):
@@ -385,11 +388,15 @@ class PyverbsContext(DeviceContext):
                 try:
                     obj.real.close()
                 except PyverbsError:  # the CQ may live on: so does its channel
-                    close_quietly(obj)
+                    self._failed_destroys += 1
+                    obj.close()
                     continue
                 self._spare_channels.append((obj.channel, obj.fd))
             else:
-                close_quietly(obj)
+                self._failed_destroys += obj.close() if isinstance(obj, _Cq) else close_quietly(obj)
+
+    def reusable(self) -> bool:
+        return self._failed_destroys == 0
 
     def close(self) -> None:
         spares, self._spare_channels = self._spare_channels, []

@@ -237,6 +237,11 @@ class Registry:
             raise NotFound(f"no vRNIC {vrnic_id} in the backend")
         return vrnic
 
+    def still_holds(self, vrnic: VirtualRnic) -> bool:
+        """Is this vRNIC (this very object, not a later one of the same id) still here?"""
+        with self._lock:
+            return self._by_id.get(vrnic.spec.id) is vrnic
+
     def session_of(self, vrnic_id: str) -> Closeable | None:
         """The session serving a vRNIC of this vrnicd; None if it has none, or is not here."""
         with self._lock:

@@ -182,6 +182,11 @@ class DeviceContext(ABC):
     def close(self) -> None:
         """Close the context (after every object in it was destroyed)."""
 
+    def reusable(self) -> bool:
+        """May another guest of the same vRNIC take it over: every object in it destroyed, and no descriptor of
+        it ever handed to a guest (vrnic.backend.idle_contexts)."""
+        return False
+
 
 class RnicEdge(ABC):
     """The devices of one host."""

@@ -109,11 +109,15 @@ class GuestSession:
                  engine_factory: Callable[[EngineHost], DataPathEngine],
                  disconnect: Callable[[], None] = lambda: None, guard: FlowGuard | None = None,
                  qos: QosMechanism | None = None, cm: ConnectionManager | None = None,
-                 qos_drain_kbit: Callable[[], int | None] | None = None) -> None:
+                 qos_drain_kbit: Callable[[], int | None] | None = None,
+                 give_back_device: Callable[[DeviceContext], None] | None = None) -> None:
+        """give_back_device: takes the device context when the session closes as its vRNIC's session (it closes
+        the context, or keeps it for the next guest); without it the session closes the context itself."""
         self.vrnic = vrnic
         self.vrnic_id = vrnic.spec.id
         self.registry = registry
         self.device = device
+        self.give_back_device = give_back_device
         self.memory = memory
         self.cred = cred
         self.doorbell_fd = doorbell_fd
@@ -1159,10 +1163,14 @@ class GuestSession:
             self.device.destroy(*(cq.obj for cq in cqs))
             self.device.destroy(*(mr.obj for mr in mrs))
             self.device.destroy(*(pd.obj for pd in pds))
-            self.device.close()
             if self.guard is not None and owns:  # whatever is left, e.g. a flow a failed destroy kept
                 self.guard.revoke(self.vrnic_id)
             self.registry.detach(self.vrnic, self)
+            # after the detach: a guest attaching next finds the vRNIC free when it finds the context
+            if owns and self.give_back_device is not None:
+                self.give_back_device(self.device)
+            else:
+                self.device.close()
             self.memory.close()
             for fd in (self.doorbell_fd, self.notify_fd):
                 if fd is not None:

@@ -1,9 +1,10 @@
 """The `verbs` driver: paravirtual vRNICs on any verbs device (rxe, or a real RNIC).
 
 Each vRNIC gets its own device context when its guest attaches through the
-frontend channel. The driver holds the registry, serves the channel, and
-composes each session from its parts: guest memory, a device context from the
-RNIC edge, and a data-path engine.
+frontend channel (a shared-ring vRNIC's is opened at admission and kept across
+its guests: vrnic.backend.idle_contexts). The driver holds the registry, serves
+the channel, and composes each session from its parts: guest memory, a device
+context from the RNIC edge, and a data-path engine.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from vrnic.backend.driver import RnicDriver
 from vrnic.backend.engine import DataPathEngine, EngineHost, SharedRingEngine
 from vrnic.backend.flow_guard import FlowGuard
 from vrnic.backend.guest_memory import GuestMemory
+from vrnic.backend.idle_contexts import IdleContexts
 from vrnic.backend.peer_directory import LOOKUP_TIMEOUT_S, AgentDirectory, Locator, PeerDirectory
 from vrnic.backend.peer_service import PeerService
 from vrnic.backend.qos_shaper import HtbShaper, QosMechanism, link_speed_mbps, uplink_netdev
@@ -112,6 +114,7 @@ class VerbsDriver(RnicDriver):
 
             edge = PyverbsEdge()
         self.edge = edge
+        self.idle_contexts = IdleContexts(edge.open)  # one per idle shared-ring vRNIC, for its next guest
         self.socket_path = Path(socket_path)
         self._only = devices
         token = agent_token.get_secret_value() if isinstance(agent_token, SecretStr) else agent_token
@@ -153,8 +156,9 @@ class VerbsDriver(RnicDriver):
         return VirtualRnic(spec=spec, device=device, token_hash=token_hash, phys_gid=phys_gid,
                            gid_index=gid_index)
 
-    def _admit(self, vrnic: VirtualRnic) -> None:
-        """The vRNIC joins the registry (peers can find it) and its device's QoS."""
+    def _admit(self, vrnic: VirtualRnic, ready_context: bool = True) -> None:
+        """The vRNIC joins the registry (peers can find it) and its device's QoS; a shared-ring one gets the device
+        context its first guest will take (ready_context), unless a session already holds one."""
         spec, device = vrnic.spec, vrnic.device
         info = self.edge.describe(device)
         with self._qos_lock:
@@ -166,6 +170,8 @@ class VerbsDriver(RnicDriver):
                 self.registry.remove(spec.id)
                 self._qos_refresh(device)
                 raise
+        if ready_context and spec.engine is DataEngine.RING:
+            self.idle_contexts.prime(spec.id, device, functools.partial(self.registry.still_holds, vrnic))
         log.info("vRNIC %s (tenant %s) on %s", spec.id, spec.tenant, device)
 
     def _check_direct(self, spec: VrnicSpec, info: DeviceInfo) -> None:
@@ -217,13 +223,14 @@ class VerbsDriver(RnicDriver):
                 session_type = functools.partial(DirectSession, confinement=confinement)  # type: ignore[assignment]
                 engine = DirectEngine
             else:
-                device = self.edge.open(vrnic.device)
+                device = self.idle_contexts.take(vrnic.spec.id, vrnic.device)
                 session_type = GuestSession
                 engine = functools.partial(SharedRingEngine, busy_poll=busy_poll)
             session = session_type(vrnic, self.registry, device, memory, cred, doorbell_fd=doorbell_fd,
                                    notify_fd=notify_fd, engine_factory=engine, disconnect=disconnect,
                                    guard=self.guard, qos=self._shapers.get(vrnic.device), cm=self.cm,
-                                   qos_drain_kbit=functools.partial(self._qos_drain_kbit, vrnic.device, vrnic.spec.id))
+                                   qos_drain_kbit=functools.partial(self._qos_drain_kbit, vrnic.device, vrnic.spec.id),
+                                   give_back_device=self._give_back_device(vrnic))
             self.registry.attach(vrnic, session, vm_domain)
         except BaseException:
             if session is not None:
@@ -238,6 +245,10 @@ class VerbsDriver(RnicDriver):
             raise
         session.start()
         return session
+
+    def _give_back_device(self, vrnic: VirtualRnic) -> Callable[[DeviceContext], None]:
+        return functools.partial(self.idle_contexts.give_back, vrnic.spec.id,
+                                 still_held=functools.partial(self.registry.still_holds, vrnic))
 
     def _confine(self, vrnic: VirtualRnic, cred: PeerCred) -> GuestContainment | None:
         """Zero rdma objects for the guest's own cgroup, and its memlock limit down to the quota: what it
@@ -404,7 +415,8 @@ class VerbsDriver(RnicDriver):
                                 engine_factory=functools.partial(SharedRingEngine, busy_poll=busy),
                                 disconnect=link.session_failed, guard=self.guard,
                                 qos=self._shapers.get(vrnic.device), cm=self.cm,
-                                qos_drain_kbit=functools.partial(self._qos_drain_kbit, vrnic.device, vrnic.spec.id))
+                                qos_drain_kbit=functools.partial(self._qos_drain_kbit, vrnic.device, vrnic.spec.id),
+                                give_back_device=self._give_back_device(vrnic))
         except BaseException:
             if device is not None:
                 device.close()
@@ -525,6 +537,7 @@ class VerbsDriver(RnicDriver):
     def _forget_vrnic(self, vrnic_id: str) -> None:
         """A vRNIC that now lives on another host: out of the registry and of its device's QoS."""
         vrnic = self.registry.remove(vrnic_id)
+        self.idle_contexts.drop(vrnic_id)
         with self._qos_lock:
             shaper = self._shapers.get(vrnic.device)
             if shaper is not None:
@@ -646,7 +659,7 @@ class VerbsDriver(RnicDriver):
             t3 = time.perf_counter()
             published: dict[str, Any] = {}
             for vrnic, staged in zip(incoming.vrnics, incoming.staged, strict=True):
-                self._admit(vrnic)
+                self._admit(vrnic, ready_context=False)  # its staged session has one; the VM is paused here
                 incoming.admitted.append(vrnic)
                 qpns, mrs = staged.publications()
                 self.registry.adopt(vrnic, staged, domain, qpns, mrs)
@@ -708,6 +721,7 @@ class VerbsDriver(RnicDriver):
         session = vrnic.session
         if session is not None:
             session.close()
+        self.idle_contexts.drop(vrnic_id)  # after the removal: a session closing meanwhile keeps nothing
         with self._qos_lock:
             shaper = self._shapers.get(vrnic.device)
             if shaper is not None:
@@ -875,6 +889,7 @@ class VerbsDriver(RnicDriver):
             self._incoming.clear()
         super().close()
         self.server.stop()
+        self.idle_contexts.close()
         with self._qos_lock:
             for shaper in self._shapers.values():
                 shaper.close()

@@ -1,0 +1,103 @@
+"""A shared-ring vRNIC keeps one device context for its next guest (issue 14), on the fake edge."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+
+from tests.unit.test_backend_session import guest_fds
+from vrnic.backend.attachment import PeerCred
+from vrnic.backend.drivers.paravirtual import VerbsDriver
+from vrnic.backend.fake_edge import FakeContext, FakeEdge
+from vrnic.backend.idle_contexts import IdleContexts
+from vrnic.core.specs import AttachInfo
+from vrnic.core.verb_args import Attach
+from vrnic.errors import Conflict, DeviceError
+from vrnic.frontend import CQ, MR, PD, QP, Access, Context
+
+ARENA = 1 << 20
+ME = PeerCred(os.getpid(), os.getuid(), os.getgid())
+
+
+def test_a_vrnic_opens_its_context_at_admission_and_each_guest_takes_it_over(
+        make_vrnic: Callable[..., AttachInfo], driver: VerbsDriver, edge: FakeEdge) -> None:
+    info = make_vrnic()
+    assert edge.open_contexts == driver.idle_contexts.count() == 1
+    seen = []
+    for _ in range(3):
+        with Context.attach(info, ARENA) as ctx:
+            assert edge.open_contexts == 1 and driver.idle_contexts.count() == 0  # taken, not a new one
+            session = driver.registry.get(info.vrnic_id).session
+            seen.append(session.device)  # type: ignore[union-attr]
+            pd = PD(ctx)
+            cq = CQ(ctx, 16)
+            QP(pd, cq, cq)
+            MR(pd, 4096, Access.LOCAL_WRITE)
+        assert edge.open_contexts == driver.idle_contexts.count() == 1
+        assert not edge.live  # every object of the guest destroyed before its context was kept
+    assert seen[0] is seen[1] is seen[2]
+    driver.release_vrnic(info.vrnic_id)
+    assert edge.open_contexts == driver.idle_contexts.count() == 0
+
+
+def test_a_release_with_a_guest_attached_keeps_nothing(make_vrnic: Callable[..., AttachInfo],
+                                                       driver: VerbsDriver, edge: FakeEdge) -> None:
+    info = make_vrnic()
+    session = driver.open_session(Attach(token=info.token or ""), guest_fds(), ME)
+    assert driver.idle_contexts.count() == 0
+    driver.release_vrnic(info.vrnic_id)
+    assert session.closed
+    assert edge.open_contexts == driver.idle_contexts.count() == 0
+
+
+def test_a_second_guest_refused_leaves_the_first_ones_context_alone(make_vrnic: Callable[..., AttachInfo],
+                                                                   driver: VerbsDriver, edge: FakeEdge) -> None:
+    info = make_vrnic()
+    first = driver.open_session(Attach(token=info.token or ""), guest_fds(), ME)
+    with pytest.raises(Conflict):
+        driver.open_session(Attach(token=info.token or ""), guest_fds(), ME)
+    assert edge.open_contexts == 1 and not first.closed
+    first.close()
+    assert edge.open_contexts == driver.idle_contexts.count() == 1
+
+
+class _Context(FakeContext):
+    def __init__(self, edge: FakeEdge, name: str, reusable: bool) -> None:
+        super().__init__(edge, name)
+        edge.open_contexts += 1
+        self._reusable = reusable
+
+    def reusable(self) -> bool:
+        return self._reusable
+
+
+def test_a_context_is_kept_only_if_reusable_the_vrnic_is_held_and_has_none(edge: FakeEdge) -> None:
+    contexts = IdleContexts(lambda name: _Context(edge, name, True))
+    contexts.prime("v1", "fake0", still_held=lambda: True)
+    assert contexts.count() == 1
+    spare = _Context(edge, "fake0", True)
+    contexts.give_back("v1", spare, still_held=lambda: True)  # it has one already
+    assert spare.closed and contexts.count() == 1
+    taken = contexts.take("v1", "fake0")
+    broken = _Context(edge, "fake0", False)  # an object in it may live on
+    contexts.give_back("v1", broken, still_held=lambda: True)
+    assert broken.closed and contexts.count() == 0
+    contexts.give_back("v1", taken, still_held=lambda: False)  # released meanwhile
+    assert taken.closed and contexts.count() == 0
+    contexts.prime("v2", "fake0", still_held=lambda: True)
+    contexts.drop("v2")
+    contexts.drop("v2")  # twice: nothing left to close
+    assert edge.open_contexts == 0
+
+
+def test_a_device_that_will_not_open_at_admission_leaves_the_attach_to_report_it(edge: FakeEdge) -> None:
+    def refuse(name: str) -> FakeContext:
+        raise DeviceError(f"open {name}: no such device")
+
+    contexts = IdleContexts(refuse)
+    contexts.prime("v1", "fake0", still_held=lambda: True)
+    assert contexts.count() == 0
+    with pytest.raises(DeviceError, match="no such device"):
+        contexts.take("v1", "fake0")

@@ -1,0 +1,68 @@
+"""One open device context per idle shared-ring vRNIC, for its next guest (issue 14's pre-setup).
+
+Opening a device (`ibv_open_device`, with rdma-core's device discovery before it) was the largest step of an
+attach: 2-3 ms of the guest thread's CPU under the lab's TCG. The context is opened when the vRNIC is admitted,
+taken by the attach, and given back by a clean detach. Only the vRNIC's own guests use it: the same tenant, and
+a shared-ring guest never holds the context's descriptor. A context is kept only while it says it can be
+reused (every object in it destroyed, no descriptor handed out), so the direct engine always opens its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from vrnic.backend.rnic_edge import DeviceContext
+from vrnic.errors import VrnicError
+
+log = logging.getLogger(__name__)
+
+
+class IdleContexts:
+    def __init__(self, open_device: Callable[[str], DeviceContext]) -> None:
+        self._open_device = open_device
+        self._lock = threading.Lock()
+        self._idle: dict[str, DeviceContext] = {}  # vRNIC id -> the context its next guest gets
+
+    def prime(self, vrnic_id: str, device: str, still_held: Callable[[], bool]) -> None:
+        """Open one now; a failure is only logged, as the attach opens its own and reports what fails then."""
+        try:
+            context = self._open_device(device)
+        except VrnicError as exc:
+            log.warning("vRNIC %s: could not open %s ahead of its guest: %s", vrnic_id, device, exc)
+            return
+        self.give_back(vrnic_id, context, still_held)
+
+    def take(self, vrnic_id: str, device: str) -> DeviceContext:
+        """The vRNIC's idle context, or a new one."""
+        with self._lock:
+            context = self._idle.pop(vrnic_id, None)
+        return context if context is not None else self._open_device(device)
+
+    def give_back(self, vrnic_id: str, context: DeviceContext, still_held: Callable[[], bool]) -> None:
+        """Keep it for the vRNIC's next guest if it can be reused, the vRNIC is still here (still_held, asked
+        under the lock that drop() takes after the vRNIC left) and it has none; close it otherwise."""
+        with self._lock:
+            keep = vrnic_id not in self._idle and context.reusable() and still_held()
+            if keep:
+                self._idle[vrnic_id] = context
+        if not keep:
+            context.close()
+
+    def drop(self, vrnic_id: str) -> None:
+        """Close its idle context: call it after the vRNIC left the registry."""
+        with self._lock:
+            context = self._idle.pop(vrnic_id, None)
+        if context is not None:
+            context.close()
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._idle)
+
+    def close(self) -> None:
+        with self._lock:
+            contexts, self._idle = list(self._idle.values()), {}
+        for context in contexts:
+            context.close()
