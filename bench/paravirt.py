@@ -9,13 +9,17 @@ process, as the native baseline's two endpoints do.
 
 from __future__ import annotations
 
+import fcntl
+import mmap
 import os
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from bench import native_verbs
@@ -70,6 +74,8 @@ def control_verbs(infos: list[AttachInfo], native: dict[str, float], repeat: int
         return ctx.close
 
     timed("open_device", attach)
+    records.append(Record("paravirt.bare_attach", "ms", statistics.median(bare_attach_ms(repeat)),
+                          native["native.open_device"]))
     with Context.attach(infos[0], ARENA) as ctx, PD(ctx) as pd, CQ(ctx, 64) as cq:
         # The floor: an empty request through the whole dispatch. Native has no such thing; the ratio is against
         # native alloc_pd, the cheapest native verb, to show how much of a verb's budget the round trip eats.
@@ -111,6 +117,66 @@ def bare_round_trip_ms(repeat: int) -> float:
     finally:
         ours.close()
         child.wait(timeout=10)
+
+
+BARE_ATTACH = ("import mmap, os, socket, sys\n"
+               "listening = socket.socket(fileno=int(sys.argv[1]))\n"
+               "while True:\n"
+               "    conn, _ = listening.accept()\n"
+               "    data, fds, _, _ = socket.recv_fds(conn, 256, 3)\n"
+               "    if not data:\n"
+               "        break\n"
+               "    memory = mmap.mmap(fds[0], os.fstat(fds[0]).st_size)\n"
+               "    conn.sendall(data)\n"
+               "    conn.recv(1)\n"
+               "    memory.close()\n"
+               "    for fd in fds:\n"
+               "        os.close(fd)\n"
+               "    conn.close()\n")
+
+
+def bare_attach_ms(repeat: int) -> list[float]:
+    """The floor under open_device, as bare_rpc is under null_rpc: the system calls of an attach and nothing else.
+    This process connects to a Python child (no vrnic code), makes an 8 MiB sealed memfd arena and two eventfds
+    as the frontend does, sends the three with a 64-byte request, and waits for the echo; the child maps the
+    arena, as vrnicd does, before it answers. Closing is untimed, as in open_device."""
+    workdir = tempfile.mkdtemp(prefix="vrnic-bare-attach-")
+    path = os.path.join(workdir, "s.sock")
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(path)
+    listening.listen(8)
+    child = subprocess.Popen([sys.executable, "-c", BARE_ATTACH, str(listening.fileno())],
+                             pass_fds=(listening.fileno(),))
+    listening.close()
+    frame = bytes(64)
+
+    def attach() -> Callable[[], None]:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+        fd = os.memfd_create("bare-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, ARENA)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        arena = mmap.mmap(fd, ARENA)
+        bells = [os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK) for _ in range(2)]
+        socket.send_fds(sock, [frame], [fd, *bells])
+        got = 0
+        while got < len(frame):
+            got += len(sock.recv(256))
+
+        def close() -> None:
+            sock.close()
+            arena.close()
+            for each in (fd, *bells):
+                os.close(each)
+        return close
+
+    try:
+        return samples_ms(attach, repeat)
+    finally:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stop:  # an empty request ends the child
+            stop.connect(path)
+        child.wait(timeout=10)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def wire_versions(binary: Context, other: AttachInfo, native: dict[str, float], rounds: int) -> list[Record]:

@@ -75,3 +75,16 @@ def test_alternating_takes_one_sample_of_each_per_round_and_swaps_who_goes_first
     firsts, seconds = alternating(measure("native", 1.0), measure("mediated", 2.0), rounds=4)
     assert firsts == [1.0] * 4 and seconds == [2.0] * 4
     assert calls == ["native", "mediated", "mediated", "native", "native", "mediated", "mediated", "native"]
+
+
+def test_the_bare_attach_floor_runs_anywhere_and_leaves_nothing_behind() -> None:
+    """bench.paravirt's floor under open_device needs no RDMA: its child answers each attach, mapping the arena it
+    was sent, and ends when asked; no descriptor of the samples stays open here."""
+    import os
+
+    from bench.paravirt import bare_attach_ms
+
+    before = set(os.listdir("/proc/self/fd"))
+    samples = bare_attach_ms(5)
+    assert len(samples) == 5 and all(sample > 0 for sample in samples)
+    assert set(os.listdir("/proc/self/fd")) <= before
