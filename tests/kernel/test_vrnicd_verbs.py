@@ -3,6 +3,7 @@ the shared-ring one (vrnicd posts) and the direct one (the guest drives the NIC'
 
 from __future__ import annotations
 
+import os
 import struct
 import time
 from collections.abc import Callable, Iterator
@@ -244,6 +245,7 @@ def test_a_shared_ring_vrnic_keeps_one_device_context_across_its_guests(driver: 
     kept = {**before[dev], "ctx": before[dev]["ctx"] + 1}
     assert resource_counts()[dev] == kept
     b = _guest(peer)
+    descriptors = len(os.listdir("/proc/self/fd"))  # vrnicd's and the guests' (all in this process)
     try:
         for n in range(2):
             a = _guest(info)
@@ -257,6 +259,7 @@ def test_a_shared_ring_vrnic_keeps_one_device_context_across_its_guests(driver: 
             assert (done.wr_id, done.status) == (n, WcStatus.SUCCESS) and b.mr.read(7) == b"guest %d" % n
             _close(a)
             assert resource_counts()[dev] == kept  # nothing of the guest's left, its context kept
+            assert len(os.listdir("/proc/self/fd")) == descriptors  # nor the completion channels it kept for CQs
             b.qp.modify("reset")
     finally:
         _close(b)

@@ -199,6 +199,27 @@ def test_guest_threads_wait_for_the_next_guests_a_few_at_most_and_end_with_the_s
     assert not _guest_threads() - before
 
 
+def test_after_a_quiet_while_one_guest_thread_still_waits(serve: Callable[..., tuple[VerbsDriver, AttachInfo]],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import vrnic.backend.channel as channel
+
+    monkeypatch.setattr(channel, "KEPT_THREAD_IDLE_S", 0.05)
+    before = _guest_threads()
+    drv, _ = serve()
+    infos = [drv.create_vrnic(VrnicSpec(id=f"q{n}", tenant="t", vpc_id=1, virtual_gid=make_virtual_gid(1, 70 + n)),
+                              "fake0") for n in range(3)]
+    for ctx in [Context.attach(info, ARENA) for info in infos]:
+        ctx.close()
+    deadline = time.monotonic() + 5
+    while len(_guest_threads() - before) > 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.2)  # several waits ran out meanwhile
+    assert len(_guest_threads() - before) == 1
+    with Context.attach(infos[0], ARENA) as ctx:  # and it serves
+        PD(ctx)
+        assert len(_guest_threads() - before) == 1
+
+
 def test_the_socket_gets_the_mode_and_group_operators_set(serve: Callable[..., tuple[VerbsDriver, AttachInfo]]) \
         -> None:
     _, info = serve(socket_mode=0o640, socket_gid=os.getgid() + 1)

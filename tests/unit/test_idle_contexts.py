@@ -101,3 +101,24 @@ def test_a_device_that_will_not_open_at_admission_leaves_the_attach_to_report_it
     assert contexts.count() == 0
     with pytest.raises(DeviceError, match="no such device"):
         contexts.take("v1", "fake0")
+
+
+def test_at_most_limit_contexts_wait_and_a_kept_one_lets_go_of_its_spares(edge: FakeEdge) -> None:
+    released = []
+
+    class Spares(_Context):
+        def release_spares(self) -> None:
+            released.append(self)
+
+    contexts = IdleContexts(lambda name: Spares(edge, name, True), limit=2)
+    for n in range(3):
+        contexts.prime(f"v{n}", "fake0", still_held=lambda: True)
+    assert contexts.count() == 2 and edge.open_contexts == 2  # the third vRNIC opens its device at attach
+    taken = contexts.take("v0", "fake0")
+    third = contexts.take("v2", "fake0")  # none waiting for it: a new one
+    contexts.give_back("v2", third, still_held=lambda: True)
+    contexts.give_back("v0", taken, still_held=lambda: True)  # the limit is reached again: closed
+    assert contexts.count() == 2 and taken.closed and not third.closed
+    assert released[-2:] == [third, taken]
+    contexts.close()
+    assert edge.open_contexts == 0

@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,7 @@ _FDS_SPACE = socket.CMSG_SPACE(MAX_FDS * 4)
 _UCRED = struct.Struct("3i")
 EVICTION_LOG_INTERVAL_S = 10.0
 # Guest threads that wait for the next guest once theirs left, and for how long: starting a thread put 0.9 ms on
-# every attach's path in the lab (issue 14). One waits from the start.
+# every attach's path in the lab (issue 14). One waits from the start and always stays.
 KEPT_THREADS = 4
 KEPT_THREAD_IDLE_S = 60.0
 
@@ -96,11 +97,11 @@ _Guest = tuple[socket.socket, "_Pending", int, ParsedRequest, verb_args.Attach, 
 
 
 class _Worker:
-    """A guest thread, and what hands it its next guest (None: end)."""
+    """A guest thread (not started yet), and what hands it its next guest (None: end)."""
 
-    def __init__(self) -> None:
+    def __init__(self, work: Callable[[_Worker, _Guest | None], None], guest: _Guest | None) -> None:
         self.next: queue.SimpleQueue[_Guest | None] = queue.SimpleQueue()
-        self.thread: threading.Thread | None = None
+        self.thread = threading.Thread(target=work, args=(self, guest), name="vrnic-guest", daemon=True)
 
 
 @dataclass(eq=False)
@@ -158,7 +159,7 @@ class ChannelServer:
         for worker in idle:
             worker.next.put(None)
         for worker in workers:
-            if worker.thread is not None and worker.thread is not threading.current_thread():
+            if worker.thread is not threading.current_thread():
                 worker.thread.join(timeout=10)
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
@@ -288,30 +289,30 @@ class ChannelServer:
     def _start_session(self, conn: socket.socket, pending: _Pending, version: int, request: ParsedRequest,
                        args: verb_args.Attach, fds: list[int], backlog: list[tuple[int, dict[str, Any]]]) -> None:
         guest: _Guest = (conn, pending, version, request, args, fds, backlog)
-        worker: _Worker | None = None
+        waiting = worker = None
         with self._lock:
-            full = len(self._sessions) >= self.limits.max_sessions
-            if not full and self._idle:
-                worker = self._idle.pop()
-                assert worker.thread is not None
-                self._sessions[conn] = worker.thread
-        if full:
+            if len(self._sessions) < self.limits.max_sessions:
+                if self._idle:
+                    waiting = self._idle.pop()
+                    self._sessions[conn] = waiting.thread
+                else:
+                    worker = _Worker(self._work, guest)
+                    self._workers.add(worker)
+                    self._sessions[conn] = worker.thread
+        if waiting is not None:
+            waiting.next.put(guest)
+        elif worker is not None:
+            worker.thread.start()
+        else:
             _close_fds(fds)
             _send(conn, version, reply_error(request.id, Conflict(
                 f"vrnicd serves {self.limits.max_sessions} guests at most", current_state="busy")))
             conn.close()
-        elif worker is not None:
-            worker.next.put(guest)
-        else:
-            self._new_worker(guest)
 
     def _new_worker(self, guest: _Guest | None) -> None:
-        worker = _Worker()
-        worker.thread = threading.Thread(target=self._work, args=(worker, guest), name="vrnic-guest", daemon=True)
+        worker = _Worker(self._work, guest)
         with self._lock:
             self._workers.add(worker)
-            if guest is not None:
-                self._sessions[guest[0]] = worker.thread
         worker.thread.start()
 
     def _work(self, worker: _Worker, guest: _Guest | None) -> None:
@@ -328,18 +329,23 @@ class ChannelServer:
                 self._workers.discard(worker)
 
     def _wait_for_guest(self, worker: _Worker) -> _Guest | None:
+        """The next guest the selector hands this thread, or None: the thread ends (stopping, enough threads
+        waiting already, or a long wait while another waits too)."""
         with self._lock:
             if self._stopping.is_set() or len(self._idle) >= KEPT_THREADS:
                 return None
             self._idle.append(worker)
-        try:
-            return worker.next.get(timeout=KEPT_THREAD_IDLE_S)
-        except queue.Empty:
-            with self._lock:
-                if worker in self._idle:  # nobody picked it: end
-                    self._idle.remove(worker)
-                    return None
-            return worker.next.get()  # picked as the wait ran out: the guest is on its way
+        while True:
+            try:
+                return worker.next.get(timeout=KEPT_THREAD_IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if worker not in self._idle:
+                        break  # picked as the wait ran out: the guest is on its way
+                    if len(self._idle) > 1:
+                        self._idle.remove(worker)
+                        return None
+        return worker.next.get()
 
     # ----- one thread per attached guest ------------------------------------------------------
     def _serve(self, conn: socket.socket, pending: _Pending, version: int, request: ParsedRequest,

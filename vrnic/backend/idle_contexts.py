@@ -5,6 +5,8 @@ attach: 2-3 ms of the guest thread's CPU under the lab's TCG. The context is ope
 taken by the attach, and given back by a clean detach. Only the vRNIC's own guests use it: the same tenant, and
 a shared-ring guest never holds the context's descriptor. A context is kept only while it says it can be
 reused (every object in it destroyed, no descriptor handed out), so the direct engine always opens its own.
+An idle context holds two descriptors (the command and the async-event file), so at most `limit` are kept: past
+that, vRNICs open their device at attach as before.
 """
 
 from __future__ import annotations
@@ -19,14 +21,21 @@ from vrnic.errors import VrnicError
 log = logging.getLogger(__name__)
 
 
+DEFAULT_LIMIT = 64  # 128 descriptors, under a tenth of the usual soft limit of 1024
+
+
 class IdleContexts:
-    def __init__(self, open_device: Callable[[str], DeviceContext]) -> None:
+    def __init__(self, open_device: Callable[[str], DeviceContext], limit: int = DEFAULT_LIMIT) -> None:
         self._open_device = open_device
+        self.limit = limit
         self._lock = threading.Lock()
         self._idle: dict[str, DeviceContext] = {}  # vRNIC id -> the context its next guest gets
 
     def prime(self, vrnic_id: str, device: str, still_held: Callable[[], bool]) -> None:
-        """Open one now; a failure is only logged, as the attach opens its own and reports what fails then."""
+        """Open one now, if fewer than the limit wait; a failure is only logged, as the attach opens its own and
+        reports what fails then."""
+        if self.count() >= self.limit:
+            return
         try:
             context = self._open_device(device)
         except VrnicError as exc:
@@ -43,8 +52,10 @@ class IdleContexts:
     def give_back(self, vrnic_id: str, context: DeviceContext, still_held: Callable[[], bool]) -> None:
         """Keep it for the vRNIC's next guest if it can be reused, the vRNIC is still here (still_held, asked
         under the lock that drop() takes after the vRNIC left) and it has none; close it otherwise."""
+        context.release_spares()  # while it is still this caller's alone
         with self._lock:
-            keep = vrnic_id not in self._idle and context.reusable() and still_held()
+            keep = (vrnic_id not in self._idle and len(self._idle) < self.limit and context.reusable()
+                    and still_held())
             if keep:
                 self._idle[vrnic_id] = context
         if not keep:

@@ -398,9 +398,13 @@ class PyverbsContext(DeviceContext):
     def reusable(self) -> bool:
         return self._failed_destroys == 0
 
-    def close(self) -> None:
+    def release_spares(self) -> None:
         spares, self._spare_channels = self._spare_channels, []
-        close_quietly(*(channel for channel, _ in spares), self.ctx)
+        close_quietly(*(channel for channel, _ in spares))  # a descriptor each
+
+    def close(self) -> None:
+        self.release_spares()
+        close_quietly(self.ctx)
 
 
 class PyverbsEdge(RnicEdge):

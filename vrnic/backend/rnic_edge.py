@@ -182,6 +182,10 @@ class DeviceContext(ABC):
     def close(self) -> None:
         """Close the context (after every object in it was destroyed)."""
 
+    def release_spares(self) -> None:
+        """Let go of what it keeps for its guest's next objects (a context waiting for a guest holds only itself)."""
+        return None  # most contexts keep nothing of the kind
+
     def reusable(self) -> bool:
         """May another guest of the same vRNIC take it over: every object in it destroyed, and no descriptor of
         it ever handed to a guest (vrnic.backend.idle_contexts)."""
