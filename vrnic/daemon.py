@@ -22,6 +22,7 @@ import uvicorn
 from pydantic import SecretStr
 
 from vrnic.backend.channel import ChannelLimits, group_id
+from vrnic.backend.descriptors import raise_descriptor_limit
 from vrnic.backend.driver import RnicDriver, driver_class, load_driver
 from vrnic.backend.service import BackendService
 from vrnic.config import DaemonSettings
@@ -158,6 +159,7 @@ def build_app(settings: DaemonSettings, backend: BackendService) -> FastAPI:
 def run(settings: DaemonSettings) -> None:
     """Serve until SIGINT/SIGTERM; SchemaOutOfDate (naming `vrnic db upgrade`) before anything starts."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    raise_descriptor_limit()
     settings = with_operator_token(settings)
     from vrnic.db.engine import make_engine
     from vrnic.db.schema import check_schema

@@ -167,6 +167,13 @@ def test_detach_and_disconnect(serve: Callable[..., tuple[VerbsDriver, AttachInf
     assert drv.attached_ids() == set()
 
 
+def _wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
 def _guest_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name == "vrnic-guest"}
 
@@ -181,6 +188,7 @@ def test_guest_threads_wait_for_the_next_guests_a_few_at_most_and_end_with_the_s
     drv, info = serve()
     [waiting] = _guest_threads() - before
     for _ in range(3):
+        _wait_until(lambda: drv.server.waiting_threads == 1)  # the last guest's thread is back
         with Context.attach(info, ARENA):
             assert _guest_threads() - before == {waiting}  # no thread started for this guest
     others = [drv.create_vrnic(VrnicSpec(id=f"w{n}", tenant="t", vpc_id=1, virtual_gid=make_virtual_gid(1, 50 + n)),
@@ -189,10 +197,8 @@ def test_guest_threads_wait_for_the_next_guests_a_few_at_most_and_end_with_the_s
     assert len(_guest_threads() - before) == KEPT_THREADS + 2
     for ctx in contexts:
         ctx.close()
-    deadline = time.monotonic() + 5
-    while len(_guest_threads() - before) > KEPT_THREADS and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert len(_guest_threads() - before) == KEPT_THREADS  # the others ended with their guests
+    _wait_until(lambda: drv.server.waiting_threads == KEPT_THREADS)
+    _wait_until(lambda: len(_guest_threads() - before) == KEPT_THREADS)  # the others ended with their guests
     with Context.attach(info, ARENA) as ctx:
         PD(ctx)
     drv.server.stop()
@@ -210,11 +216,9 @@ def test_after_a_quiet_while_one_guest_thread_still_waits(serve: Callable[..., t
                               "fake0") for n in range(3)]
     for ctx in [Context.attach(info, ARENA) for info in infos]:
         ctx.close()
-    deadline = time.monotonic() + 5
-    while len(_guest_threads() - before) > 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    _wait_until(lambda: len(_guest_threads() - before) == 1)
     time.sleep(0.2)  # several waits ran out meanwhile
-    assert len(_guest_threads() - before) == 1
+    assert len(_guest_threads() - before) == 1 and drv.server.waiting_threads == 1
     with Context.attach(infos[0], ARENA) as ctx:  # and it serves
         PD(ctx)
         assert len(_guest_threads() - before) == 1

@@ -170,6 +170,12 @@ class ChannelServer:
     def pending(self) -> int:
         return len(self._pending)
 
+    @property
+    def waiting_threads(self) -> int:
+        """Guest threads waiting for a guest (a thread whose guest just left joins them a moment after)."""
+        with self._lock:
+            return len(self._idle)
+
     # ----- the selector thread: connections not attached yet ----------------------------------
     def _loop(self) -> None:
         try:

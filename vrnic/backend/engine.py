@@ -264,11 +264,17 @@ class SharedRingEngine(DataPathEngine):
             # A completion may have landed between the last poll and arming: look once more.
             if any(self._drain_cq(cq) for cq in cqs):
                 return
+        # poll(2), not select(2): a busy vrnicd holds descriptors numbered past select's 1024
+        poller = select.poll()
+        for fd in (*fds, *by_fd):
+            poller.register(fd, select.POLLIN)
         try:
-            readable, _, _ = select.select(fds + list(by_fd), [], [], timeout)
-        except (OSError, ValueError):  # an fd closed under us: the session is going away
+            events = poller.poll(timeout * 1000)
+        except OSError:
             return
-        for fd in readable:
+        if any(flags & select.POLLNVAL for _, flags in events):  # an fd closed under us: the session is going away
+            return
+        for fd, _ in events:
             if fd in by_fd:
                 cq = by_fd[fd]
                 with host.lock:

@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 
 from vrnic.backend.channel import ChannelLimits, group_id
+from vrnic.backend.descriptors import raise_descriptor_limit
 from vrnic.backend.drivers.paravirtual import DEFAULT_SOCKET, VerbsDriver
 from vrnic.core.specs import DataEngine, Quota, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="vrnicd: %(levelname)s %(message)s", force=True)  # pyverbs configures logging on import
+    raise_descriptor_limit()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

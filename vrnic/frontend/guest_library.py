@@ -49,6 +49,12 @@ DIRECT_SPIN_S = 0.02  # a direct guest polls the NIC's CQ as native verbs progra
 DIRECT_POLL_SLEEP_S = 0.00005
 
 
+def _readable(fd: int, timeout_s: float) -> bool:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(timeout_s * 1000))
+
+
 class _Resource:
     closed = False
 
@@ -484,8 +490,9 @@ class CQ(_Resource):
                     time.sleep(DIRECT_POLL_SLEEP_S)
             elif notify is None:
                 time.sleep(VM_POLL_SLEEP_S)
-            # The ring is re-checked after every wake-up, so a stale notification costs one loop.
-            elif select.select([notify], [], [], min(left, 0.05))[0]:
+            # The ring is re-checked after every wake-up, so a stale notification costs one loop. poll(2), as a
+            # program with many descriptors may hold this one past select(2)'s 1024.
+            elif _readable(notify, min(left, 0.05)):
                 with contextlib.suppress(BlockingIOError):
                     os.eventfd_read(notify)
         return done
