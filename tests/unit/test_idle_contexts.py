@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,6 +13,7 @@ from vrnic.backend.attachment import PeerCred
 from vrnic.backend.drivers.paravirtual import VerbsDriver
 from vrnic.backend.fake_edge import FakeContext, FakeEdge
 from vrnic.backend.idle_contexts import IdleContexts
+from vrnic.backend.registry import VirtualRnic
 from vrnic.core.specs import AttachInfo
 from vrnic.core.verb_args import Attach
 from vrnic.errors import Conflict, DeviceError
@@ -73,20 +75,32 @@ class _Context(FakeContext):
         return self._reusable
 
 
+def _vrnic(vrnic_id: str) -> VirtualRnic:
+    """A stand-in with what IdleContexts reads of a vRNIC: its id and device."""
+    return SimpleNamespace(spec=SimpleNamespace(id=vrnic_id), device="fake0")  # type: ignore[return-value]
+
+
+def _registry(held: set[str]) -> Callable[[VirtualRnic], bool]:
+    return lambda vrnic: vrnic.spec.id in held
+
+
 def test_a_context_is_kept_only_if_reusable_the_vrnic_is_held_and_has_none(edge: FakeEdge) -> None:
-    contexts = IdleContexts(lambda name: _Context(edge, name, True))
-    contexts.prime("v1", "fake0", still_held=lambda: True)
+    held = {"v1", "v2"}
+    contexts = IdleContexts(lambda name: _Context(edge, name, True), _registry(held))
+    v1, v2 = _vrnic("v1"), _vrnic("v2")
+    contexts.prime(v1)
     assert contexts.count() == 1
     spare = _Context(edge, "fake0", True)
-    contexts.give_back("v1", spare, still_held=lambda: True)  # it has one already
+    contexts.give_back(v1, spare)  # it has one already
     assert spare.closed and contexts.count() == 1
-    taken = contexts.take("v1", "fake0")
+    taken = contexts.take(v1)
     broken = _Context(edge, "fake0", False)  # an object in it may live on
-    contexts.give_back("v1", broken, still_held=lambda: True)
+    contexts.give_back(v1, broken)
     assert broken.closed and contexts.count() == 0
-    contexts.give_back("v1", taken, still_held=lambda: False)  # released meanwhile
+    held.discard("v1")  # released meanwhile
+    contexts.give_back(v1, taken)
     assert taken.closed and contexts.count() == 0
-    contexts.prime("v2", "fake0", still_held=lambda: True)
+    contexts.prime(v2)
     contexts.drop("v2")
     contexts.drop("v2")  # twice: nothing left to close
     assert edge.open_contexts == 0
@@ -96,11 +110,11 @@ def test_a_device_that_will_not_open_at_admission_leaves_the_attach_to_report_it
     def refuse(name: str) -> FakeContext:
         raise DeviceError(f"open {name}: no such device")
 
-    contexts = IdleContexts(refuse)
-    contexts.prime("v1", "fake0", still_held=lambda: True)
+    contexts = IdleContexts(refuse, _registry({"v1"}))
+    contexts.prime(_vrnic("v1"))
     assert contexts.count() == 0
     with pytest.raises(DeviceError, match="no such device"):
-        contexts.take("v1", "fake0")
+        contexts.take(_vrnic("v1"))
 
 
 def test_at_most_limit_contexts_wait_and_a_kept_one_lets_go_of_its_spares(edge: FakeEdge) -> None:
@@ -110,14 +124,15 @@ def test_at_most_limit_contexts_wait_and_a_kept_one_lets_go_of_its_spares(edge: 
         def release_spares(self) -> None:
             released.append(self)
 
-    contexts = IdleContexts(lambda name: Spares(edge, name, True), limit=2)
-    for n in range(3):
-        contexts.prime(f"v{n}", "fake0", still_held=lambda: True)
+    vrnics = [_vrnic(f"v{n}") for n in range(3)]
+    contexts = IdleContexts(lambda name: Spares(edge, name, True), _registry({"v0", "v1", "v2"}), limit=2)
+    for vrnic in vrnics:
+        contexts.prime(vrnic)
     assert contexts.count() == 2 and edge.open_contexts == 2  # the third vRNIC opens its device at attach
-    taken = contexts.take("v0", "fake0")
-    third = contexts.take("v2", "fake0")  # none waiting for it: a new one
-    contexts.give_back("v2", third, still_held=lambda: True)
-    contexts.give_back("v0", taken, still_held=lambda: True)  # the limit is reached again: closed
+    taken = contexts.take(vrnics[0])
+    third = contexts.take(vrnics[2])  # none waiting for it: a new one
+    contexts.give_back(vrnics[2], third)
+    contexts.give_back(vrnics[0], taken)  # the limit is reached again: closed
     assert contexts.count() == 2 and taken.closed and not third.closed
     assert released[-2:] == [third, taken]
     contexts.close()

@@ -15,6 +15,7 @@ import logging
 import threading
 from collections.abc import Callable
 
+from vrnic.backend.registry import VirtualRnic
 from vrnic.backend.rnic_edge import DeviceContext
 from vrnic.errors import VrnicError
 
@@ -25,39 +26,43 @@ DEFAULT_LIMIT = 64  # 128 descriptors, under a tenth of the usual soft limit of 
 
 
 class IdleContexts:
-    def __init__(self, open_device: Callable[[str], DeviceContext], limit: int = DEFAULT_LIMIT) -> None:
+    def __init__(self, open_device: Callable[[str], DeviceContext], still_holds: Callable[[VirtualRnic], bool],
+                 limit: int = DEFAULT_LIMIT) -> None:
+        """still_holds: is this vRNIC still registered (Registry.still_holds); asked under the lock that drop()
+        takes after the vRNIC left, so a context given back as its vRNIC goes is closed, not kept."""
         self._open_device = open_device
+        self._still_holds = still_holds
         self.limit = limit
         self._lock = threading.Lock()
         self._idle: dict[str, DeviceContext] = {}  # vRNIC id -> the context its next guest gets
 
-    def prime(self, vrnic_id: str, device: str, still_held: Callable[[], bool]) -> None:
+    def prime(self, vrnic: VirtualRnic) -> None:
         """Open one now, if fewer than the limit wait; a failure is only logged, as the attach opens its own and
         reports what fails then."""
         if self.count() >= self.limit:
             return
         try:
-            context = self._open_device(device)
+            context = self._open_device(vrnic.device)
         except VrnicError as exc:
-            log.warning("vRNIC %s: could not open %s ahead of its guest: %s", vrnic_id, device, exc)
+            log.warning("vRNIC %s: could not open %s ahead of its guest: %s", vrnic.spec.id, vrnic.device, exc)
             return
-        self.give_back(vrnic_id, context, still_held)
+        self.give_back(vrnic, context)
 
-    def take(self, vrnic_id: str, device: str) -> DeviceContext:
+    def take(self, vrnic: VirtualRnic) -> DeviceContext:
         """The vRNIC's idle context, or a new one."""
         with self._lock:
-            context = self._idle.pop(vrnic_id, None)
-        return context if context is not None else self._open_device(device)
+            context = self._idle.pop(vrnic.spec.id, None)
+        return context if context is not None else self._open_device(vrnic.device)
 
-    def give_back(self, vrnic_id: str, context: DeviceContext, still_held: Callable[[], bool]) -> None:
-        """Keep it for the vRNIC's next guest if it can be reused, the vRNIC is still here (still_held, asked
-        under the lock that drop() takes after the vRNIC left) and it has none; close it otherwise."""
+    def give_back(self, vrnic: VirtualRnic, context: DeviceContext) -> None:
+        """Keep it for the vRNIC's next guest if it can be reused, the vRNIC is still here and it has none;
+        close it otherwise."""
         context.release_spares()  # while it is still this caller's alone
         with self._lock:
-            keep = (vrnic_id not in self._idle and len(self._idle) < self.limit and context.reusable()
-                    and still_held())
+            keep = (vrnic.spec.id not in self._idle and len(self._idle) < self.limit and context.reusable()
+                    and self._still_holds(vrnic))
             if keep:
-                self._idle[vrnic_id] = context
+                self._idle[vrnic.spec.id] = context
         if not keep:
             context.close()
 

@@ -114,7 +114,6 @@ class VerbsDriver(RnicDriver):
 
             edge = PyverbsEdge()
         self.edge = edge
-        self.idle_contexts = IdleContexts(edge.open)  # one per idle shared-ring vRNIC, for its next guest
         self.socket_path = Path(socket_path)
         self._only = devices
         token = agent_token.get_secret_value() if isinstance(agent_token, SecretStr) else agent_token
@@ -123,6 +122,8 @@ class VerbsDriver(RnicDriver):
         self._own_directory = (AgentDirectory(locator, token, peer_timeout_s)
                                if directory is None and locator is not None and token else None)
         self.registry = Registry(locator=locator, directory=directory or self._own_directory)
+        # one per idle shared-ring vRNIC, for its next guest
+        self.idle_contexts = IdleContexts(edge.open, self.registry.still_holds)
         self.cm = ConnectionManager()  # listeners of every vRNIC here, for local and remote connectors
         self.peers = PeerService(self.registry, self.cm)  # what other hosts' agents may ask about ours
         self._vms: dict[str, _BoundVm] = {}
@@ -171,7 +172,7 @@ class VerbsDriver(RnicDriver):
                 self._qos_refresh(device)
                 raise
         if ready_context and spec.engine is DataEngine.RING:
-            self.idle_contexts.prime(spec.id, device, functools.partial(self.registry.still_holds, vrnic))
+            self.idle_contexts.prime(vrnic)
         log.info("vRNIC %s (tenant %s) on %s", spec.id, spec.tenant, device)
 
     def _check_direct(self, spec: VrnicSpec, info: DeviceInfo) -> None:
@@ -223,14 +224,14 @@ class VerbsDriver(RnicDriver):
                 session_type = functools.partial(DirectSession, confinement=confinement)  # type: ignore[assignment]
                 engine = DirectEngine
             else:
-                device = self.idle_contexts.take(vrnic.spec.id, vrnic.device)
+                device = self.idle_contexts.take(vrnic)
                 session_type = GuestSession
                 engine = functools.partial(SharedRingEngine, busy_poll=busy_poll)
             session = session_type(vrnic, self.registry, device, memory, cred, doorbell_fd=doorbell_fd,
                                    notify_fd=notify_fd, engine_factory=engine, disconnect=disconnect,
                                    guard=self.guard, qos=self._shapers.get(vrnic.device), cm=self.cm,
                                    qos_drain_kbit=functools.partial(self._qos_drain_kbit, vrnic.device, vrnic.spec.id),
-                                   give_back_device=self._give_back_device(vrnic))
+                                   give_back_device=functools.partial(self.idle_contexts.give_back, vrnic))
             self.registry.attach(vrnic, session, vm_domain)
         except BaseException:
             if session is not None:
@@ -245,10 +246,6 @@ class VerbsDriver(RnicDriver):
             raise
         session.start()
         return session
-
-    def _give_back_device(self, vrnic: VirtualRnic) -> Callable[[DeviceContext], None]:
-        return functools.partial(self.idle_contexts.give_back, vrnic.spec.id,
-                                 still_held=functools.partial(self.registry.still_holds, vrnic))
 
     def _confine(self, vrnic: VirtualRnic, cred: PeerCred) -> GuestContainment | None:
         """Zero rdma objects for the guest's own cgroup, and its memlock limit down to the quota: what it
@@ -416,7 +413,7 @@ class VerbsDriver(RnicDriver):
                                 disconnect=link.session_failed, guard=self.guard,
                                 qos=self._shapers.get(vrnic.device), cm=self.cm,
                                 qos_drain_kbit=functools.partial(self._qos_drain_kbit, vrnic.device, vrnic.spec.id),
-                                give_back_device=self._give_back_device(vrnic))
+                                give_back_device=functools.partial(self.idle_contexts.give_back, vrnic))
         except BaseException:
             if device is not None:
                 device.close()
