@@ -205,6 +205,36 @@ def test_guest_threads_wait_for_the_next_guests_a_few_at_most_and_end_with_the_s
     assert not _guest_threads() - before
 
 
+def test_a_guest_that_detaches_and_attaches_at_once_finds_its_thread_waiting(
+        serve: Callable[..., tuple[VerbsDriver, AttachInfo]]) -> None:
+    """The thread joins those waiting before it answers the detach, so the guest's next attach, however quick,
+    starts no thread."""
+    before = _guest_threads()
+    drv, info = serve()
+    [waiting] = _guest_threads() - before
+    opener = drv.server.open_session
+
+    def slow_to_finish(*args: Any) -> Any:  # what the thread does after the detach's reply takes a while
+        session = opener(*args)
+        close = session.close
+        calls = []
+
+        def close_slowly() -> None:
+            calls.append(1)
+            close()
+            if len(calls) > 1:
+                time.sleep(0.05)
+        session.close = close_slowly
+        return session
+
+    drv.server.open_session = slow_to_finish
+    for _ in range(5):
+        with Context.attach(info, ARENA) as ctx:
+            PD(ctx)
+            assert _guest_threads() - before == {waiting}
+    _wait_until(lambda: drv.server.waiting_threads == 1)
+
+
 def test_after_a_quiet_while_one_guest_thread_still_waits(serve: Callable[..., tuple[VerbsDriver, AttachInfo]],
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     import vrnic.backend.channel as channel

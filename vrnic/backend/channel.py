@@ -325,22 +325,35 @@ class ChannelServer:
         """Serve guests one after another: this one, then each the selector hands over while this thread waits."""
         try:
             while True:
+                waiting = False
                 if guest is not None:
-                    self._serve(*guest)
-                guest = self._wait_for_guest(worker)
+                    waiting = self._serve(worker, *guest)
+                guest = self._wait_for_guest(worker, waiting)
                 if guest is None:
                     return
         finally:
             with self._lock:
                 self._workers.discard(worker)
 
-    def _wait_for_guest(self, worker: _Worker) -> _Guest | None:
-        """The next guest the selector hands this thread, or None: the thread ends (stopping, enough threads
-        waiting already, or a long wait while another waits too)."""
+    def _leave(self, worker: _Worker, conn: socket.socket) -> bool:
+        """The guest on conn is gone: it stops counting as a session, and this thread joins those waiting for the
+        next guest unless enough wait already (True if it joined)."""
         with self._lock:
+            self._sessions.pop(conn, None)
             if self._stopping.is_set() or len(self._idle) >= KEPT_THREADS:
-                return None
+                return False
             self._idle.append(worker)
+            return True
+
+    def _wait_for_guest(self, worker: _Worker, waiting: bool) -> _Guest | None:
+        """The next guest the selector hands this thread, or None: the thread ends (stopping, enough threads
+        waiting already, or a long wait while another waits too). waiting: the thread joined those waiting when its
+        guest detached (_leave), before the reply, so that the guest's next attach finds it."""
+        if not waiting:
+            with self._lock:
+                if self._stopping.is_set() or len(self._idle) >= KEPT_THREADS:
+                    return None
+                self._idle.append(worker)
         while True:
             try:
                 return worker.next.get(timeout=KEPT_THREAD_IDLE_S)
@@ -354,65 +367,73 @@ class ChannelServer:
         return worker.next.get()
 
     # ----- one thread per attached guest ------------------------------------------------------
-    def _serve(self, conn: socket.socket, pending: _Pending, version: int, request: ParsedRequest,
-               args: verb_args.Attach, fds: list[int], backlog: list[tuple[int, dict[str, Any]]]) -> None:
+    def _serve(self, worker: _Worker, conn: socket.socket, pending: _Pending, version: int, request: ParsedRequest,
+               args: verb_args.Attach, fds: list[int], backlog: list[tuple[int, dict[str, Any]]]) -> bool:
+        """One guest, until it leaves; True if this thread already waits for the next (it detached)."""
         session: AttachedSession | None = None
+        left: list[bool] = []  # set by a detach, which leaves before its reply
+
+        def disconnect() -> None:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+        def leave() -> None:
+            left.append(self._leave(worker, conn))
+
         try:
             conn.setblocking(True)
-
-            def disconnect() -> None:
-                with contextlib.suppress(OSError):
-                    conn.shutdown(socket.SHUT_RDWR)
-
             try:
                 session = self.open_session(args, fds, pending.cred, disconnect)
             except VrnicError as exc:
                 _send(conn, version, reply_error(request.id, exc))
-                return
+                return False
             except Exception as exc:  # the opener closed the fds; the guest learns nothing internal
                 _send(conn, version, reply_error(request.id, internal_error(exc, "attach")))
-                return
+                return False
             _send(conn, version, reply_ok(request.id, session.attach_result()), session.attach_fds())
             # Logged once the guest has its answer: a log line to a console is milliseconds under TCG (issue 14)
             log.info("vRNIC %s attached by pid %d uid %d", session.vrnic_id, pending.cred.pid, pending.cred.uid)
-            if self._serve_messages(conn, session, backlog):
-                return
+            if self._serve_messages(conn, session, backlog, leave):
+                return bool(left and left[0])
             buffer = memoryview(bytearray(RECV_BYTES))  # one per guest, not 64 KiB allocated per request
             while not self._stopping.is_set():
                 try:
                     size, ancillary, _flags, _addr = conn.recvmsg_into([buffer], _FDS_SPACE)
                 except OSError:
-                    return
+                    return False
                 _close_fds(fds_of(ancillary))  # an attached guest has nothing more to hand over
                 if not size:
-                    return
+                    return False
                 data = buffer[:size]
                 try:
                     frames = pending.decoder.feed_frames(data)
                 except ProtocolError as exc:
                     _send(conn, pending.decoder.version, reply_error(0, exc))
-                    return
-                if self._serve_messages(conn, session, frames):
-                    return
+                    return False
+                if self._serve_messages(conn, session, frames, leave):
+                    return bool(left and left[0])
+            return False
         finally:
             if session is not None:
                 session.close()
             conn.close()
-            with self._lock:
-                self._sessions.pop(conn, None)
+            if not left:
+                with self._lock:
+                    self._sessions.pop(conn, None)
 
     @staticmethod
-    def _serve_messages(conn: socket.socket, session: AttachedSession, frames: list[tuple[int, dict[str, Any]]]) \
-            -> bool:
-        """Answer each request, in its version; True when the guest detached."""
+    def _serve_messages(conn: socket.socket, session: AttachedSession, frames: list[tuple[int, dict[str, Any]]],
+                        leave: Callable[[], None]) -> bool:
+        """Answer each request, in its version; True when the guest detached (leave runs before that reply)."""
         for version, message in frames:
             request_id = message.get("id", 0) if isinstance(message.get("id"), int) else 0
             try:
                 request = parse_request(message)
                 if request.op == "attach":
                     raise Conflict("already attached", current_state="attached")
-                if request.op == "detach":  # tear down before replying, so a re-attach finds it free
+                if request.op == "detach":  # tear down before replying, so a re-attach finds it (and a thread) free
                     session.close()
+                    leave()
                     _send(conn, version, reply_ok(request.id))
                     return True
                 _send_ok(conn, version, request.id, session.handle(request.op, request.args))

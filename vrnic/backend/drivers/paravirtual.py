@@ -161,9 +161,8 @@ class VerbsDriver(RnicDriver):
         """The vRNIC joins the registry (peers can find it) and its device's QoS; a shared-ring one gets the device
         context its first guest will take (ready_context), unless a session already holds one."""
         spec, device = vrnic.spec, vrnic.device
-        info = self.edge.describe(device)
         with self._qos_lock:
-            self._admit_qos(spec.id, device, info, spec.qos)
+            self._admit_qos(spec.id, device, spec.qos)
             self.registry.add(vrnic)
             try:
                 self._qos_refresh(device)
@@ -738,11 +737,12 @@ class VerbsDriver(RnicDriver):
                 except VrnicError as exc:
                     log.warning("could not check %s for QoS left behind: %s", info.name, exc)
 
-    def _admit_qos(self, vrnic_id: str, device: str, info: DeviceInfo, policy: QosPolicy) -> None:
-        """Refuse a policy the device's mechanism cannot enforce, or that its link cannot give."""
+    def _admit_qos(self, vrnic_id: str, device: str, policy: QosPolicy) -> None:
+        """Refuse a policy the device's mechanism cannot enforce, or that its link cannot give. The device is
+        described only for a policy with limits: each description opens a device context (issue 14)."""
         if not policy.limits:
             return
-        if not info.caps.get("qos_shaping"):
+        if not self.edge.describe(device).caps.get("qos_shaping"):
             raise NotSupported(f"{device} has no QoS mechanism in vrnic (its RoCE traffic does not cross a netdev "
                                f"vrnicd can shape); a cap, guarantee or weight cannot be enforced there")
         shaper = self._shapers.get(device)
@@ -837,7 +837,7 @@ class VerbsDriver(RnicDriver):
         """Change a live vRNIC's QoS: its class changes in place, its QPs stay connected."""
         vrnic = self.registry.get(vrnic_id)
         with self._qos_lock:
-            self._admit_qos(vrnic_id, vrnic.device, self.edge.describe(vrnic.device), policy)
+            self._admit_qos(vrnic_id, vrnic.device, policy)
             previous = vrnic.spec
             vrnic.spec = previous.model_copy(update={"qos": policy})
             try:
