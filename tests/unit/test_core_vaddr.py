@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from vrnic.core.vaddr import (
     check_virtual_ip,
     first_free_virtual_ip,
+    gid_text,
+    ipv4_mapped,
     make_virtual_gid,
     next_virtual_ip,
     parse_virtual_gid,
@@ -23,6 +25,20 @@ def test_layout_is_fd76_726e_vpc_serial() -> None:
     assert make_virtual_gid(0, 1) == "fd76:726e::1"
     assert make_virtual_gid(1, 2) == "fd76:726e:0:1::2"
     assert make_virtual_gid(0xFFFF_FFFF, (1 << 64) - 1) == "fd76:726e:ffff:ffff:ffff:ffff:ffff:ffff"
+
+
+@given(st.binary(min_size=16, max_size=16))
+def test_gid_text_is_ipaddress_text_of_the_16_bytes(packed: bytes) -> None:
+    assert gid_text(packed) == str(ipaddress.IPv6Address(packed))
+
+
+def test_ipv4_mapped_gives_the_ipv4_address_of_a_roce_v2_gid_only() -> None:
+    assert ipv4_mapped("::ffff:10.0.0.7") == "10.0.0.7"
+    assert ipv4_mapped("::ffff:a00:8") == "10.0.0.8"
+    assert ipv4_mapped("fe80::1") is None
+    assert ipv4_mapped(make_virtual_gid(1, 2)) is None
+    with pytest.raises(ValueError):
+        ipv4_mapped("not a gid")
 
 
 def test_virtual_gids_are_unique_local() -> None:

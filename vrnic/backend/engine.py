@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ipaddress
 import logging
 import os
 import select
+import socket
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
@@ -40,6 +40,7 @@ from vrnic.core.rings import (
 )
 from vrnic.core.session_state import CqEntry, QpEntry, SessionState
 from vrnic.core.translate import ATOMICS, MrWindow, WrRejected, local_sges, remote_target
+from vrnic.core.vaddr import gid_text
 from vrnic.errors import InvalidArgument, NotSupported, VrnicError
 
 log = logging.getLogger(__name__)
@@ -62,8 +63,8 @@ def _status_name(status: int) -> str:
 def source_gid(grh: bytes) -> str:
     """The sender's GID from a received GRH. RoCE v2 over IPv4 puts an IPv4 header in its last 20 bytes."""
     if not any(grh[:20]):
-        return f"::ffff:{ipaddress.IPv4Address(grh[32:36])}"
-    return str(ipaddress.IPv6Address(grh[8:24]))
+        return f"::ffff:{socket.inet_ntoa(bytes(grh[32:36]))}"
+    return gid_text(bytes(grh[8:24]))
 
 
 # pyverbs 44 cannot build a WR without SGEs; a zero-length SGE on one's own MR does the same job.
@@ -332,7 +333,7 @@ class SharedRingEngine(DataPathEngine):
         phys = PhysSend(wr_id=wr.wr_id, opcode=int(wr.opcode), sges=sges, signaled=wr.signaled, imm=wr.imm)
         if wr.opcode in (WrOpcode.SEND, WrOpcode.SEND_WITH_IMM):
             if qp.qp_type == "ud":
-                gid = str(ipaddress.IPv6Address(wr.ud_gid))
+                gid = gid_text(wr.ud_gid)
                 phys.ah, phys.remote_qpn = host.ud_destination(qp, gid, wr.ud_qpn)
                 phys.qkey = wr.ud_qkey
             return phys

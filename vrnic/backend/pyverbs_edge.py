@@ -62,7 +62,9 @@ TRANSITION_MASKS = {
 KEPT_ATTRS = 256  # attribute objects kept per context for QP sizes and routes (more: start over)
 
 
+@functools.lru_cache(maxsize=1024)
 def _display_gid(text: str) -> str:
+    """Remembered: every description of a device parses each of its GIDs (issue 14)."""
     address = ipaddress.IPv6Address(text)
     return f"::ffff:{address.ipv4_mapped}" if address.ipv4_mapped else str(address)
 

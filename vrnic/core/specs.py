@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import ipaddress
 from enum import StrEnum
 from typing import Annotated
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from vrnic.core.vaddr import ipv4_mapped
 from vrnic.errors import DeviceError, NotFound
 
 MiB = 1 << 20
@@ -163,7 +163,7 @@ class VmBinding(BaseModel):
 def roce_v2_ipv4_gid(info: DeviceInfo, port: int = 1) -> tuple[int, str]:
     """(index, GID) of the port's RoCE v2 IPv4-mapped GID: the one routable between hosts."""
     for entry in next((p.gids for p in info.ports if p.port == port), []):
-        if entry.type == "RoCE v2" and ipaddress.IPv6Address(entry.gid).ipv4_mapped is not None:
+        if entry.type == "RoCE v2" and ipv4_mapped(entry.gid) is not None:
             return entry.index, entry.gid
     raise NotFound(f"{info.name} port {port} has no RoCE v2 IPv4 GID (is an address set on its netdev?)")
 
