@@ -268,6 +268,35 @@ def test_a_shared_ring_vrnic_keeps_one_device_context_across_its_guests(driver: 
     assert resource_counts() == before
 
 
+def test_a_new_shared_ring_vrnic_opens_its_device_once(driver: object, make_vrnic: Callable[..., AttachInfo],
+                                                        device_pair: tuple[str, str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its description is read through the context it keeps for its first guest (issue 14): one device open, not
+    one for the description and one for the context. A direct-engine vRNIC keeps none and opens for the
+    description alone."""
+    from vrnic.backend import pyverbs_edge
+
+    dev = device_pair[0]
+    opened: list[str] = []
+    real_open = pyverbs_edge.open_context
+
+    def counted(name: str) -> object:
+        opened.append(name)
+        return real_open(name)
+
+    monkeypatch.setattr(pyverbs_edge, "open_context", counted)
+    before = resource_counts()[dev]["ctx"]
+    ring = make_vrnic(device=dev)
+    assert opened == [dev]
+    assert resource_counts()[dev]["ctx"] == before + 1  # and that one is kept
+    direct = make_vrnic(device=dev, engine="direct")
+    assert opened == [dev, dev]
+    assert resource_counts()[dev]["ctx"] == before + 1
+    for made in (ring, direct):
+        driver.release_vrnic(made.vrnic_id)  # type: ignore[attr-defined]
+    assert resource_counts()[dev]["ctx"] == before
+
+
 def test_objects_in_use_cannot_be_destroyed_and_teardown_is_complete(make_vrnic: Callable[..., AttachInfo],
                                                                      device_pair: tuple[str, str],
                                                                      engine: str) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from vrnic.backend.drivers.paravirtual import VerbsDriver
+from vrnic.backend.fake_edge import FakeEdge
 from vrnic.core.qos import RC_TIMEOUT_UNIT_S, RateMeter, queue_wait_s, rc_timeout_floor, rc_timeout_outlasts
 from vrnic.core.specs import AttachInfo, QosPolicy, Quota, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
@@ -39,11 +40,12 @@ def _pair_with_qps(driver: VerbsDriver, make_vrnic: Callable[..., AttachInfo], m
         yield ca, cb, [QP(pd_a, cq_a, cq_a) for _ in range(count)], [QP(pd_b, cq_b, cq_b) for _ in range(count)]
 
 
-def test_a_limiting_policy_on_a_device_without_a_mechanism_is_refused(driver: VerbsDriver) -> None:
+def test_a_limiting_policy_on_a_device_without_a_mechanism_is_refused(driver: VerbsDriver, edge: FakeEdge) -> None:
     for n, policy in enumerate((QosPolicy(rate_cap_mbps=10), QosPolicy(guarantee_mbps=5), QosPolicy(weight=2))):
         with pytest.raises(NotSupported, match="no QoS mechanism"):
             driver.create_vrnic(_spec(n, policy), "fake0")
     assert driver.vrnic_ids() == set()  # nothing half-made
+    assert edge.open_contexts == 0  # nor the context opened for the first guest
     driver.create_vrnic(_spec(9, QosPolicy()), "fake0")  # asks nothing: nothing to enforce
     with pytest.raises(NotSupported, match="no QoS mechanism"):
         driver.set_qos("q9", QosPolicy(rate_cap_mbps=10))

@@ -39,7 +39,7 @@ class IdleContexts:
     def prime(self, vrnic: VirtualRnic) -> None:
         """Open one now, if fewer than the limit wait; a failure is only logged, as the attach opens its own and
         reports what fails then."""
-        if self.count() >= self.limit:
+        if not self.has_room():
             return
         try:
             context = self._open_device(vrnic.device)
@@ -72,6 +72,9 @@ class IdleContexts:
             context = self._idle.pop(vrnic_id, None)
         if context is not None:
             context.close()
+
+    def has_room(self) -> bool:
+        return self.count() < self.limit
 
     def count(self) -> int:
         with self._lock:

@@ -106,9 +106,18 @@ def device_names() -> list[str]:
 
 
 def describe(name: str) -> DeviceInfo:
+    _check_known(name)
+    with open_context(name) as ctx:
+        return _describe_open(ctx, name)
+
+
+def _check_known(name: str) -> None:
     if name not in device_names():
         raise NotFound(f"no RDMA device {name}")
-    with open_context(name) as ctx, device_errors(f"query {name}"):
+
+
+def _describe_open(ctx: Context, name: str) -> DeviceInfo:
+    with device_errors(f"query {name}"):
         attr = ctx.query_device()
         caps = {c: int(getattr(attr, c)) for c in CAPS}
         if int(attr.vendor_id) == RXE_VENDOR_ID:
@@ -418,6 +427,15 @@ class PyverbsEdge(RnicEdge):
 
     def open(self, name: str) -> PyverbsContext:
         return PyverbsContext(name)
+
+    def open_described(self, name: str) -> tuple[DeviceContext, DeviceInfo]:
+        _check_known(name)
+        context = PyverbsContext(name)
+        try:
+            return context, _describe_open(context.ctx, name)
+        except BaseException:
+            context.close()
+            raise
 
     def open_direct(self, name: str) -> DeviceContext:
         from vrnic.backend.uverbs_edge import DirectContext

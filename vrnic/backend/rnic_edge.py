@@ -205,6 +205,13 @@ class RnicEdge(ABC):
     @abstractmethod
     def open(self, name: str) -> DeviceContext: ...
 
+    def open_described(self, name: str) -> tuple[DeviceContext, DeviceInfo]:
+        """A context and the device's description, read through that context where the edge can: one device open
+        where describe() and open() make two (a new vRNIC keeps the context for its first guest). NotFound for an
+        unknown device."""
+        info = self.describe(name)
+        return self.open(name), info
+
     def open_direct(self, name: str) -> DeviceContext:
         """A context for the direct engine: objects whose queues the guest maps (see vrnic.backend.direct)."""
         raise NotSupported(f"{type(self).__name__} has no direct data path")

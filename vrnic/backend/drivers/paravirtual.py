@@ -139,7 +139,19 @@ class VerbsDriver(RnicDriver):
 
     def create_vrnic(self, spec: VrnicSpec, device: str) -> AttachInfo:
         token = secrets.token_urlsafe(24)
-        self._admit(self._make_vrnic(spec, device, token_digest(token)))
+        # A shared-ring vRNIC keeps a device context for its first guest: the description is read through it, one
+        # device open where a description and that context took two (issue 14).
+        context, info = (self.edge.open_described(device) if spec.engine is DataEngine.RING
+                         and self.idle_contexts.has_room() else (None, self.edge.describe(device)))
+        try:
+            vrnic = self._make_vrnic(spec, device, token_digest(token), info)
+            self._admit(vrnic, ready_context=context is None)
+        except BaseException:
+            if context is not None:
+                context.close()
+            raise
+        if context is not None:
+            self.idle_contexts.give_back(vrnic, context)  # no guest can attach yet: its token is not out
         return AttachInfo(vrnic_id=spec.id, mode=spec.mode, device=device, virtual_gid=spec.virtual_gid,
                           socket_path=str(self.socket_path), token=token)
 
@@ -147,8 +159,10 @@ class VerbsDriver(RnicDriver):
         """Hold again a vRNIC an earlier vrnicd held (crash recovery): the guest's token still attaches."""
         self._admit(self._make_vrnic(spec, device, token_hash))
 
-    def _make_vrnic(self, spec: VrnicSpec, device: str, token_hash: str) -> VirtualRnic:
-        info = self.edge.describe(device)  # NotFound for an unknown device
+    def _make_vrnic(self, spec: VrnicSpec, device: str, token_hash: str, info: DeviceInfo | None = None) \
+            -> VirtualRnic:
+        if info is None:
+            info = self.edge.describe(device)  # NotFound for an unknown device
         gid_index, phys_gid = active_roce_v2_gid(info)
         if spec.engine is DataEngine.DIRECT:
             self._check_direct(spec, info)
