@@ -374,14 +374,15 @@ class ChannelServer:
                args: verb_args.Attach, fds: list[int], backlog: list[tuple[int, dict[str, Any]]]) -> bool:
         """One guest, until it leaves; True if this thread already waits for the next (it detached)."""
         session: AttachedSession | None = None
-        left: list[bool] = []  # set by a detach, which leaves before its reply
+        joined: bool | None = None  # set by a detach, which leaves before its reply: whether the thread now waits
 
         def disconnect() -> None:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
 
         def leave() -> None:
-            left.append(self._leave(worker, conn))
+            nonlocal joined
+            joined = self._leave(worker, conn)
 
         try:
             conn.setblocking(True)
@@ -397,7 +398,7 @@ class ChannelServer:
             # Logged once the guest has its answer: a log line to a console is milliseconds under TCG (issue 14)
             log.info("vRNIC %s attached by pid %d uid %d", session.vrnic_id, pending.cred.pid, pending.cred.uid)
             if self._serve_messages(conn, session, backlog, leave):
-                return bool(left and left[0])
+                return bool(joined)
             buffer = worker.buffer
             while not self._stopping.is_set():
                 try:
@@ -414,13 +415,13 @@ class ChannelServer:
                     _send(conn, pending.decoder.version, reply_error(0, exc))
                     return False
                 if self._serve_messages(conn, session, frames, leave):
-                    return bool(left and left[0])
+                    return bool(joined)
             return False
         finally:
             if session is not None:
                 session.close()
             conn.close()
-            if not left:
+            if joined is None:
                 with self._lock:
                     self._sessions.pop(conn, None)
 
