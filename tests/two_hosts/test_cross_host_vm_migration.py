@@ -3,7 +3,13 @@ from host a to host b over the lab link, and a cancelled migration leaves it run
 
 What is checked: every byte of guest RAM on b equals a's once the migration completed (the ROM window aside),
 the destination runs after `cont`, the source stays in postmigrate; QEMU's total time and downtime are written
-to .lab/two-hosts/cross-host-qemu-migration.json. No vRNIC moves here: the vRNIC hand-over between the agents
+to .lab/two-hosts/cross-host-qemu-migration.json.
+
+The VMs run under nested KVM, as vrnic's VMs do. Under TCG, QEMU 7.2's dirty tracking lost vCPU writes: in 7 of
+13 lab runs, one guest page or four in a row, at the same address each time, held other bytes on b than on a,
+and nothing else differed. Without KVM on both hosts the test is skipped rather than run where it cannot pass.
+
+No vRNIC moves here: the vRNIC hand-over between the agents
 (vrnic.backend.vm_handover) is proven on the in-memory fabric (tests/unit/test_backend_vm_handover.py,
 tests/api/test_vm_handover_*.py), not yet with a VM program on rxe in this lab.
 
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 
@@ -25,8 +32,9 @@ from vrnic.config import lab_output_dir
 from vrnic.lab.kernel import kernel_image
 from vrnic.lab.two_hosts.control import ControlClient
 from vrnic.lab.two_hosts.rig import lab_addrs
-from vrnic.lab.two_hosts.vm_target import RemoteVm, VmTarget
+from vrnic.lab.two_hosts.vm_target import RemoteVm, VmTarget, differing_chunks
 from vrnic.lab.vm_guest import busybox_initramfs
+from vrnic.lab.vm_host import ensure_kvm
 
 SHARED = lab_output_dir("two-hosts", "xvm")  # both hosts see the project dir: the boot image lives here
 RAM_DIR = "/dev/shm/xvm"  # each host's own tmpfs: the RAM files
@@ -54,6 +62,11 @@ def boot_image() -> tuple[str, str]:
 def ends() -> Iterator[tuple[VmTarget, RemoteVm]]:
     addr, _, port = os.environ["VRNIC_LAB_CONTROL"].partition(":")
     control = ControlClient.connect(addr, int(port))
+    probe = "from vrnic.lab.vm_host import ensure_kvm; print(ensure_kvm())"
+    on_b = control.call("run", argv=[sys.executable, "-c", probe], env={}, timeout=60)
+    if not (ensure_kvm() and str(on_b.get("stdout", "")).strip() == "True"):
+        control.close()
+        pytest.skip("nested KVM is missing on a or b (see the module's docstring for why not TCG)")
     source, dest = VmTarget(), RemoteVm(control)
     try:
         yield source, dest
@@ -69,8 +82,9 @@ def _start_pair(ends: tuple[VmTarget, RemoteVm], boot_image: tuple[str, str], na
     b = lab_addrs()["b"]
     uri = f"tcp:{b}:{PORT}"
     dest.call("start", name=f"{name}-dst", workdir=RAM_DIR, kernel=kernel, initrd=initrd, memory_mib=MEMORY_MIB,
-              incoming=f"tcp:{b}:{PORT}")
-    source.do_start(name=f"{name}-src", workdir=RAM_DIR, kernel=kernel, initrd=initrd, memory_mib=MEMORY_MIB)
+              incoming=f"tcp:{b}:{PORT}", accel="kvm")
+    source.do_start(name=f"{name}-src", workdir=RAM_DIR, kernel=kernel, initrd=initrd, memory_mib=MEMORY_MIB,
+                    accel="kvm")
     assert source.do_status()["running"]
     return uri
 
@@ -86,10 +100,12 @@ def test_running_vm_moves_from_a_to_b_with_all_of_its_ram(ends: tuple[VmTarget, 
     while (state := dest.call("status"))["status"] != "paused" and time.monotonic() < deadline:
         time.sleep(0.1)  # b finishes loading a moment after a says completed
     assert state["status"] == "paused" and not state["running"], state
-    assert dest.call("digest")["sha256"] == source.do_digest()["sha256"]  # every RAM byte arrived
+    on_b, on_a = dest.call("digest"), source.do_digest()
+    assert on_b["sha256"] == on_a["sha256"], f"RAM differs at {differing_chunks(on_a['chunks'], on_b['chunks'])}"
     dest.call("cont")
     assert dest.call("status")["running"]
-    record = {"memory_mib": MEMORY_MIB, "link": "lab two-hosts (QEMU dgram, TCG guests, 1 vCPU each)", **numbers}
+    record = {"memory_mib": MEMORY_MIB, "accel": "kvm", "link": "lab two-hosts (QEMU dgram, TCG guests, 1 vCPU each)",
+              **numbers}
     (SHARED.parent / "cross-host-qemu-migration.json").write_text(json.dumps(record, indent=2))
     print(f"cross-host QEMU migration: {json.dumps(record)}")
 

@@ -5,7 +5,8 @@
 Commands: start {name, workdir, kernel, initrd, memory_mib, incoming, run} -> pid; start_migratable {name,
 workdir, image, accel, incoming, memory_mib} -> pid and the VM's RAM file and vRNIC channel socket (the
 migratable image of vrnic.lab.vm_guest); status -> QEMU's query-status; digest -> sha256 of the RAM file
-(the ROM window 0xc0000-0xfffff left out: QEMU migrates the ROM, not what lies under it in the file);
+(the ROM window 0xc0000-0xfffff left out: QEMU migrates the ROM, not what lies under it in the file) and a
+short digest per 64 KiB;
 migrate {uri, timeout} -> QEMU's numbers (this VM is the source); cont; pmemsave {address, size, path};
 control {verb, args} -> the VM program's reply on its control port; stop; quit. Host a's side:
 tests/two_hosts/test_cross_host_vm_migration.py and test_vm_handover_rxe.py.
@@ -20,7 +21,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from vrnic.errors import LabError, VrnicError
 from vrnic.lab.qemu_vm import QemuVm, QemuVmSpec
@@ -29,7 +30,12 @@ from vrnic.lab.vm_guest import CONTROL_PORT, ControlPort, channel_socket, migrat
 from vrnic.vm.domain_xml import DEFAULT_CHANNEL
 
 ROM_WINDOW = (0xC0000, 0x100000)
-CMDLINE = "console=ttyS0 loglevel=4 panic=-1 mitigations=off"
+# no-kvmclock: under KVM the destination's kernel rewrites the guest's kvmclock wall-clock page when QEMU
+# restores its MSR, so that page would differ from the source's by design, and the RAM digests could not match.
+CMDLINE = "console=ttyS0 loglevel=4 panic=-1 mitigations=off no-kvmclock"
+
+
+DIGEST_CHUNK = 64 << 10
 
 
 def ram_digest(path: Path) -> str:
@@ -39,6 +45,23 @@ def ram_digest(path: Path) -> str:
         digest.update(view[:ROM_WINDOW[0]])
         digest.update(view[ROM_WINDOW[1]:])
     return digest.hexdigest()
+
+
+def ram_chunk_digests(path: Path) -> list[str]:
+    """A short digest per 64 KiB of the RAM file, so two ends that differ can say where."""
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as view:
+        return [hashlib.blake2b(view[at:at + DIGEST_CHUNK], digest_size=8).hexdigest()
+                for at in range(0, len(view), DIGEST_CHUNK)]
+
+
+def differing_chunks(a: list[str], b: list[str]) -> list[str]:
+    """The guest-physical ranges (hex) where two chunk digest lists differ, the ROM window aside."""
+    ranges = []
+    for index, (one, other) in enumerate(zip(a, b, strict=True)):
+        start = index * DIGEST_CHUNK
+        if one != other and not ROM_WINDOW[0] <= start < ROM_WINDOW[1]:
+            ranges.append(f"{start:#x}-{start + DIGEST_CHUNK:#x}")
+    return ranges
 
 
 class VmTarget:
@@ -52,12 +75,13 @@ class VmTarget:
         return self.vm
 
     def do_start(self, name: str, workdir: str, kernel: str, initrd: str, memory_mib: int = 128,
-                 incoming: str | None = None, run: bool = True) -> dict[str, Any]:
+                 incoming: str | None = None, run: bool = True,
+                 accel: Literal["kvm", "tcg"] = "tcg") -> dict[str, Any]:
         work = Path(workdir)
         work.mkdir(parents=True, exist_ok=True)
         spec = QemuVmSpec(name=name, kernel=Path(kernel), initrd=Path(initrd), cmdline=CMDLINE,
                           ram_path=work / f"{name}.ram", qmp_path=work / f"{name}.qmp",
-                          console_log=work / f"{name}.console.log", memory_mib=memory_mib, accel="tcg",
+                          console_log=work / f"{name}.console.log", memory_mib=memory_mib, accel=accel,
                           incoming=incoming)
         self.vm = QemuVm(spec).start()
         if run and incoming is None:
@@ -88,7 +112,8 @@ class VmTarget:
         return status
 
     def do_digest(self) -> dict[str, Any]:
-        return {"sha256": ram_digest(self._vm().ram_path)}
+        path = self._vm().ram_path
+        return {"sha256": ram_digest(path), "chunks": ram_chunk_digests(path)}
 
     def do_migrate(self, uri: str, timeout: float = 300.0) -> dict[str, Any]:
         """The source's part only (qemu_vm.migrate() wants both QMPs local); the caller checks the destination."""
