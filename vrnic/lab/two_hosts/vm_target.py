@@ -2,7 +2,7 @@
 
     python -m vrnic.lab.two_hosts.vm_target      # reads JSON commands on stdin, answers one JSON line each
 
-Commands: start {name, workdir, kernel, initrd, memory_mib, incoming, run} -> pid; start_migratable {name,
+Commands: start {name, workdir, kernel, initrd, memory_mib, incoming, run, accel} -> pid; start_migratable {name,
 workdir, image, accel, incoming, memory_mib} -> pid and the VM's RAM file and vRNIC channel socket (the
 migratable image of vrnic.lab.vm_guest); status -> QEMU's query-status; digest -> sha256 of the RAM file
 (the ROM window 0xc0000-0xfffff left out: QEMU migrates the ROM, not what lies under it in the file) and a
@@ -30,11 +30,9 @@ from vrnic.lab.vm_guest import CONTROL_PORT, ControlPort, channel_socket, migrat
 from vrnic.vm.domain_xml import DEFAULT_CHANNEL
 
 ROM_WINDOW = (0xC0000, 0x100000)
-# no-kvmclock: under KVM the destination's kernel rewrites the guest's kvmclock wall-clock page when QEMU
+# no-kvmclock: under KVM the destination host's KVM rewrites the guest's kvmclock wall-clock page when QEMU
 # restores its MSR, so that page would differ from the source's by design, and the RAM digests could not match.
 CMDLINE = "console=ttyS0 loglevel=4 panic=-1 mitigations=off no-kvmclock"
-
-
 DIGEST_CHUNK = 64 << 10
 
 
