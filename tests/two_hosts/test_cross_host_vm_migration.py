@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections.abc import Iterator
 
@@ -31,10 +30,9 @@ import pytest
 from vrnic.config import lab_output_dir
 from vrnic.lab.kernel import kernel_image
 from vrnic.lab.two_hosts.control import ControlClient
-from vrnic.lab.two_hosts.rig import lab_addrs
+from vrnic.lab.two_hosts.rig import lab_addrs, nested_kvm_on_both
 from vrnic.lab.two_hosts.vm_target import RemoteVm, VmTarget, differing_chunks
 from vrnic.lab.vm_guest import busybox_initramfs
-from vrnic.lab.vm_host import ensure_kvm
 
 SHARED = lab_output_dir("two-hosts", "xvm")  # both hosts see the project dir: the boot image lives here
 RAM_DIR = "/dev/shm/xvm"  # each host's own tmpfs: the RAM files
@@ -62,9 +60,7 @@ def boot_image() -> tuple[str, str]:
 def ends() -> Iterator[tuple[VmTarget, RemoteVm]]:
     addr, _, port = os.environ["VRNIC_LAB_CONTROL"].partition(":")
     control = ControlClient.connect(addr, int(port))
-    probe = "from vrnic.lab.vm_host import ensure_kvm; print(ensure_kvm())"
-    on_b = control.call("run", argv=[sys.executable, "-c", probe], env={}, timeout=60)
-    if not (ensure_kvm() and str(on_b.get("stdout", "")).strip() == "True"):
+    if not nested_kvm_on_both(control):
         control.close()
         pytest.skip("nested KVM is missing on a or b (see the module's docstring for why not TCG)")
     source, dest = VmTarget(), RemoteVm(control)

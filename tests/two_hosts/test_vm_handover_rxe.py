@@ -21,7 +21,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -34,9 +33,8 @@ import pytest
 from vrnic.backend.rdma_tool import resource_counts
 from vrnic.config import lab_output_dir
 from vrnic.lab.migration_rig import WRITE_AT, identity, largest_gap_ms
-from vrnic.lab.two_hosts.rig import Rig
+from vrnic.lab.two_hosts.rig import Rig, nested_kvm_on_both
 from vrnic.lab.two_hosts.vm_move import MovingVm
-from vrnic.lab.vm_host import ensure_kvm
 
 from .support import Rigs, eventually, migratable_image, once_moved, release
 
@@ -76,8 +74,7 @@ def booting(rig: Rig) -> tuple[Path, Literal["kvm", "tcg"]]:
     for tool in ("qemu-system-x86_64", "cpio", "ldd"):
         if shutil.which(tool) is None:
             pytest.skip(f"{tool} is not installed")
-    kvm_b = rig.run_on_b([sys.executable, "-c", "from vrnic.lab.vm_host import ensure_kvm; print(ensure_kvm())"])
-    accel: Literal["kvm", "tcg"] = "kvm" if ensure_kvm() and str(kvm_b.get("stdout", "")).strip() == "True" else "tcg"
+    accel: Literal["kvm", "tcg"] = "kvm" if nested_kvm_on_both(rig.control) else "tcg"
     print(f"\nnested VMs under {accel}")
     SHARED.mkdir(parents=True, exist_ok=True)
     return migratable_image(MR_BYTES), accel

@@ -27,6 +27,7 @@ from vrnic.errors import LabError
 from vrnic.lab.two_hosts.agent import AgentConfig, AgentProcess
 from vrnic.lab.two_hosts.control import CONTROL_PORT, ControlClient, RemoteAgent
 from vrnic.lab.two_hosts.postgres import LabPostgres
+from vrnic.lab.vm_host import ensure_kvm
 
 OPERATOR_TOKEN = "vro_lab-two-hosts-operator"
 AGENT_TOKEN = "vra_lab-two-hosts-agent"
@@ -168,6 +169,13 @@ class Rig:
                  env: Mapping[str, str] | None = None) -> dict[str, object]:
         """Run a program on host b to its end: rc, stdout, stderr."""
         return self.control.call("run", argv=argv, env=dict(env or {}), timeout=timeout)
+
+
+def nested_kvm_on_both(control: ControlClient) -> bool:
+    """Load KVM here (host a) and on host b through b's control server; True when both have /dev/kvm."""
+    probe = "from vrnic.lab.vm_host import ensure_kvm; print(ensure_kvm())"
+    on_b = control.call("run", argv=[sys.executable, "-c", probe], env={}, timeout=120.0)
+    return ensure_kvm() and str(on_b.get("stdout", "")).strip() == "True"
 
 
 def _start_all(agents: Mapping[str, Agent]) -> dict[str, float]:
