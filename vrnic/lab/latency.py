@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import vrnic
 from vrnic.core.specs import AttachInfo
 from vrnic.errors import VrnicError
 from vrnic.frontend import CQ, MR, PD, QP, Access, Context, RecvRequest, SendRequest, WrOpcode
@@ -55,6 +57,17 @@ def native_send_latency_us(pair: tuple[str, str], iterations: int = 100, rounds:
         return sorted(native_ping_pong_us(a, b, iterations) for _ in range(rounds))[rounds // 2]
 
 
+def this_code_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """An environment in which a `python -m vrnic...` child imports the vrnic this process runs. Left alone,
+    `-m` puts the child's working directory first on sys.path, so a benchmark or an A/B probe run from one tree
+    would measure the vrnicd of whatever tree it stands in."""
+    env = dict(os.environ if base is None else base)
+    root = str(Path(vrnic.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONSAFEPATH"] = "1"  # Python 3.11: no working directory (or script directory) on sys.path
+    return env
+
+
 @contextmanager
 def standalone_vrnicd(vrnics: list[str], *extra: str, pid_out: list[int] | None = None,
                       quiet: bool = False) -> Iterator[list[AttachInfo]]:
@@ -67,7 +80,7 @@ def standalone_vrnicd(vrnics: list[str], *extra: str, pid_out: list[int] | None 
         daemon = subprocess.Popen([sys.executable, "-m", "vrnic.backend.vrnicd", "--socket", f"{tmp}/s.sock",
                                    "--attach-out", str(attach), "--direct-containment", "best-effort", *extra,
                                    *(f"--vrnic={v}" for v in vrnics)],
-                                  stderr=subprocess.DEVNULL if quiet else None)
+                                  env=this_code_env(), stderr=subprocess.DEVNULL if quiet else None)
         if pid_out is not None:
             pid_out.append(daemon.pid)
         try:
