@@ -29,6 +29,7 @@ from vrnic.backend.rdma_tool import resource_counts
 from vrnic.core.containment import RdmaLimit, parse_rdma_file
 from vrnic.core.specs import AttachInfo, DataEngine, Quota, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
+from vrnic.core.verb_args import Attach
 from vrnic.errors import Conflict
 from vrnic.frontend import CQ, MR, PD, QP, Access, Context
 
@@ -235,6 +236,10 @@ def test_a_guest_in_its_own_cgroup_is_confined_while_attached_and_still_moves_da
     device = device_pair[0]
     direct = new_vrnic(required, device, DataEngine.DIRECT, max_pinned_bytes=PINNED)
     ring = new_vrnic(required, device_pair[1], DataEngine.RING)
+    # A direct attach opens its own device and confines the guest, so it opens on the guest's thread, never on
+    # the channel's selector; a ring attach finds its device context idle and opens on the selector.
+    assert not required.opens_quickly(Attach(token=direct.token or ""))
+    assert required.opens_quickly(Attach(token=ring.token or ""))
 
     # The peer: a ring-engine guest of vrnicd's own process (not confined: vrnicd posts for it).
     peer = Context.attach(ring, 1 << 20)

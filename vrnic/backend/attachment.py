@@ -55,5 +55,9 @@ SessionOpener = Callable[[Attach, list[int], PeerCred, Disconnect], AttachedSess
 """Open a session for a validated attach request. It owns the fds passed in: it keeps or closes every one,
 also when it raises."""
 
+OpensQuickly = Callable[[Attach], bool]
+"""Whether opening the session for this attach does no device I/O (nothing that could block), so that the
+channel's selector thread may open it and answer the attach itself. False is always safe."""
+
 VmSessionOpener = Callable[[VmAttach, Disconnect], VmAttachedSession]
 """Open a session for the guest of a bound VM channel (memory and identity come from the binding)."""

@@ -73,6 +73,11 @@ class IdleContexts:
         if context is not None:
             context.close()
 
+    def holds(self, vrnic_id: str) -> bool:
+        """Whether the vRNIC's next guest finds a context here (an attach that opens no device)."""
+        with self._lock:
+            return vrnic_id in self._idle
+
     def has_room(self) -> bool:
         return self.count() < self.limit
 

@@ -129,7 +129,7 @@ class VerbsDriver(RnicDriver):
         self._vms: dict[str, _BoundVm] = {}
         self._incoming: dict[str, _Incoming] = {}  # VMs handed over from another host, until they serve here
         self._vm_lock = threading.Lock()
-        self.server = ChannelServer(self.socket_path, self.open_session, channel)
+        self.server = ChannelServer(self.socket_path, self.open_session, channel, self.opens_quickly)
         self.server.start()
         self._sweep_qos()
 
@@ -215,6 +215,16 @@ class VerbsDriver(RnicDriver):
             raise
         return self._compose(vrnic, memory, cred, fds[1], fds[2] if len(fds) > 2 else None, args.busy_poll,
                              disconnect, vm_domain=None)
+
+    def opens_quickly(self, args: Attach) -> bool:
+        """The channel's OpensQuickly: a shared-ring vRNIC whose device context waits idle opens no device and
+        confines nothing, so its session can open on the channel's selector thread. Anything else (the direct
+        engine, no idle context, an unknown token) opens on the guest's thread, which may block alone."""
+        try:
+            vrnic = self.registry.by_token(args.token)
+        except VrnicError:
+            return False
+        return vrnic.spec.engine is not DataEngine.DIRECT and self.idle_contexts.holds(vrnic.spec.id)
 
     def _compose(self, vrnic: VirtualRnic, memory: GuestMemory, cred: PeerCred, doorbell_fd: int,
                  notify_fd: int | None, busy_poll: bool, disconnect: Disconnect,
