@@ -363,7 +363,7 @@ class ChannelServer:
             return None
         # The socket is still non-blocking: a guest whose earlier answers fill its buffer never read them, and it
         # must not hold the selector, so an answer that cannot go out at once ends it.
-        if not _send_now(conn, encode(reply_ok(guest.request.id, session.attach_result()), guest.version),
+        if not _send_now(conn, encode_ok(guest.request.id, session.attach_result(), guest.version),
                          session.attach_fds()):
             session.close()
             return None

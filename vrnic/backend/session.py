@@ -224,10 +224,11 @@ class GuestSession:
             os.eventfd_write(self.doorbell_fd, 1)
 
     def attach_result(self) -> dict[str, Any]:
+        """What the guest needs to start. Its limits are query_device's (clipped to the quota, with what is used):
+        the quota and arena size this used to carry were read by no guest, and each attach encoded and decoded
+        them (issue 14)."""
         spec = self.vrnic.spec
-        return {"vrnic_id": spec.id, "virtual_gid": spec.virtual_gid, "virtual_ip": spec.virtual_ip,
-                "arena_bytes": self.memory.size,
-                "quota": spec.quota.model_dump(), "engine": "ring"}
+        return {"vrnic_id": spec.id, "virtual_gid": spec.virtual_gid, "virtual_ip": spec.virtual_ip, "engine": "ring"}
 
     def attach_fds(self) -> list[int]:
         """Descriptors that go back to the guest with the attach reply (the direct engine's uverbs fd)."""
