@@ -322,19 +322,24 @@ def test_an_attach_that_must_open_its_device_is_opened_by_the_guest_thread(
     assert names == ["vrnic-guest", "vrnic-channel"]
 
 
-def test_an_attach_with_an_unknown_token_is_refused_by_the_guest_thread(
+def test_an_attach_with_an_unknown_token_is_refused_by_the_selector_and_costs_no_thread(
         serve: Callable[..., tuple[VerbsDriver, AttachInfo]]) -> None:
-    """Only an attach the opener vouches for opens on the selector (the direct engine's is checked in the lab,
-    tests/kernel/test_direct_confinement.py): a token that matches nothing goes to a thread like any other."""
+    """A token that matches nothing is refused before any memory or device is touched, so the selector answers it
+    and no guest thread is taken or started for it (the direct engine's attach, which is not quick, is checked in
+    the lab: tests/kernel/test_direct_confinement.py)."""
     drv, info = serve()
     assert drv.opens_quickly(Attach(token=info.token or ""))
-    assert not drv.opens_quickly(Attach(token="not a token"))
+    assert drv.opens_quickly(Attach(token="not a token"))
     names = _openers(drv)
-    sock = connect(info)
-    reply = request(sock, "attach", token="not a token", fds=[os.eventfd(0), os.eventfd(0)])
-    assert reply["error"]["code"] == "not_found"  # type: ignore[index]
-    assert names == ["vrnic-guest"]
-    sock.close()
+    before = _guest_threads()
+    _wait_until(lambda: drv.server.waiting_threads == 1)
+    for _ in range(3):
+        sock = connect(info)
+        reply = request(sock, "attach", token="not a token", fds=[os.eventfd(0), os.eventfd(0)])
+        assert reply["error"]["code"] == "not_found"  # type: ignore[index]
+        sock.close()
+    assert names == ["vrnic-channel"] * 3
+    assert _guest_threads() == before and drv.server.waiting_threads == 1
 
 
 def test_a_guest_that_cannot_take_its_attach_answer_at_once_is_dropped_and_leaves_nothing(
