@@ -352,22 +352,26 @@ class ChannelServer:
     def _open_here(self, guest: _Guest) -> AttachedSession | None:
         """The guest's session, opened and its attach answered by the selector thread; None if it was refused
         (the guest has the error) or could not take the answer at once (the session is closed again)."""
-        conn = guest.conn
-        try:
-            session = self.open_session(guest.args, guest.fds, guest.pending.cred, _disconnect(conn))
-        except VrnicError as exc:
-            _send(conn, guest.version, reply_error(guest.request.id, exc))
-            return None
-        except Exception as exc:  # the opener closed the fds; the guest learns nothing internal
-            _send(conn, guest.version, reply_error(guest.request.id, internal_error(exc, "attach")))
+        session = self._opened(guest)
+        if session is None:
             return None
         # The socket is still non-blocking: a guest whose earlier answers fill its buffer never read them, and it
         # must not hold the selector, so an answer that cannot go out at once ends it.
-        if not _send_now(conn, encode_ok(guest.request.id, session.attach_result(), guest.version),
+        if not _send_now(guest.conn, encode_ok(guest.request.id, session.attach_result(), guest.version),
                          session.attach_fds()):
             session.close()
             return None
         return session
+
+    def _opened(self, guest: _Guest) -> AttachedSession | None:
+        """The guest's session, or None: it was refused, and the guest has the error."""
+        try:
+            return self.open_session(guest.args, guest.fds, guest.pending.cred, _disconnect(guest.conn))
+        except VrnicError as exc:
+            _send(guest.conn, guest.version, reply_error(guest.request.id, exc))
+        except Exception as exc:  # the opener closed the fds; the guest learns nothing internal
+            _send(guest.conn, guest.version, reply_error(guest.request.id, internal_error(exc, "attach")))
+        return None
 
     def _new_worker(self, guest: _Guest | None) -> None:
         worker = _Worker(self._work, guest)
@@ -432,14 +436,9 @@ class ChannelServer:
 
         try:
             conn.setblocking(True)
-            if session is None:
-                try:
-                    session = self.open_session(guest.args, guest.fds, pending.cred, _disconnect(conn))
-                except VrnicError as exc:
-                    _send(conn, guest.version, reply_error(guest.request.id, exc))
-                    return False
-                except Exception as exc:  # the opener closed the fds; the guest learns nothing internal
-                    _send(conn, guest.version, reply_error(guest.request.id, internal_error(exc, "attach")))
+            if session is None:  # not opened by the selector: opened here, where blocking holds no one else
+                session = self._opened(guest)
+                if session is None:
                     return False
                 _send(conn, guest.version, reply_ok(guest.request.id, session.attach_result()), session.attach_fds())
             # Logged once the guest has its answer: a log line to a console is milliseconds under TCG (issue 14)
