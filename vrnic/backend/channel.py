@@ -357,8 +357,7 @@ class ChannelServer:
             return None
         # The socket is still non-blocking: a guest whose earlier answers fill its buffer never read them, and it
         # must not hold the selector, so an answer that cannot go out at once ends it.
-        if not _send_now(guest.conn, encode_ok(guest.request.id, session.attach_result(), guest.version),
-                         session.attach_fds()):
+        if not _send_now(guest.conn, _attach_answer(guest, session), session.attach_fds()):
             session.close()
             return None
         return session
@@ -440,7 +439,8 @@ class ChannelServer:
                 session = self._opened(guest)
                 if session is None:
                     return False
-                _send(conn, guest.version, reply_ok(guest.request.id, session.attach_result()), session.attach_fds())
+                with contextlib.suppress(OSError):
+                    _send_frame(conn, _attach_answer(guest, session), session.attach_fds())
             # Logged once the guest has its answer: a log line to a console is milliseconds under TCG (issue 14)
             log.info("vRNIC %s attached by pid %d uid %d", session.vrnic_id, pending.cred.pid, pending.cred.uid)
             if self._serve_messages(conn, session, guest.backlog, leave):
@@ -546,15 +546,23 @@ def _send_now(conn: socket.socket, data: bytes, fds: list[int]) -> bool:
     return True
 
 
+def _attach_answer(guest: _Guest, session: AttachedSession) -> bytes:
+    """The frame that answers the guest's attach, in its request's version."""
+    return encode_ok(guest.request.id, session.attach_result(), guest.version)
+
+
+def _send_frame(conn: socket.socket, data: bytes, fds: list[int] | None = None) -> None:
+    """An encoded frame on a blocking socket; SCM_RIGHTS rides on its first byte, the rest follows as a stream."""
+    if fds:
+        data = data[socket.send_fds(conn, [data], fds):]
+    if data:
+        conn.sendall(data)
+
+
 def _send(conn: socket.socket, version: int, message: dict[str, Any], fds: list[int] | None = None) -> None:
     """A reply, in the version of the request it answers."""
     with contextlib.suppress(OSError):
-        data = encode(message, version)
-        if fds:  # SCM_RIGHTS rides on the first byte; the rest follows as a plain stream
-            sent = socket.send_fds(conn, [data], fds)
-            data = data[sent:]
-        if data:
-            conn.sendall(data)
+        _send_frame(conn, encode(message, version), fds)
 
 
 def _send_ok(conn: socket.socket, version: int, request_id: int, result: dict[str, Any]) -> None:
