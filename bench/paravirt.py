@@ -26,7 +26,7 @@ from bench import native_verbs
 from bench.harness import Record, alternating, median_ms, samples_ms
 from vrnic.core.specs import AttachInfo
 from vrnic.frontend import CQ, MR, PD, QP, Access, Context, SendRequest, WrOpcode
-from vrnic.frontend.channel import WIRE_VERSION_ENV
+from vrnic.frontend.channel import WIRE_VERSION_ENV, UnixChannel
 from vrnic.lab.latency import ping_pong_us, standalone_vrnicd
 
 ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
@@ -83,6 +83,7 @@ def control_verbs(infos: list[AttachInfo], native: dict[str, float], repeat: int
                               native["native.alloc_pd"]))
         records.append(Record("paravirt.bare_rpc", "ms", bare_round_trip_ms(repeat * 4), native["native.alloc_pd"]))
         records += wire_versions(ctx, infos[1], native, repeat * 4)
+        records += polled_and_asleep(ctx, native, repeat * 4)
         timed("alloc_pd", lambda: PD(ctx).close)
         timed("create_cq", lambda: CQ(ctx, 64).close)
         timed("create_qp", lambda: QP(pd, cq, cq, "rc", 64, 64).close)
@@ -199,6 +200,27 @@ def wire_versions(binary: Context, other: AttachInfo, native: dict[str, float], 
                 started = time.perf_counter()
                 ctx.null_rpc()
                 samples[name].append((time.perf_counter() - started) * 1e3)
+    return [Record(f"paravirt.null_rpc.{name}", "ms", statistics.median(values), native["native.alloc_pd"])
+            for name, values in samples.items()]
+
+
+def polled_and_asleep(ctx: Context, native: dict[str, float], rounds: int) -> list[Record]:
+    """null_rpc with the guest polling its socket for the reply (its default) and sleeping in recv at once, one
+    call of each per round, in turns: what the poll is worth on the round trip."""
+    channel = ctx.open_channel()
+    assert isinstance(channel, UnixChannel)
+    default = channel.poll_seconds
+    samples: dict[str, list[float]] = {"polled": [], "asleep": []}
+    try:
+        for n in range(rounds):
+            arms = (("polled", default), ("asleep", 0.0))
+            for name, poll in arms if n % 2 else arms[::-1]:
+                channel.poll_seconds = poll
+                started = time.perf_counter()
+                ctx.null_rpc()
+                samples[name].append((time.perf_counter() - started) * 1e3)
+    finally:
+        channel.poll_seconds = default
     return [Record(f"paravirt.null_rpc.{name}", "ms", statistics.median(values), native["native.alloc_pd"])
             for name, values in samples.items()]
 

@@ -1,0 +1,155 @@
+"""A container guest polls its socket for a while before it sleeps for a reply (issue 14): the setting, when it
+is off, and that every reply still arrives, whether it comes within the poll, after it, or with descriptors."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from vrnic.errors import InvalidArgument
+from vrnic.frontend.channel import DEFAULT_POLL_US, MAX_POLL_US, POLL_ENV, UnixChannel, reply_poll_seconds
+
+pytestmark = pytest.mark.unit
+
+# A stand-in vrnicd in a process of its own: answers each request after argv[2] seconds, with its id and op,
+# and hands a descriptor (/dev/null) with the reply to an op called "fd".
+SERVER = r'''
+import os, socket, sys, time
+from vrnic.core.framing import FrameDecoder, encode_ok
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(sys.argv[1]); listener.listen(1)
+print("ready", flush=True)
+conn, _ = listener.accept()
+decoder, delay = FrameDecoder(), float(sys.argv[2])
+while data := conn.recv(65536):
+    for version, message in decoder.feed_frames(data):
+        time.sleep(delay)
+        reply = encode_ok(message["id"], {"op": message["op"]}, version)
+        if message["op"] == "fd":
+            fd = os.open("/dev/null", os.O_RDONLY)
+            socket.send_fds(conn, [reply], [fd])
+            os.close(fd)
+        else:
+            conn.sendall(reply)
+'''
+
+
+@pytest.fixture
+def server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    path = str(tmp_path / "s.sock")
+    delay = getattr(request, "param", 0.0)
+    child = subprocess.Popen([sys.executable, "-c", SERVER, path, str(delay)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+    yield path
+    child.kill()
+    child.wait()
+
+
+def test_the_setting_is_microseconds_and_unset_means_the_default() -> None:
+    assert reply_poll_seconds("", cpus=2) == DEFAULT_POLL_US / 1e6
+    assert reply_poll_seconds("250", cpus=4) == 250e-6
+    assert reply_poll_seconds(" 0 ", cpus=2) == 0.0
+    assert reply_poll_seconds(str(MAX_POLL_US), cpus=2) == MAX_POLL_US / 1e6
+
+
+def test_one_cpu_never_polls() -> None:
+    """The poll would only keep vrnicd off the one CPU its reply needs."""
+    assert reply_poll_seconds("", cpus=1) == 0.0
+    assert reply_poll_seconds("5000", cpus=1) == 0.0
+
+
+@pytest.mark.parametrize("bad", ["-1", "1.5", "fast", str(MAX_POLL_US + 1)])
+def test_a_bad_setting_is_refused_by_name(bad: str) -> None:
+    with pytest.raises(InvalidArgument, match=POLL_ENV):
+        reply_poll_seconds(bad, cpus=2)
+
+
+def test_a_bad_setting_fails_before_any_socket_is_opened(server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(POLL_ENV, "soon")
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(InvalidArgument, match=POLL_ENV):
+        UnixChannel(server)
+    assert set(os.listdir("/proc/self/fd")) <= before
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="polls only with two CPUs or more")
+def test_against_vrnicd_in_another_process_the_guest_polls_and_gets_each_reply(server: str) -> None:
+    channel = UnixChannel(server)
+    try:
+        assert channel.poll_seconds == reply_poll_seconds()
+        assert channel.poll_seconds > 0
+        assert [channel.call(f"op{i}")["op"] for i in range(50)] == [f"op{i}" for i in range(50)]
+    finally:
+        channel.close()
+
+
+@pytest.mark.parametrize("server", [0.2], indirect=True)
+def test_a_reply_later_than_the_poll_is_read_asleep(server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """1 ms of polling, the reply after 200 ms: the guest sleeps for the rest (a sleeping wait costs no CPU)."""
+    monkeypatch.setenv(POLL_ENV, "1000")
+    channel = UnixChannel(server)
+    try:
+        started = time.process_time()
+        assert channel.call("late") == {"op": "late"}
+        assert channel.call("later") == {"op": "later"}
+        assert time.process_time() - started < 0.1
+    finally:
+        channel.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="polls only with two CPUs or more")
+@pytest.mark.parametrize("server", [0.2], indirect=True)
+def test_within_its_budget_the_guest_polls(server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """100 ms of polling against a reply after 200 ms: the wait spends CPU, which only a poll does."""
+    monkeypatch.setenv(POLL_ENV, str(MAX_POLL_US))
+    channel = UnixChannel(server)
+    try:
+        started = time.process_time()
+        assert channel.call("late") == {"op": "late"}
+        assert time.process_time() - started > 0.02
+    finally:
+        channel.close()
+
+
+@pytest.mark.parametrize("setting", ["0", "100000"])
+def test_descriptors_with_a_reply_arrive_polled_or_not(server: str, setting: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(POLL_ENV, setting)
+    channel = UnixChannel(server)
+    try:
+        assert channel.call("fd") == {"op": "fd"}
+        fds = channel.take_fds()
+        assert len(fds) == 1
+        assert os.readlink(f"/proc/self/fd/{fds[0]}") == "/dev/null"
+        os.close(fds[0])
+    finally:
+        channel.close()
+
+
+def test_against_vrnicd_in_this_process_the_guest_does_not_poll(tmp_path: Path) -> None:
+    """Tests and tools run vrnicd in the guest's process: a polling guest would hold the GIL the reply needs."""
+    path = str(tmp_path / "here.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    accepted: list[socket.socket] = []
+    thread = threading.Thread(target=lambda: accepted.append(listener.accept()[0]))
+    thread.start()
+    channel = UnixChannel(path)
+    thread.join(timeout=10)
+    try:
+        assert channel.poll_seconds == 0.0
+    finally:
+        channel.close()
+        for conn in accepted:
+            conn.close()
+        listener.close()
