@@ -170,6 +170,9 @@ class UnixChannel(Channel):
                     if time.perf_counter() >= deadline:
                         size, ancillary, _flags, _addr = self.sock.recvmsg_into(buffers, _FDS_SPACE)
                         break
+                    # Where the scheduler put vrnicd's thread on this CPU, it runs now rather than after the poll
+                    # (lab, both on one vCPU: connect_qp_pair 2.7 ms not polling, 3.8 polling, 2.9 yielding).
+                    os.sched_yield()
         else:
             size, ancillary, _flags, _addr = self.sock.recvmsg_into(buffers, _FDS_SPACE)
         self.received_fds += fds_of(ancillary)
