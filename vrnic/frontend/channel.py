@@ -160,23 +160,23 @@ class UnixChannel(Channel):
         # Into one buffer kept for the connection: recv_fds would allocate 64 KiB per reply. Not copied out:
         # the decoder copies what it keeps.
         buffers = [self._buffer]
-        if self.poll_seconds:
-            deadline = time.perf_counter() + self.poll_seconds
-            while True:
-                try:
-                    size, ancillary, _flags, _addr = self.sock.recvmsg_into(buffers, _FDS_SPACE, socket.MSG_DONTWAIT)
-                    break
-                except BlockingIOError:
-                    if time.perf_counter() >= deadline:
-                        size, ancillary, _flags, _addr = self.sock.recvmsg_into(buffers, _FDS_SPACE)
-                        break
-                    # Where the scheduler put vrnicd's thread on this CPU, it runs now rather than after the poll
-                    # (lab, both on one vCPU: connect_qp_pair 2.7 ms not polling, 3.8 polling, 2.9 yielding).
-                    os.sched_yield()
-        else:
-            size, ancillary, _flags, _addr = self.sock.recvmsg_into(buffers, _FDS_SPACE)
+        polled = self._poll(buffers) if self.poll_seconds else None
+        size, ancillary, _flags, _addr = polled or self.sock.recvmsg_into(buffers, _FDS_SPACE)
         self.received_fds += fds_of(ancillary)
         return self._buffer[:size]
+
+    def _poll(self, buffers: list[memoryview]) -> tuple[int, list[tuple[int, int, bytes]], int, Any] | None:
+        """What arrives within poll_seconds, or None (then the caller sleeps in recvmsg)."""
+        deadline = time.perf_counter() + self.poll_seconds
+        while True:
+            try:
+                return self.sock.recvmsg_into(buffers, _FDS_SPACE, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                if time.perf_counter() >= deadline:
+                    return None
+                # Where the scheduler put vrnicd's thread on this CPU, it runs now rather than after the poll
+                # (lab, both on one vCPU: connect_qp_pair 2.7 ms not polling, 3.8 polling, 2.9 yielding).
+                os.sched_yield()
 
     def close(self) -> None:
         for fd in self.take_fds():
