@@ -34,7 +34,6 @@ import queue
 import secrets
 import selectors
 import socket
-import struct
 import tempfile
 import threading
 import time
@@ -48,7 +47,7 @@ from pydantic import ValidationError
 
 from vrnic.backend.attachment import AttachedSession, OpensQuickly, PeerCred, SessionOpener
 from vrnic.core import verb_args
-from vrnic.core.framing import encode_ok, fds_of
+from vrnic.core.framing import encode_ok, fds_of, peer_cred
 from vrnic.core.proto import FrameDecoder, ParsedRequest, ProtocolError, encode, parse_request, reply_error, reply_ok
 from vrnic.errors import Conflict, InvalidArgument, VrnicError
 
@@ -57,7 +56,6 @@ log = logging.getLogger(__name__)
 RECV_BYTES = 65536
 MAX_FDS = 3
 _FDS_SPACE = socket.CMSG_SPACE(MAX_FDS * 4)
-_UCRED = struct.Struct("3i")
 EVICTION_LOG_INTERVAL_S = 10.0
 # Guest threads that wait for the next guest once theirs left, and for how long: starting a thread put 0.9 ms on
 # every attach's path in the lab (issue 14). One waits from the start and always stays.
@@ -228,9 +226,8 @@ class ChannelServer:
         except OSError as exc:  # EMFILE and friends: keep serving those already here
             log.warning("guest channel: accept failed: %s", exc)
             return
-        pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-        cred = PeerCred(pid, uid, gid)
-        self._make_room(uid)
+        cred = PeerCred(*peer_cred(conn))
+        self._make_room(cred.uid)
         conn.setblocking(False)
         self._pending[conn] = _Pending(conn, cred, time.monotonic() + self.limits.attach_deadline_s)
         self._selector.register(conn, selectors.EVENT_READ, "guest")

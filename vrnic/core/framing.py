@@ -474,6 +474,16 @@ def fds_of(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
     return fds
 
 
+_UCRED = struct.Struct("3i")
+
+
+def peer_cred(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket, as the kernel saw it connect
+    (SO_PEERCRED)."""
+    pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return int(pid), int(uid), int(gid)
+
+
 def _header(chunk: bytes | bytearray | memoryview, pos: int) -> tuple[int, int]:
     """A frame header's version and body length, refused as soon as it is whole (before the body arrives)."""
     magic, version, _reserved, length = HEADER.unpack_from(chunk, pos)

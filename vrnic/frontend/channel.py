@@ -11,14 +11,13 @@ import itertools
 import os
 import random
 import socket
-import struct
 import threading
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
-from vrnic.core.framing import BINARY_VERSION, VERSIONS, FrameDecoder, encode_request, fds_of
+from vrnic.core.framing import BINARY_VERSION, VERSIONS, FrameDecoder, encode_request, fds_of, peer_cred
 from vrnic.errors import ChannelLost, InvalidArgument, NotFound, VrnicError, error_from_dict
 
 VIRTIO_PORTS = Path("/sys/class/virtio-ports")
@@ -36,7 +35,6 @@ _FDS_SPACE = socket.CMSG_SPACE(4 * 4)  # room for four descriptors
 POLL_ENV = "VRNIC_REPLY_POLL_US"
 DEFAULT_POLL_US = 1000
 MAX_POLL_US = 100_000
-_UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 # What a guest does when vrnicd goes away (restart, upgrade, OOM kill): its objects died with that vrnicd.
 _REATTACH = ("; every object of this attachment is gone (vrnicd restarted or stopped): attach again with the "
              "same token and rebuild them")
@@ -144,11 +142,7 @@ class UnixChannel(Channel):
             self.sock.close()
             raise VrnicError(f"cannot reach vrnicd at {path}: {exc.strerror}") from exc
         # Not against a vrnicd in this process (tests, tools): the poll would hold the GIL its reply needs.
-        self.poll_seconds = 0.0 if self._peer_pid() == os.getpid() else poll
-
-    def _peer_pid(self) -> int:
-        pid, _uid, _gid = _UCRED.unpack(self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-        return int(pid)
+        self.poll_seconds = 0.0 if peer_cred(self.sock)[0] == os.getpid() else poll
 
     def _send(self, data: bytes, fds: list[int] | None) -> None:
         if fds:

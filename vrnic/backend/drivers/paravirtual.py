@@ -14,8 +14,6 @@ import functools
 import logging
 import os
 import secrets
-import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +41,7 @@ from vrnic.backend.registry import ChangeMark, Registry, VirtualRnic
 from vrnic.backend.rnic_edge import DeviceContext, RnicEdge
 from vrnic.backend.session import GuestSession
 from vrnic.backend.vm_link import VmLink, connect_channel
+from vrnic.core.framing import peer_cred
 from vrnic.core.handover import HandoverPhase, QpCarry
 from vrnic.core.migration import MigrationPhase
 from vrnic.core.peer_wire import MrWindowWire
@@ -64,7 +63,6 @@ from vrnic.errors import Conflict, DeviceError, InvalidArgument, NotFound, NotSu
 
 log = logging.getLogger(__name__)
 DEFAULT_SOCKET = Path("/run/vrnic/vrnicd.sock")
-_UCRED = struct.Struct("3i")
 
 
 class _DrainPlan(NamedTuple):
@@ -317,8 +315,7 @@ class VerbsDriver(RnicDriver):
                     state.vrnics.append(vrnic)
                 for vrnic, wanted in zip(vrnics, binding.vrnics, strict=True):
                     sock = connect_channel(Path(wanted.channel_socket))
-                    cred = PeerCred(*_UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                   _UCRED.size)))
+                    cred = PeerCred(*peer_cred(sock))
                     state.links.append(VmLink(binding.domain, vrnic.spec.id, sock,
                                               functools.partial(self._open_vm_session, vrnic, binding, cred)))
             except BaseException:
@@ -394,8 +391,7 @@ class VerbsDriver(RnicDriver):
                                           f"{bound.memory.size >> 20} MiB")
                 for vrnic, wanted in zip(bound.vrnics, target.vrnics, strict=True):
                     sock = connect_channel(Path(wanted.channel_socket))
-                    cred = PeerCred(*_UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                   _UCRED.size)))
+                    cred = PeerCred(*peer_cred(sock))
                     link = VmLink(domain, vrnic.spec.id, sock,
                                   functools.partial(self._open_vm_session, vrnic, target, cred))
                     links.append(link)
@@ -595,8 +591,7 @@ class VerbsDriver(RnicDriver):
                     vrnic.vm_domain = domain
                     incoming.vrnics.append(vrnic)
                     sock = connect_channel(Path(wanted.channel_socket))
-                    cred = PeerCred(*_UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                   _UCRED.size)))
+                    cred = PeerCred(*peer_cred(sock))
                     link = VmLink(domain, spec.id, sock, functools.partial(self._open_vm_session, vrnic, binding, cred))
                     incoming.links.append(link)
                     staged = self._staged_session(vrnic, binding, cred, link)
