@@ -192,16 +192,9 @@ def wire_versions(binary: Context, other: AttachInfo, native: dict[str, float], 
             os.environ.pop(WIRE_VERSION_ENV)
         else:
             os.environ[WIRE_VERSION_ENV] = saved
-    samples: dict[str, list[float]] = {"binary_v2": [], "json_v1": []}
     with json_ctx:
-        for n in range(rounds):
-            pair = (("binary_v2", binary), ("json_v1", json_ctx))
-            for name, ctx in pair if n % 2 else pair[::-1]:  # the first call of a round pays more: take turns
-                started = time.perf_counter()
-                ctx.null_rpc()
-                samples[name].append((time.perf_counter() - started) * 1e3)
-    return [Record(f"paravirt.null_rpc.{name}", "ms", statistics.median(values), native["native.alloc_pd"])
-            for name, values in samples.items()]
+        return _null_rpc_records(("binary_v2", "json_v1"),
+                                 alternating(_null_rpc_ms(binary), _null_rpc_ms(json_ctx), rounds), native)
 
 
 def polled_and_asleep(ctx: Context, native: dict[str, float], rounds: int) -> list[Record]:
@@ -210,19 +203,28 @@ def polled_and_asleep(ctx: Context, native: dict[str, float], rounds: int) -> li
     channel = ctx.open_channel()
     assert isinstance(channel, UnixChannel)
     default = channel.poll_seconds
-    samples: dict[str, list[float]] = {"polled": [], "asleep": []}
     try:
-        for n in range(rounds):
-            arms = (("polled", default), ("asleep", 0.0))
-            for name, poll in arms if n % 2 else arms[::-1]:
-                channel.poll_seconds = poll
-                started = time.perf_counter()
-                ctx.null_rpc()
-                samples[name].append((time.perf_counter() - started) * 1e3)
+        samples = alternating(_null_rpc_ms(ctx, lambda: setattr(channel, "poll_seconds", default)),
+                              _null_rpc_ms(ctx, lambda: setattr(channel, "poll_seconds", 0.0)), rounds)
     finally:
         channel.poll_seconds = default
+    return _null_rpc_records(("polled", "asleep"), samples, native)
+
+
+def _null_rpc_ms(ctx: Context, prepare: Callable[[], None] = lambda: None) -> Callable[[], float]:
+    """One null_rpc's wall time in ms, after prepare() (untimed)."""
+    def measure() -> float:
+        prepare()
+        started = time.perf_counter()
+        ctx.null_rpc()
+        return (time.perf_counter() - started) * 1e3
+    return measure
+
+
+def _null_rpc_records(names: tuple[str, str], samples: tuple[list[float], list[float]],
+                      native: dict[str, float]) -> list[Record]:
     return [Record(f"paravirt.null_rpc.{name}", "ms", statistics.median(values), native["native.alloc_pd"])
-            for name, values in samples.items()]
+            for name, values in zip(names, samples, strict=True)]
 
 
 def connect_and_data(infos: list[AttachInfo], native: dict[str, float], repeat: int = 20) -> list[Record]:
