@@ -533,11 +533,10 @@ def _disconnect(conn: socket.socket) -> Callable[[], None]:
 
 
 def _send_now(conn: socket.socket, data: bytes, fds: list[int]) -> bool:
-    """data (fds on its first byte) on a non-blocking socket; False if any of it would have to wait."""
+    """data (fds on its first byte) on a non-blocking socket; False if any of it would have to wait (what went
+    out is a partial frame: the caller ends the connection)."""
     try:
-        sent = socket.send_fds(conn, [data], fds)
-        while sent < len(data):
-            sent += conn.send(data[sent:])
+        _send_frame(conn, data, fds)
     except OSError:  # BlockingIOError above all
         return False
     return True
