@@ -8,11 +8,12 @@ from collections.abc import Callable
 
 import pytest
 
-from vrnic.backend.fake_edge import FakeEdge
+from vrnic.backend.fake_edge import FakeContext, FakeEdge
+from vrnic.core.session_state import SessionState
 from vrnic.core.rings import RingFlags
 from vrnic.core.specs import AttachInfo
 from vrnic.core.verb_args import MAX_BATCH
-from vrnic.errors import Conflict, InvalidArgument, NotFound, QuotaExceeded
+from vrnic.errors import Conflict, DeviceError, InvalidArgument, NotFound, QuotaExceeded
 from vrnic.frontend import CQ, MR, PD, QP, Access, Buffer, Context, SendRequest, WcStatus, WrOpcode
 from vrnic.frontend.guest_library import CQ_POOL, MR_POOL, MR_POOL_BYTES, PD_POOL, QP_POOL, MrShape
 
@@ -97,6 +98,96 @@ def test_connect_qps_is_all_or_nothing(make_vrnic: Callable[..., AttachInfo]) ->
             QP.connect_many(ca, [(qas[0], cb.gid, qbs[0].qpn), (qas[0], cb.gid, qbs[1].qpn)])
         QP.connect_many(ca, connections[:2])
         assert [qp.query()["state"] for qp in qas] == ["rts", "rts", "reset"]
+
+
+
+def _recording(monkeypatch: pytest.MonkeyPatch, log: list[str], cls: type, name: str, fail_at: int | None = None,
+               error: Exception | None = None) -> None:
+    """Log each call of cls.name; the fail_at-th call (from 1) raises error instead."""
+    original = getattr(cls, name)
+
+    def wrapper(*args: object, **kwargs: object) -> object:
+        log.append(name)
+        if fail_at is not None and log.count(name) == fail_at:
+            raise error or DeviceError(f"{name}: injected failure", 12)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(cls, name, wrapper)
+
+
+def test_create_qps_makes_the_nics_qps_back_to_back_then_enters_them(
+        make_vrnic: Callable[..., AttachInfo], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every item is checked, then the NIC's QPs are made one after another, then entered: under TCG a verb
+    between Python steps costs more than one right after another (issue 14)."""
+    with Context.attach(make_vrnic(), ARENA) as ctx:
+        pd, cq = PD(ctx), CQ(ctx, 16)
+        log: list[str] = []
+        _recording(monkeypatch, log, FakeContext, "create_qp")
+        _recording(monkeypatch, log, SessionState, "add_qp")
+        qps = QP.create_many(pd, cq, cq, 4)
+        assert log == ["create_qp"] * 4 + ["add_qp"] * 4
+        assert len({qp.qpn for qp in qps}) == 4 and ctx.call("query_device")["quota_used"]["qp"] == 4
+        monkeypatch.undo()
+        for qp in qps:
+            qp.close()
+
+
+@pytest.mark.parametrize(("where", "fail_at"), [("create_qp", 3), ("add_qp", 1), ("add_qp", 3)])
+def test_create_qps_failing_part_way_leaves_nothing_behind(
+        make_vrnic: Callable[..., AttachInfo], edge: FakeEdge, monkeypatch: pytest.MonkeyPatch, where: str,
+        fail_at: int) -> None:
+    """A failure on the NIC (the third QP) or in the bookkeeping (the first or third QP entered): the QPs made are
+    destroyed, the entered ones taken out again, the charge refunded, and the next batch works."""
+    with Context.attach(make_vrnic(max_qps=4), ARENA) as ctx:
+        pd, cq = PD(ctx), CQ(ctx, 16)
+        live, in_use = len(edge.live), ctx.allocator.in_use()
+        log: list[str] = []
+        cls = FakeContext if where == "create_qp" else SessionState
+        _recording(monkeypatch, log, cls, where, fail_at=fail_at)
+        with pytest.raises(DeviceError, match="injected"):
+            QP.create_many(pd, cq, cq, 4)
+        assert log.count(where) == fail_at
+        monkeypatch.undo()
+        assert len(edge.live) == live
+        assert ctx.call("query_device")["quota_used"]["qp"] == 0
+        assert ctx.allocator.in_use() == in_use
+        qps = QP.create_many(pd, cq, cq, 4)  # the whole quota is there again
+        assert [qp.query()["state"] for qp in qps] == ["reset"] * 4
+        for qp in qps:
+            qp.close()
+
+
+def test_connect_qps_moves_every_qp_one_step_at_a_time(make_vrnic: Callable[..., AttachInfo],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every INIT, then every RTR, then every RTS: each step's verbs back to back (issue 14)."""
+    with Context.attach(make_vrnic(), ARENA) as ca, Context.attach(make_vrnic(device="fake1"), ARENA) as cb:
+        qas = QP.create_many(PD(ca), (cqa := CQ(ca, 16)), cqa, 3)
+        qbs = QP.create_many(PD(cb), (cqb := CQ(cb, 16)), cqb, 3)
+        log: list[str] = []
+        for step in ("qp_to_init", "qp_to_rtr", "qp_to_rts"):
+            _recording(monkeypatch, log, FakeContext, step)
+        QP.connect_many(ca, [(qa, cb.gid, qb.qpn) for qa, qb in zip(qas, qbs, strict=True)])
+        assert log == ["qp_to_init"] * 3 + ["qp_to_rtr"] * 3 + ["qp_to_rts"] * 3
+        assert [qp.query()["state"] for qp in qas] == ["rts"] * 3
+
+
+@pytest.mark.parametrize("step", ["qp_to_init", "qp_to_rtr", "qp_to_rts"])
+def test_connect_qps_failing_at_any_step_puts_every_qp_back_in_reset(
+        make_vrnic: Callable[..., AttachInfo], monkeypatch: pytest.MonkeyPatch, step: str) -> None:
+    """The second QP's step fails: by then the first QPs have moved further, and all go back to RESET; the same
+    batch then connects."""
+    with Context.attach(make_vrnic(), ARENA) as ca, Context.attach(make_vrnic(device="fake1"), ARENA) as cb:
+        qas = QP.create_many(PD(ca), (cqa := CQ(ca, 16)), cqa, 3)
+        qbs = QP.create_many(PD(cb), (cqb := CQ(cb, 16)), cqb, 3)
+        connections = [(qa, cb.gid, qb.qpn) for qa, qb in zip(qas, qbs, strict=True)]
+        log: list[str] = []
+        _recording(monkeypatch, log, FakeContext, step, fail_at=2)
+        with pytest.raises(DeviceError, match="injected"):
+            QP.connect_many(ca, connections)
+        monkeypatch.undo()
+        assert [qp.query()["state"] for qp in qas] == ["reset"] * 3
+        QP.connect_many(ca, connections)
+        assert [qp.query()["state"] for qp in qas] == ["rts"] * 3
 
 
 def test_pds_are_handed_out_from_a_pool_that_counts_against_the_quota(

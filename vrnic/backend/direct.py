@@ -23,8 +23,7 @@ import os
 from typing import Any, Protocol
 
 from vrnic.backend.engine import DataPathEngine, EngineHost
-from vrnic.backend.rnic_edge import QpCaps
-from vrnic.backend.session import GuestSession
+from vrnic.backend.session import GuestSession, QpPlan
 from vrnic.backend.uverbs_edge import DirectContext, RawCq, RawQp
 from vrnic.core import verb_args
 from vrnic.core.quota import Resource
@@ -163,26 +162,17 @@ class DirectSession(GuestSession):
                      vqpn: int | None = None) -> dict[str, Any]:
         if handle is not None:
             raise NotSupported("direct-engine sessions cannot be restored")
+        return super().op_create_qp(args)
+
+    def _plan_qp(self, args: verb_args.CreateQp) -> QpPlan:
         if args.qp_type != "rc":
             raise InvalidArgument("on the direct engine QPs are RC: rxe takes a UD destination from the WQE, "
                                   "which the guest writes (use a vRNIC with engine=ring for UD)")
-        state = self.state
-        pd = state.pds.get(args.pd)
-        send_cq, recv_cq = state.cqs.get(args.send_cq), state.cqs.get(args.recv_cq)
-        state.ledger.check_wr(args.max_send_wr)
-        state.ledger.check_wr(args.max_recv_wr)
-        with state.ledger.reserve((Resource.QP, 1)):
-            raw, phys_qpn = self.device.create_qp(pd.obj, send_cq.obj, recv_cq.obj, args.qp_type,
-                                                  QpCaps(args.max_send_wr, args.max_recv_wr, args.max_sge))
-            qp = QpEntry(state.new_vqpn(), args.qp_type, phys_qpn, pd, send_cq, recv_cq, None, None,
-                         max_sge=args.max_sge, max_send_wr=args.max_send_wr, max_recv_wr=args.max_recv_wr, obj=raw)
-            try:
-                state.add_qp(qp, None)
-            except BaseException:
-                self.device.destroy(raw)
-                raise
-        self.registry.publish_qp(self.vrnic, qp.vqpn, phys_qpn)
-        return {"qp": qp.handle, "qpn": qp.vqpn, **_queues(raw)}
+        return self._plan_qp_objects(args)  # no rings: the guest posts to the NIC's own queues
+
+    def _open_qp(self, qp: QpEntry, restored: bool) -> dict[str, Any]:
+        self.registry.publish_qp(self.vrnic, qp.vqpn, qp.phys_qpn)
+        return {"qp": qp.handle, "qpn": qp.vqpn, **_queues(qp.obj)}
 
     def op_resolve_rkey(self, args: verb_args.ResolveRkey) -> dict[str, Any]:
         qp = self.state.qps.get(args.qp)

@@ -16,7 +16,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from pydantic import ValidationError
 
@@ -62,6 +62,17 @@ log = logging.getLogger(__name__)
 # engine thread compete with the verb for the CPU (issue 14).
 ENGINE_OPS = frozenset({"busy_poll"})
 RESOLVED_OPS = frozenset({"connect", "modify_qp"})
+
+
+class QpPlan(NamedTuple):
+    """A create_qp checked against its session, before the NIC is asked: what the QP is made from."""
+
+    pd: PdEntry
+    send_cq: CqEntry
+    recv_cq: CqEntry
+    caps: QpCaps
+    sq: Ring | None = None  # the guest's rings (the shared-ring engine)
+    rq: Ring | None = None
 
 
 @dataclass
@@ -358,32 +369,52 @@ class GuestSession:
     # ----- QP ----------------------------------------------------------------------------------
     def op_create_qp(self, args: verb_args.CreateQp, handle: int | None = None,
                      vqpn: int | None = None) -> dict[str, Any]:
+        plan = self._plan_qp(args)
+        with self.state.ledger.reserve((Resource.QP, 1)):
+            qp = self._qp_entry(args, plan, self._make_qp(args, plan), vqpn)
+            try:
+                self.state.add_qp(qp, handle)
+            except BaseException:
+                self.device.destroy(qp.obj)
+                raise
+        reply = self._open_qp(qp, restored=handle is not None)
+        self._run_engine()
+        return reply
+
+    def _plan_qp(self, args: verb_args.CreateQp) -> QpPlan:
+        """A create_qp's arguments checked against the session (nothing made yet), with the guest's rings."""
+        plan = self._plan_qp_objects(args)
+        return plan._replace(sq=self._ring(args.sq_ring, args.max_send_wr, SQ_SLOT.size, SQ_SLOT, "SQ ring"),
+                             rq=self._ring(args.rq_ring, args.max_recv_wr, RQ_SLOT.size, RQ_SLOT, "RQ ring"))
+
+    def _plan_qp_objects(self, args: verb_args.CreateQp) -> QpPlan:
         state = self.state
         pd = state.pds.get(args.pd)
         send_cq, recv_cq = state.cqs.get(args.send_cq), state.cqs.get(args.recv_cq)
         state.ledger.check_wr(args.max_send_wr)
         state.ledger.check_wr(args.max_recv_wr)
-        sq = self._ring(args.sq_ring, args.max_send_wr, SQ_SLOT.size, SQ_SLOT, "SQ ring")
-        rq = self._ring(args.rq_ring, args.max_recv_wr, RQ_SLOT.size, RQ_SLOT, "RQ ring")
-        with state.ledger.reserve((Resource.QP, 1)):
-            obj, phys_qpn = self.device.create_qp(pd.obj, send_cq.obj, recv_cq.obj, args.qp_type,
-                                                  QpCaps(args.max_send_wr, args.max_recv_wr, args.max_sge))
-            qp = QpEntry(vqpn or state.new_vqpn(), args.qp_type, phys_qpn, pd, send_cq, recv_cq, sq, rq,
-                         max_sge=args.max_sge, max_send_wr=args.max_send_wr, max_recv_wr=args.max_recv_wr,
-                         sq_addr=args.sq_ring or 0, rq_addr=args.rq_ring or 0, obj=obj)
-            try:
-                state.add_qp(qp, handle)
-            except BaseException:
-                self.device.destroy(obj)
-                raise
-        if handle is None:
-            sq.reset()
-            rq.reset()
+        return QpPlan(pd, send_cq, recv_cq, QpCaps(args.max_send_wr, args.max_recv_wr, args.max_sge))
+
+    def _make_qp(self, args: verb_args.CreateQp, plan: QpPlan) -> tuple[Any, int]:
+        """The NIC's QP and its physical QPN."""
+        return self.device.create_qp(plan.pd.obj, plan.send_cq.obj, plan.recv_cq.obj, args.qp_type, plan.caps)
+
+    def _qp_entry(self, args: verb_args.CreateQp, plan: QpPlan, made: tuple[Any, int],
+                  vqpn: int | None = None) -> QpEntry:
+        obj, phys_qpn = made
+        return QpEntry(vqpn or self.state.new_vqpn(), args.qp_type, phys_qpn, plan.pd, plan.send_cq, plan.recv_cq,
+                       plan.sq, plan.rq, max_sge=args.max_sge, max_send_wr=args.max_send_wr,
+                       max_recv_wr=args.max_recv_wr, sq_addr=args.sq_ring or 0, rq_addr=args.rq_ring or 0, obj=obj)
+
+    def _open_qp(self, qp: QpEntry, restored: bool) -> dict[str, Any]:
+        """A QP just entered in the state, made ready for its guest (a restored QP keeps its rings); the reply."""
+        if not restored and qp.sq is not None and qp.rq is not None:
+            qp.sq.reset()
+            qp.rq.reset()
         if qp.qp_type == "ud":  # a UD QP sends with the port it was created with, to anyone
             self._classify(qp, None)
         if not self.staged:
-            self.registry.publish_qp(self.vrnic, qp.vqpn, phys_qpn)
-        self._run_engine()
+            self.registry.publish_qp(self.vrnic, qp.vqpn, qp.phys_qpn)
         return {"qp": qp.handle, "qpn": qp.vqpn}
 
     def op_destroy_qp(self, args: verb_args.QpRef) -> dict[str, Any]:
@@ -659,39 +690,81 @@ class GuestSession:
         return {}
 
     def op_create_qps(self, args: verb_args.CreateQps) -> dict[str, Any]:
-        """Several create_qp in one request: all of them, or none (the first failure is raised)."""
+        """Several create_qp in one request: all of them, or none (the first failure is raised).
+
+        Every item is checked first, then the NIC's QPs are made back to back, then entered. Under TCG a verb
+        run between Python steps costs more than one run after another (lab, 64 RC QPs: pyverbs' create 0.37
+        against 0.23 ms), so interleaving them cost 16 of 110 ms for two guests' 64 QPs (issue 14)."""
+        items = args.qps
+        plans = [self._plan_qp(item) for item in items]
+        ledger = self.state.ledger
+        ledger.charge(Resource.QP, len(items))
+        made: list[tuple[Any, int]] = []
+        try:
+            for item, plan in zip(items, plans, strict=True):
+                made.append(self._make_qp(item, plan))
+        except BaseException:
+            self._destroy_quietly(obj for obj, _ in made)
+            ledger.refund(Resource.QP, len(items))
+            raise
+        entered: list[QpEntry] = []
         replies: list[dict[str, Any]] = []
         try:
-            for item in args.qps:
-                replies.append(self.op_create_qp(item))
+            for item, plan, one in zip(items, plans, made, strict=True):
+                qp = self._qp_entry(item, plan, one)
+                self.state.add_qp(qp)
+                entered.append(qp)
+                replies.append(self._open_qp(qp, restored=False))
         except BaseException:
-            for reply in reversed(replies):
+            for qp in entered:  # taking it refunds its charge
                 with contextlib.suppress(VrnicError):
-                    self.op_destroy_qp(verb_args.QpRef(qp=reply["qp"]))
+                    self._destroy_qp(self.state.take_qp(qp.handle))
+            self._destroy_quietly(obj for obj, _ in made[len(entered):])
+            ledger.refund(Resource.QP, len(made) - len(entered))
             raise
+        self._run_engine()
         return {"qps": replies}
+
+    def _destroy_quietly(self, objs: Iterable[Any]) -> None:
+        for obj in objs:
+            with contextlib.suppress(VrnicError):
+                self.device.destroy(obj)
 
     def op_connect_qps(self, args: verb_args.ConnectQps,
                        resolved: list[tuple[Peer, int] | None] | None = None) -> dict[str, Any]:
-        """Several connect in one request: all of them, or none (those connected go back to RESET)."""
-        handles = [c.qp for c in args.connections]
+        """Several connect in one request: all of them, or none (those connected go back to RESET).
+
+        The QPs move together: every INIT, then every RTR, then every RTS, so each step's verbs run back to back
+        (lab, two guests' 64 pairs: 40 -> 33 ms against one QP's three steps after another; issue 14)."""
+        connections = args.connections
+        handles = [c.qp for c in connections]
         if len(set(handles)) != len(handles):
             raise InvalidArgument("connect_qps names a QP twice")
-        qps = [self.state.qps.get(c.qp) for c in args.connections]  # every QP is checked before any moves
+        qps = [self.state.qps.get(c.qp) for c in connections]  # every QP is checked before any moves
         if any(qp.qp_type != "rc" for qp in qps):
             raise InvalidArgument("connect is for RC QPs; UD QPs name their peer per work request")
         was_reset = [qp.state == "reset" for qp in qps]
+        joining = [qp.dest_qpn is None for qp in qps]  # counted once connected, as rc_timeout counts them
         drain = self._drain_kbit()
         connected = self._rc_connected() if drain is not None else 0
         batch = RcJoins(drain, connected, None if drain is None else self._timed_senders(leaving_out=qps))
-        index = 0
         try:
-            for index, c in enumerate(args.connections):
-                connected += qps[index].dest_qpn is None  # counted once connected, as rc_timeout counts it
+            self.engine.drain_queues(qps)  # the guest's earlier WRs reach the NIC first, as in connect
+            for c, qp in zip(connections, qps, strict=True):
+                self._to_init(qp, c.access, CONNECT_LINK.qkey)
+                qp.state = "init"
+            for index, (c, qp) in enumerate(zip(connections, qps, strict=True)):
+                peer = None if resolved is None else resolved[index]
+                self._to_rtr(qp, peer or self._resolve(c.remote_gid, c.remote_qpn), c.remote_gid, c.remote_qpn,
+                             CONNECT_LINK)
+                qp.state = "rtr"
+            for qp, joins in zip(qps, joining, strict=True):
+                connected += joins
                 batch.connected = connected
-                self.op_connect(c, resolved=None if resolved is None else resolved[index], batch=batch)
+                self._to_rts(qp, CONNECT_LINK, batch)
+                qp.state = "rts"
         except BaseException:
-            for qp, reset in zip(qps[:index + 1], was_reset, strict=False):  # the failed one may be half-way
+            for qp, reset in zip(qps, was_reset, strict=True):
                 if reset and qp.state != "reset":
                     with contextlib.suppress(VrnicError):
                         self.op_modify_qp(verb_args.ModifyQp(qp=qp.handle, state="reset"))
