@@ -144,6 +144,36 @@ def test_a_pooled_mr_is_a_registration_of_its_own_whose_key_dies_with_it(connect
     first.close()
 
 
+
+def test_a_batch_of_qps_is_made_and_connected_in_one_request_each(make_vrnic: Callable[..., AttachInfo],
+                                                                  device_pair: tuple[str, str], engine: str) -> None:
+    """create_many sends one shape (and, on the shared-ring engine, the rings' addresses); connect_many towards
+    one peer sends its GID once. Each of the batch's real QPs then moves its own bytes to its own peer."""
+    a, b = _guest(make_vrnic(device=device_pair[0], engine=engine)), _guest(make_vrnic(device=device_pair[1],
+                                                                                        engine=engine))
+    try:
+        before = resource_counts()[device_pair[0]]["qp"]
+        qas = QP.create_many(a.pd, a.cq, a.cq, 4)
+        qbs = QP.create_many(b.pd, b.cq, b.cq, 4)
+        assert resource_counts()[device_pair[0]]["qp"] == before + 4
+        QP.connect_many(a.ctx, [(qa, b.ctx.gid, qb.qpn) for qa, qb in zip(qas, qbs, strict=True)])
+        QP.connect_many(b.ctx, [(qb, a.ctx.gid, qa.qpn) for qa, qb in zip(qas, qbs, strict=True)])
+        for n, qa in enumerate(qas):
+            a.mr.write(f"pair {n}!".encode(), 64 * n)
+            qa.post_send(SendRequest(n, WrOpcode.RDMA_WRITE, (a.mr.sge(64 * n, 7),), remote_addr=b.mr.addr + 64 * n,
+                                     rkey=b.mr.rkey))
+            [done] = a.cq.wait(1)
+            assert (done.wr_id, done.status, done.qp) == (n, WcStatus.SUCCESS, qa.qpn)
+            assert b.mr.read(7, 64 * n) == f"pair {n}!".encode()
+        assert [qb.query()["connected_to"] for qb in qbs] == [a.ctx.gid] * 4
+        for qp in qas + qbs:
+            qp.close()
+        assert resource_counts()[device_pair[0]]["qp"] == before
+    finally:
+        _close(a)
+        _close(b)
+
+
 def _rnr_naks(devices: tuple[str, str]) -> int:
     """RNR NAKs the requesters of these rxe devices received so far."""
     return sum(int(Path(f"/sys/class/infiniband/{d}/ports/1/hw_counters/rcvd_rnr_err").read_text()) for d in devices)

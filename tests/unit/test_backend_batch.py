@@ -5,12 +5,15 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from vrnic.backend.fake_edge import FakeContext, FakeEdge
-from vrnic.core.session_state import SessionState
+from vrnic.backend.session import GuestSession
+from vrnic.core import verb_args
 from vrnic.core.rings import RingFlags
+from vrnic.core.session_state import SessionState
 from vrnic.core.specs import AttachInfo
 from vrnic.core.verb_args import MAX_BATCH
 from vrnic.errors import Conflict, DeviceError, InvalidArgument, NotFound, QuotaExceeded
@@ -99,6 +102,79 @@ def test_connect_qps_is_all_or_nothing(make_vrnic: Callable[..., AttachInfo]) ->
         QP.connect_many(ca, connections[:2])
         assert [qp.query()["state"] for qp in qas] == ["rts", "rts", "reset"]
 
+
+
+
+def test_create_qps_takes_one_shape_with_its_rings_or_one_item_per_qp(make_vrnic: Callable[..., AttachInfo]) -> None:
+    """The shape form (what the guest library sends) answers with two lists; the item form (older guests) with an
+    item per QP. Both make real QPs with their rings where the guest put them."""
+    with Context.attach(make_vrnic(), ARENA) as ctx:
+        pd, cq = PD(ctx), CQ(ctx, 16)
+        shape = {"pd": pd.handle, "send_cq": cq.handle, "recv_cq": cq.handle, "max_send_wr": 4, "max_recv_wr": 4}
+        rings = [ctx.alloc(4096).addr for _ in range(6)]
+        shaped = ctx.call("create_qps", shape=shape, count=3, rings=rings)
+        assert set(shaped) == {"qps", "qpns"} and len(set(shaped["qps"])) == len(set(shaped["qpns"])) == 3
+        items = ctx.call("create_qps", qps=[{**shape, "sq_ring": rings[0] + 2048, "rq_ring": rings[1] + 2048}])
+        assert [set(item) for item in items["qps"]] == [{"qp", "qpn"}]
+        handles = [*shaped["qps"], items["qps"][0]["qp"]]
+        assert ctx.call("query_device")["quota_used"]["qp"] == 4
+        assert [ctx.call("query_qp", qp=h)["state"] for h in handles] == ["reset"] * 4
+        for handle in handles:
+            ctx.call("destroy_qp", qp=handle)
+
+
+@pytest.mark.parametrize(("args", "refusal"), [
+    ({"count": 2}, "name qps, or a shape with its count"),
+    ({"shape": "SHAPE"}, "name qps, or a shape with its count"),
+    ({"shape": "SHAPE", "count": 2, "rings": [0, 4096, 8192]}, "4 addresses for 2 QPs, not 3"),
+    ({"shape": "SHAPE", "count": 2, "qps": "ITEMS"}, "not both"),
+    ({"shape": "SHAPE", "count": MAX_BATCH + 1}, "count"),
+    ({"shape": "SHAPE", "count": 2}, "needs the address of the SQ ring"),
+    ({"shape": "SHAPE", "count": 1, "rings": [0, 1 << 40]}, "outside the guest's memory"),
+])
+def test_create_qps_refuses_a_malformed_batch_by_name_and_makes_nothing(
+        make_vrnic: Callable[..., AttachInfo], edge: FakeEdge, args: dict[str, object], refusal: str) -> None:
+    with Context.attach(make_vrnic(), ARENA) as ctx:
+        pd, cq = PD(ctx), CQ(ctx, 16)
+        shape = {"pd": pd.handle, "send_cq": cq.handle, "recv_cq": cq.handle, "max_send_wr": 4, "max_recv_wr": 4}
+        live = len(edge.live)
+        filled = {k: shape if v == "SHAPE" else [{**shape, "sq_ring": 0, "rq_ring": 4096}] if v == "ITEMS" else v
+                  for k, v in args.items()}
+        with pytest.raises(InvalidArgument, match=refusal):
+            ctx.call("create_qps", **filled)
+        assert len(edge.live) == live
+        assert ctx.call("query_device")["quota_used"]["qp"] == 0
+
+
+def test_connect_qps_towards_one_peer_or_several(make_vrnic: Callable[..., AttachInfo],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """QPs towards one peer go as one GID and two lists (what connect_many sends then); towards several, as one
+    item per QP. Both connect every QP to its own peer QP."""
+    forms: list[str] = []
+    original = GuestSession.op_connect_qps
+
+    def recording(self: GuestSession, args: verb_args.ConnectQps, **kwargs: Any) -> dict[str, Any]:
+        forms.append("items" if args.connections is not None else "one peer")
+        return original(self, args, **kwargs)
+
+    monkeypatch.setattr(GuestSession, "op_connect_qps", recording)
+    with Context.attach(make_vrnic(), ARENA) as ca, Context.attach(make_vrnic(device="fake1"), ARENA) as cb, \
+            Context.attach(make_vrnic(device="fake1"), ARENA) as cc:
+        qas = QP.create_many(PD(ca), (cqa := CQ(ca, 16)), cqa, 4)
+        qbs = QP.create_many(PD(cb), (cqb := CQ(cb, 16)), cqb, 3)
+        qcs = QP.create_many(PD(cc), (cqc := CQ(cc, 16)), cqc, 2)
+        QP.connect_many(ca, [(qas[0], cb.gid, qbs[0].qpn), (qas[1], cb.gid, qbs[1].qpn)])
+        QP.connect_many(ca, [(qas[2], cb.gid, qbs[2].qpn), (qas[3], cc.gid, qcs[0].qpn)])
+        assert forms == ["one peer", "items"]
+        assert [qa.query()["connected_to"] for qa in qas] == [cb.gid, cb.gid, cb.gid, cc.gid]
+        assert ca.call("query_device")["quota_used"]["qp"] == 4
+        with pytest.raises(InvalidArgument, match="2 QPs, 1 peer QPNs"):
+            ca.call("connect_qps", remote_gid=cb.gid, qps=[qas[0].handle, qas[1].handle], remote_qpns=[1])
+        with pytest.raises(InvalidArgument, match="not both"):
+            ca.call("connect_qps", remote_gid=cb.gid, qps=[qas[0].handle], remote_qpns=[qbs[0].qpn],
+                    connections=[{"qp": qas[0].handle, "remote_gid": cb.gid, "remote_qpn": qbs[0].qpn}])
+        with pytest.raises(InvalidArgument, match="name connections, or qps"):
+            ca.call("connect_qps", qps=[qas[0].handle], remote_qpns=[qbs[0].qpn])
 
 
 def _recording(monkeypatch: pytest.MonkeyPatch, log: list[str], cls: type, name: str, fail_at: int | None = None,

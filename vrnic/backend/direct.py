@@ -164,15 +164,23 @@ class DirectSession(GuestSession):
             raise NotSupported("direct-engine sessions cannot be restored")
         return super().op_create_qp(args)
 
-    def _plan_qp(self, args: verb_args.CreateQp) -> QpPlan:
-        if args.qp_type != "rc":
+    def _plan_shape(self, shape: verb_args.QpShape) -> QpPlan:
+        if shape.qp_type != "rc":
             raise InvalidArgument("on the direct engine QPs are RC: rxe takes a UD destination from the WQE, "
                                   "which the guest writes (use a vRNIC with engine=ring for UD)")
-        return self._plan_qp_objects(args)  # no rings: the guest posts to the NIC's own queues
+        return super()._plan_shape(shape)
 
-    def _open_qp(self, qp: QpEntry, restored: bool) -> dict[str, Any]:
+    def _placed(self, plan: QpPlan, sq_addr: int | None, rq_addr: int | None) -> QpPlan:
+        return plan  # no rings: the guest posts to the NIC's own queues
+
+    def _open_qp(self, qp: QpEntry, restored: bool) -> None:
         self.registry.publish_qp(self.vrnic, qp.vqpn, qp.phys_qpn)
+
+    def _qp_reply(self, qp: QpEntry) -> dict[str, Any]:
         return {"qp": qp.handle, "qpn": qp.vqpn, **_queues(qp.obj)}
+
+    def _qps_reply(self, qps: list[QpEntry]) -> dict[str, Any]:
+        return {**super()._qps_reply(qps), "queues": [_queues(qp.obj) for qp in qps]}
 
     def op_resolve_rkey(self, args: verb_args.ResolveRkey) -> dict[str, Any]:
         qp = self.state.qps.get(args.qp)

@@ -70,9 +70,12 @@ class QpPlan(NamedTuple):
     pd: PdEntry
     send_cq: CqEntry
     recv_cq: CqEntry
+    qp_type: str
     caps: QpCaps
-    sq: Ring | None = None  # the guest's rings (the shared-ring engine)
+    sq: Ring | None = None  # the guest's rings (the shared-ring engine), and where the guest put them
     rq: Ring | None = None
+    sq_addr: int = 0
+    rq_addr: int = 0
 
 
 @dataclass
@@ -177,7 +180,8 @@ class GuestSession:
         except ValidationError as exc:  # reported as one line: the first problem
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first.get("loc", ()))
-            raise InvalidArgument(f"{op}: {where}: {first['msg']}") from None
+            message = first["msg"].removeprefix("Value error, ")  # a check of the whole message names no field
+            raise InvalidArgument(f"{op}: {where}: {message}" if where else f"{op}: {message}") from None
         if op in verb_args.UNLOCKED_OPS:  # they wait on peers: the engine must not wait with them
             if self._closed:
                 raise Conflict("the session is closed", current_state="detached")
@@ -185,8 +189,8 @@ class GuestSession:
             return unlocked
         # A peer on another host is looked up before the lock is taken: the engine does not wait for that agent.
         resolved: Any = self._remote_peer(args) if op in RESOLVED_OPS else None
-        if isinstance(args, verb_args.ConnectQps):
-            resolved = [self._remote_peer(c) for c in args.connections]
+        if isinstance(args, verb_args.ConnectQps) and self.registry.directory is not None:
+            resolved = [self._remote_peer(c) for c in args.each()]
         with self.lock:
             if self._closed:
                 raise Conflict("the session is closed", current_state="detached")
@@ -371,43 +375,49 @@ class GuestSession:
                      vqpn: int | None = None) -> dict[str, Any]:
         plan = self._plan_qp(args)
         with self.state.ledger.reserve((Resource.QP, 1)):
-            qp = self._qp_entry(args, plan, self._make_qp(args, plan), vqpn)
+            qp = self._qp_entry(plan, self._make_qp(plan), vqpn)
             try:
                 self.state.add_qp(qp, handle)
             except BaseException:
                 self.device.destroy(qp.obj)
                 raise
-        reply = self._open_qp(qp, restored=handle is not None)
+        self._open_qp(qp, restored=handle is not None)
         self._run_engine()
-        return reply
+        return self._qp_reply(qp)
 
     def _plan_qp(self, args: verb_args.CreateQp) -> QpPlan:
-        """A create_qp's arguments checked against the session (nothing made yet), with the guest's rings."""
-        plan = self._plan_qp_objects(args)
-        return plan._replace(sq=self._ring(args.sq_ring, args.max_send_wr, SQ_SLOT.size, SQ_SLOT, "SQ ring"),
-                             rq=self._ring(args.rq_ring, args.max_recv_wr, RQ_SLOT.size, RQ_SLOT, "RQ ring"))
+        return self._placed(self._plan_shape(args), args.sq_ring, args.rq_ring)
 
-    def _plan_qp_objects(self, args: verb_args.CreateQp) -> QpPlan:
+    def _plan_shape(self, shape: verb_args.QpShape) -> QpPlan:
+        """A QP's PD, CQs and sizes checked against the session (nothing made yet)."""
         state = self.state
-        pd = state.pds.get(args.pd)
-        send_cq, recv_cq = state.cqs.get(args.send_cq), state.cqs.get(args.recv_cq)
-        state.ledger.check_wr(args.max_send_wr)
-        state.ledger.check_wr(args.max_recv_wr)
-        return QpPlan(pd, send_cq, recv_cq, QpCaps(args.max_send_wr, args.max_recv_wr, args.max_sge))
+        pd = state.pds.get(shape.pd)
+        send_cq, recv_cq = state.cqs.get(shape.send_cq), state.cqs.get(shape.recv_cq)
+        state.ledger.check_wr(shape.max_send_wr)
+        state.ledger.check_wr(shape.max_recv_wr)
+        return QpPlan(pd, send_cq, recv_cq, shape.qp_type,
+                      QpCaps(shape.max_send_wr, shape.max_recv_wr, shape.max_sge))
 
-    def _make_qp(self, args: verb_args.CreateQp, plan: QpPlan) -> tuple[Any, int]:
+    def _placed(self, plan: QpPlan, sq_addr: int | None, rq_addr: int | None) -> QpPlan:
+        """The plan with the guest's rings at those addresses, checked to lie in its memory."""
+        caps = plan.caps
+        return plan._replace(sq=self._ring(sq_addr, caps.max_send_wr, SQ_SLOT.size, SQ_SLOT, "SQ ring"),
+                             rq=self._ring(rq_addr, caps.max_recv_wr, RQ_SLOT.size, RQ_SLOT, "RQ ring"),
+                             sq_addr=sq_addr or 0, rq_addr=rq_addr or 0)
+
+    def _make_qp(self, plan: QpPlan) -> tuple[Any, int]:
         """The NIC's QP and its physical QPN."""
-        return self.device.create_qp(plan.pd.obj, plan.send_cq.obj, plan.recv_cq.obj, args.qp_type, plan.caps)
+        return self.device.create_qp(plan.pd.obj, plan.send_cq.obj, plan.recv_cq.obj, plan.qp_type, plan.caps)
 
-    def _qp_entry(self, args: verb_args.CreateQp, plan: QpPlan, made: tuple[Any, int],
-                  vqpn: int | None = None) -> QpEntry:
+    def _qp_entry(self, plan: QpPlan, made: tuple[Any, int], vqpn: int | None = None) -> QpEntry:
         obj, phys_qpn = made
-        return QpEntry(vqpn or self.state.new_vqpn(), args.qp_type, phys_qpn, plan.pd, plan.send_cq, plan.recv_cq,
-                       plan.sq, plan.rq, max_sge=args.max_sge, max_send_wr=args.max_send_wr,
-                       max_recv_wr=args.max_recv_wr, sq_addr=args.sq_ring or 0, rq_addr=args.rq_ring or 0, obj=obj)
+        caps = plan.caps
+        return QpEntry(vqpn or self.state.new_vqpn(), plan.qp_type, phys_qpn, plan.pd, plan.send_cq, plan.recv_cq,
+                       plan.sq, plan.rq, max_sge=caps.max_sge, max_send_wr=caps.max_send_wr,
+                       max_recv_wr=caps.max_recv_wr, sq_addr=plan.sq_addr, rq_addr=plan.rq_addr, obj=obj)
 
-    def _open_qp(self, qp: QpEntry, restored: bool) -> dict[str, Any]:
-        """A QP just entered in the state, made ready for its guest (a restored QP keeps its rings); the reply."""
+    def _open_qp(self, qp: QpEntry, restored: bool) -> None:
+        """A QP just entered in the state, made ready for its guest (a restored QP keeps its rings)."""
         if not restored and qp.sq is not None and qp.rq is not None:
             qp.sq.reset()
             qp.rq.reset()
@@ -415,7 +425,13 @@ class GuestSession:
             self._classify(qp, None)
         if not self.staged:
             self.registry.publish_qp(self.vrnic, qp.vqpn, qp.phys_qpn)
+
+    def _qp_reply(self, qp: QpEntry) -> dict[str, Any]:
         return {"qp": qp.handle, "qpn": qp.vqpn}
+
+    def _qps_reply(self, qps: list[QpEntry]) -> dict[str, Any]:
+        """create_qps' reply to one shape: the handles and QPNs, in the order asked."""
+        return {"qps": [qp.handle for qp in qps], "qpns": [qp.vqpn for qp in qps]}
 
     def op_destroy_qp(self, args: verb_args.QpRef) -> dict[str, Any]:
         qp = self.state.qps.get(args.qp)  # an unknown handle is refused before anything moves
@@ -692,29 +708,33 @@ class GuestSession:
     def op_create_qps(self, args: verb_args.CreateQps) -> dict[str, Any]:
         """Several create_qp in one request: all of them, or none (the first failure is raised).
 
-        Every item is checked first, then the NIC's QPs are made back to back, then entered. Under TCG a verb
-        run between Python steps costs more than one run after another (lab, 64 RC QPs: pyverbs' create 0.37
-        against 0.23 ms), so interleaving them cost 16 of 110 ms for two guests' 64 QPs (issue 14)."""
-        items = args.qps
-        plans = [self._plan_qp(item) for item in items]
+        Every QP is checked first (one shape once), then the NIC's QPs are made back to back, then entered. Under
+        TCG a verb run between Python steps costs more than one run after another (lab, 64 RC QPs: pyverbs' create
+        0.37 against 0.23 ms), so interleaving them cost 16 of 110 ms for two guests' 64 QPs (issue 14)."""
+        if args.qps is not None:
+            plans = [self._plan_qp(item) for item in args.qps]
+        else:
+            assert args.shape is not None and args.count is not None  # the schema holds one form or the other
+            shape = self._plan_shape(args.shape)
+            rings: list[int | None] = [*args.rings] if args.rings is not None else [None] * (2 * args.count)
+            plans = [self._placed(shape, rings[i], rings[i + 1]) for i in range(0, 2 * args.count, 2)]
         ledger = self.state.ledger
-        ledger.charge(Resource.QP, len(items))
+        ledger.charge(Resource.QP, len(plans))
         made: list[tuple[Any, int]] = []
         try:
-            for item, plan in zip(items, plans, strict=True):
-                made.append(self._make_qp(item, plan))
+            for plan in plans:
+                made.append(self._make_qp(plan))
         except BaseException:
             self._destroy_quietly(obj for obj, _ in made)
-            ledger.refund(Resource.QP, len(items))
+            ledger.refund(Resource.QP, len(plans))
             raise
         entered: list[QpEntry] = []
-        replies: list[dict[str, Any]] = []
         try:
-            for item, plan, one in zip(items, plans, made, strict=True):
-                qp = self._qp_entry(item, plan, one)
+            for plan, one in zip(plans, made, strict=True):
+                qp = self._qp_entry(plan, one)
                 self.state.add_qp(qp)
                 entered.append(qp)
-                replies.append(self._open_qp(qp, restored=False))
+                self._open_qp(qp, restored=False)
         except BaseException:
             for qp in entered:  # taking it refunds its charge
                 with contextlib.suppress(VrnicError):
@@ -723,7 +743,9 @@ class GuestSession:
             ledger.refund(Resource.QP, len(made) - len(entered))
             raise
         self._run_engine()
-        return {"qps": replies}
+        if args.qps is not None:
+            return {"qps": [self._qp_reply(qp) for qp in entered]}
+        return self._qps_reply(entered)
 
     def _destroy_quietly(self, objs: Iterable[Any]) -> None:
         for obj in objs:
@@ -736,7 +758,7 @@ class GuestSession:
 
         The QPs move together: every INIT, then every RTR, then every RTS, so each step's verbs run back to back
         (lab, two guests' 64 pairs: 40 -> 33 ms against one QP's three steps after another; issue 14)."""
-        connections = args.connections
+        connections = args.each()
         handles = [c.qp for c in connections]
         if len(set(handles)) != len(handles):
             raise InvalidArgument("connect_qps names a QP twice")

@@ -609,17 +609,23 @@ def _create_qps(ctx: Context, shape: QpShape, count: int, fewer: bool = False) -
                     break
         made = len(rings) or count
         if made == 1:  # the plain verb, understood by every vrnicd
-            replies = [ctx.call("create_qp", **shape.request(rings[0] if rings else None))]
-        else:
-            replies = ctx.call("create_qps", qps=[shape.request(rings[i] if rings else None)
-                                                  for i in range(made)])["qps"]
+            reply = ctx.call("create_qp", **shape.request(rings[0] if rings else None))
+            return [SpareQp(int(reply["qp"]), int(reply["qpn"]), rings[0] if rings else None, reply)]
+        # One shape, and the rings' addresses: checked once by vrnicd and small on the wire
+        result = ctx.call("create_qps", shape=shape.request(None), count=made,
+                          **({"rings": [b.addr for pair in rings for b in pair]} if rings else {}))
+        handles, qpns = result["qps"], result["qpns"]
+        queues = result.get("queues")  # the direct engine's: where each QP's NIC queues are, as create_qp says
+        if not len(handles) == len(qpns) == made or (queues is not None and len(queues) != made):
+            raise VrnicError(f"vrnicd answered create_qps for {made} QPs with {len(handles)}")
+        return [SpareQp(int(handles[i]), int(qpns[i]), rings[i] if rings else None,
+                        {} if queues is None else {"qp": handles[i], "qpn": qpns[i], **queues[i]})
+                for i in range(made)]
     except BaseException:
         for pair in rings:
             for buffer in pair:
                 ctx.free(buffer)
         raise
-    return [SpareQp(int(reply["qp"]), int(reply["qpn"]), rings[i] if rings else None, reply)
-            for i, reply in enumerate(replies)]
 
 
 def _ring_pair(ctx: Context, shape: QpShape) -> tuple[Buffer, Buffer]:
@@ -736,6 +742,12 @@ class QP(_Resource):
     @staticmethod
     def connect_many(ctx: Context, connections: Iterable[tuple[QP, str, int]], access: int = 15) -> None:
         """connect for each (QP, remote GID, remote QPN), in one round trip (connect_qps): all, or none."""
+        connections = list(connections)
+        gids = {gid for _, gid, _ in connections}
+        if len(gids) == 1:  # towards one peer: its GID once, and two lists of numbers (small on the wire)
+            ctx.call("connect_qps", remote_gid=gids.pop(), access=access, qps=[qp.handle for qp, _, _ in connections],
+                     remote_qpns=[qpn for _, _, qpn in connections])
+            return
         ctx.call("connect_qps", connections=[{"qp": qp.handle, "remote_gid": gid, "remote_qpn": qpn,
                                               "access": access} for qp, gid, qpn in connections])
 
