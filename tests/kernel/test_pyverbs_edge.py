@@ -95,3 +95,52 @@ def test_pairs_connected_one_after_another_through_the_kept_attributes_each_reac
     finally:
         a.close()
         b.close()
+
+
+def test_qps_made_through_the_kept_init_attributes_take_their_own_cqs_type_and_sizes(
+        device_pair: tuple[str, str]) -> None:
+    """create_qp keeps its last QPInitAttr for the next QP of the same CQs, type and sizes. A QP of other CQs, type
+    or sizes gets its own: each QP is what it was asked to be, and one made right after a QP on (cq1, cq1) with
+    (cq1, cq2) completes its SEND on cq1 and its receive on cq2."""
+    import ctypes
+
+    import pyverbs.enums as e
+
+    edge = PyverbsEdge()
+    a, b = edge.open(device_pair[0]), edge.open(device_pair[1])
+    (ia, ga), (ib, gb) = _gid(device_pair[0]), _gid(device_pair[1])
+    try:
+        pda, pdb = a.alloc_pd(), b.alloc_pd()
+        cq1, cq2, cqb = a.create_cq(16), a.create_cq(16), b.create_cq(16)
+        small = QpCaps(4, 4, 1)
+        asked = [(cq1, cq1, "rc", CAPS), (cq1, cq1, "rc", CAPS), (cq2, cq2, "ud", CAPS), (cq2, cq2, "rc", small),
+                 (cq1, cq1, "rc", CAPS), (cq1, cq2, "rc", CAPS)]
+        made = [a.create_qp(pda, scq, rcq, qp_type, caps) for scq, rcq, qp_type, caps in asked]
+        assert len({qpn for _, qpn in made}) == len(asked)
+        for (qp, _), (_, _, qp_type, caps) in zip(made, asked, strict=True):
+            assert qp.qp_type == (e.IBV_QPT_RC if qp_type == "rc" else e.IBV_QPT_UD)
+            cap = qp.query(e.IBV_QP_CAP)[1].cap
+            assert caps.max_send_wr <= cap.max_send_wr < (16 if caps is small else 1 << 20)
+        mixed, qpn_mixed = made[-1]
+        peer, qpn_peer = b.create_qp(pdb, cqb, cqb, "rc", CAPS)
+        for ctx, qp, index, peer_gid, peer_qpn in ((a, mixed, ia, gb, qpn_peer), (b, peer, ib, ga, qpn_mixed)):
+            ctx.qp_to_init(qp, "rc", LOCAL_WRITE, 0)
+            ctx.qp_to_rtr(qp, "rc", RtrParams(dgid=peer_gid, sgid_index=index, path_mtu=1024, dest_qpn=peer_qpn))
+            ctx.qp_to_rts(qp, "rc", RtsParams(timeout=14, retry_cnt=7, rnr_retry=7))
+        buf_a, buf_b = bytearray(4096), bytearray(4096)
+        addr_a = ctypes.addressof(ctypes.c_char.from_buffer(buf_a))
+        addr_b = ctypes.addressof(ctypes.c_char.from_buffer(buf_b))
+        mra, lkey_a, _ = a.reg_mr(pda, addr_a, 4096, LOCAL_WRITE)
+        mrb, lkey_b, _ = b.reg_mr(pdb, addr_b, 4096, LOCAL_WRITE)
+        a.post_recv(mixed, PhysRecv(7, [(addr_a, 64, lkey_a)]))
+        b.post_recv(peer, PhysRecv(10, [(addr_b + 64, 64, lkey_b)]))
+        b.post_send(peer, PhysSend(wr_id=8, opcode=2, sges=[(addr_b, 8, lkey_b)], signaled=True))
+        a.post_send(mixed, PhysSend(wr_id=11, opcode=2, sges=[(addr_a + 64, 8, lkey_a)], signaled=True))
+        assert [(c.wr_id, c.status) for c in _poll(a, cq2, 1)] == [(7, 0)]  # the receive, on the recv CQ
+        assert [(c.wr_id, c.status) for c in _poll(a, cq1, 1)] == [(11, 0)]  # the SEND, on the send CQ
+        assert a.poll_cq(cq1, 4) == [] and a.poll_cq(cq2, 4) == []
+        a.destroy(*(qp for qp, _ in made), mra, cq1, cq2, pda)
+        b.destroy(peer, mrb, cqb, pdb)
+    finally:
+        a.close()
+        b.close()
