@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from vrnic.core.queue_format.base import PhysWr
 from vrnic.core.specs import DeviceInfo
@@ -74,9 +74,9 @@ class PhysCompletion:
     vendor_err: int = 0
 
 
-@dataclass(frozen=True)
-class RtrParams:
-    """What an RC QP needs to reach its peer, all physical: vrnicd resolved the guest's virtual names."""
+class RtrParams(NamedTuple):
+    """What an RC QP needs to reach its peer, all physical: vrnicd resolved the guest's virtual names. (Named
+    tuples, not frozen dataclasses: one of each per connect, and a frozen dataclass costs twice as much to make.)"""
 
     dgid: str
     sgid_index: int
@@ -87,8 +87,7 @@ class RtrParams:
     min_rnr_timer: int = 12
 
 
-@dataclass(frozen=True)
-class RtsParams:
+class RtsParams(NamedTuple):
     sq_psn: int = 0
     timeout: int = 14
     retry_cnt: int = 7
