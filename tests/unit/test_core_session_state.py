@@ -104,3 +104,16 @@ def test_regions_must_lie_in_guest_memory() -> None:
         state.locate(0xC0000, 4096, "MR")  # the legacy ROM window is not RAM
     with pytest.raises(InvalidArgument):
         state.locate((1 << 24) - 1, 2, "MR")
+
+
+def test_a_batch_of_virtual_qpns_is_distinct_new_and_in_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One draw of randomness for a batch: QPNs 0 and 1 (special in verbs), a session's QPN and
+    one drawn twice are skipped, and more is drawn until the batch is full."""
+    state, _, _, _, qp = populated()
+    draws = iter([bytes.fromhex("000000" "000001" + f"{qp.vqpn:06x}" + "000102" "000102" "fffffe"),
+                  bytes.fromhex("000203" "000204")])
+    monkeypatch.setattr("vrnic.core.session_state.secrets.token_bytes", lambda n: next(draws))
+    assert state.new_vqpns(4) == [0x102, 0xFFFFFE, 0x203, 0x204]
+    monkeypatch.undo()
+    many = state.new_vqpns(128)
+    assert len(set(many)) == 128 and qp.vqpn not in many and all(2 <= v < 1 << 24 for v in many)

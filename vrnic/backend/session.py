@@ -401,9 +401,10 @@ class GuestSession:
     def _placed(self, plan: QpPlan, sq_addr: int | None, rq_addr: int | None) -> QpPlan:
         """The plan with the guest's rings at those addresses, checked to lie in its memory."""
         caps = plan.caps
-        return plan._replace(sq=self._ring(sq_addr, caps.max_send_wr, SQ_SLOT.size, SQ_SLOT, "SQ ring"),
-                             rq=self._ring(rq_addr, caps.max_recv_wr, RQ_SLOT.size, RQ_SLOT, "RQ ring"),
-                             sq_addr=sq_addr or 0, rq_addr=rq_addr or 0)
+        return QpPlan(plan.pd, plan.send_cq, plan.recv_cq, plan.qp_type, caps,
+                      self._ring(sq_addr, caps.max_send_wr, SQ_SLOT.size, SQ_SLOT, "SQ ring"),
+                      self._ring(rq_addr, caps.max_recv_wr, RQ_SLOT.size, RQ_SLOT, "RQ ring"),
+                      sq_addr or 0, rq_addr or 0)
 
     def _make_qp(self, plan: QpPlan) -> tuple[Any, int]:
         """The NIC's QP and its physical QPN."""
@@ -730,8 +731,8 @@ class GuestSession:
             raise
         entered: list[QpEntry] = []
         try:
-            for plan, one in zip(plans, made, strict=True):
-                qp = self._qp_entry(plan, one)
+            for plan, one, vqpn in zip(plans, made, self.state.new_vqpns(len(plans)), strict=True):
+                qp = self._qp_entry(plan, one, vqpn)
                 self.state.add_qp(qp)
                 entered.append(qp)
                 self._open_qp(qp, restored=False)

@@ -23,6 +23,7 @@ from vrnic.core.translate import MrWindow
 from vrnic.errors import Conflict
 
 VQPN_LIMIT = 1 << 24  # QPNs are 24 bits on the wire
+_VQPN_BYTES = ((VQPN_LIMIT - 1).bit_length() + 7) // 8
 
 
 @dataclass(eq=False)
@@ -178,10 +179,21 @@ class SessionState:
                 return key
 
     def new_vqpn(self) -> int:
-        while True:
-            vqpn = secrets.randbelow(VQPN_LIMIT - 2) + 2  # 0 and 1 are special QPNs in verbs
-            if vqpn not in self.qp_by_vqpn:
-                return vqpn
+        return self.new_vqpns(1)[0]
+
+    def new_vqpns(self, count: int) -> list[int]:
+        """count distinct virtual QPNs that no QP of the session has, uniform over [2, VQPN_LIMIT) (0 and 1 are
+        special QPNs in verbs), from one draw of randomness for a batch rather than one per QP."""
+        out: list[int] = []
+        drawn: set[int] = set()
+        while len(out) < count:
+            raw = secrets.token_bytes(_VQPN_BYTES * (count - len(out)))
+            for at in range(0, len(raw), _VQPN_BYTES):
+                vqpn = int.from_bytes(raw[at:at + _VQPN_BYTES], "big")
+                if 2 <= vqpn < VQPN_LIMIT and vqpn not in self.qp_by_vqpn and vqpn not in drawn:
+                    drawn.add(vqpn)
+                    out.append(vqpn)
+        return out
 
     # ----- PDs -----------------------------------------------------------------------------------
     def add_pd(self, pd: PdEntry, handle: int | None = None) -> int:
