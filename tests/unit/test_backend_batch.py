@@ -177,6 +177,40 @@ def test_connect_qps_towards_one_peer_or_several(make_vrnic: Callable[..., Attac
             ca.call("connect_qps", qps=[qas[0].handle], remote_qpns=[qbs[0].qpn])
 
 
+
+def test_a_guest_library_sends_items_to_a_vrnicd_that_does_not_announce_shape_batches(
+        make_vrnic: Callable[..., AttachInfo], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attach reply says shape_batches; without it (a vrnicd from before) create_many, the QP pools and
+    connect_many send one item per QP, and everything works as before."""
+    forms: list[str] = []
+    create, connect, announced = GuestSession.op_create_qps, GuestSession.op_connect_qps, GuestSession.attach_result
+
+    def create_recording(self: GuestSession, args: verb_args.CreateQps) -> dict[str, Any]:
+        forms.append("create items" if args.qps is not None else "create shape")
+        return create(self, args)
+
+    def connect_recording(self: GuestSession, args: verb_args.ConnectQps, **kwargs: Any) -> dict[str, Any]:
+        forms.append("connect items" if args.connections is not None else "connect one peer")
+        return connect(self, args, **kwargs)
+
+    monkeypatch.setattr(GuestSession, "op_create_qps", create_recording)
+    monkeypatch.setattr(GuestSession, "op_connect_qps", connect_recording)
+    monkeypatch.setattr(GuestSession, "attach_result",
+                        lambda self: {k: v for k, v in announced(self).items() if k != "shape_batches"})
+    with Context.attach(make_vrnic(), ARENA) as ca, Context.attach(make_vrnic(device="fake1"), ARENA) as cb:
+        assert not ca.shape_batches
+        qas = QP.create_many(PD(ca), (cqa := CQ(ca, 16)), cqa, 3)
+        qbs = QP.create_many(PD(cb), (cqb := CQ(cb, 16)), cqb, 3)
+        pooled = QP(qas[0].pd, cqa, cqa)  # the pool's refill is a create_qps too
+        QP.connect_many(ca, [(qa, cb.gid, qb.qpn) for qa, qb in zip(qas, qbs, strict=True)])
+        assert forms == ["create items"] * 3 + ["connect items"]
+        assert [qa.query()["connected_to"] for qa in qas] == [cb.gid] * 3
+        assert pooled.query()["state"] == "reset"
+    monkeypatch.undo()
+    with Context.attach(make_vrnic(), ARENA) as cc:
+        assert cc.shape_batches  # this vrnicd announces them
+
+
 def _recording(monkeypatch: pytest.MonkeyPatch, log: list[str], cls: type, name: str, fail_at: int | None = None,
                error: Exception | None = None) -> None:
     """Log each call of cls.name; the fail_at-th call (from 1) raises error instead."""

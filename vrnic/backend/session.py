@@ -243,7 +243,10 @@ class GuestSession:
         the quota and arena size this used to carry were read by no guest, and each attach encoded and decoded
         them (issue 14)."""
         spec = self.vrnic.spec
-        return {"vrnic_id": spec.id, "virtual_gid": spec.virtual_gid, "virtual_ip": spec.virtual_ip, "engine": "ring"}
+        # shape_batches: create_qps takes one shape, connect_qps one peer's lists (a guest library falls back to
+        # one item per QP with a vrnicd that does not say so)
+        return {"vrnic_id": spec.id, "virtual_gid": spec.virtual_gid, "virtual_ip": spec.virtual_ip, "engine": "ring",
+                "shape_batches": True}
 
     def attach_fds(self) -> list[int]:
         """Descriptors that go back to the guest with the attach reply (the direct engine's uverbs fd)."""

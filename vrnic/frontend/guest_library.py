@@ -157,6 +157,8 @@ class Context(_Resource):
         self.vrnic_id: str = info["vrnic_id"]
         self.gid: str = info["virtual_gid"]
         self.ip: str | None = info.get("virtual_ip")  # its address in the VPC, if it has one (frontend.cm)
+        # Batches as one shape (create_qps) and towards one peer (connect_qps); a vrnicd from before takes items
+        self.shape_batches: bool = info.get("shape_batches") is True
 
     @classmethod
     def attach(cls, info: AttachInfo, arena_bytes: int = DEFAULT_ARENA, busy_poll: bool = False) -> Context:
@@ -611,6 +613,11 @@ def _create_qps(ctx: Context, shape: QpShape, count: int, fewer: bool = False) -
         if made == 1:  # the plain verb, understood by every vrnicd
             reply = ctx.call("create_qp", **shape.request(rings[0] if rings else None))
             return [SpareQp(int(reply["qp"]), int(reply["qpn"]), rings[0] if rings else None, reply)]
+        if not ctx.shape_batches:  # a vrnicd from before the shape form: one item per QP
+            replies = ctx.call("create_qps", qps=[shape.request(rings[i] if rings else None)
+                                                  for i in range(made)])["qps"]
+            return [SpareQp(int(reply["qp"]), int(reply["qpn"]), rings[i] if rings else None, reply)
+                    for i, reply in enumerate(replies)]
         # One shape, and the rings' addresses: checked once by vrnicd and small on the wire
         result = ctx.call("create_qps", shape=shape.request(None), count=made,
                           **({"rings": [b.addr for pair in rings for b in pair]} if rings else {}))
@@ -744,7 +751,7 @@ class QP(_Resource):
         """connect for each (QP, remote GID, remote QPN), in one round trip (connect_qps): all, or none."""
         connections = list(connections)
         gids = {gid for _, gid, _ in connections}
-        if len(gids) == 1:  # towards one peer: its GID once, and two lists of numbers (small on the wire)
+        if len(gids) == 1 and ctx.shape_batches:  # towards one peer: its GID once, and two lists of numbers
             ctx.call("connect_qps", remote_gid=gids.pop(), access=access, qps=[qp.handle for qp, _, _ in connections],
                      remote_qpns=[qpn for _, _, qpn in connections])
             return
