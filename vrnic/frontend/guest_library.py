@@ -610,12 +610,10 @@ def _create_qps(ctx: Context, shape: QpShape, count: int, fewer: bool = False) -
                         raise
                     break
         made = len(rings) or count
-        if made == 1:  # the plain verb, understood by every vrnicd
-            reply = ctx.call("create_qp", **shape.request(rings[0] if rings else None))
-            return [SpareQp(int(reply["qp"]), int(reply["qpn"]), rings[0] if rings else None, reply)]
-        if not ctx.shape_batches:  # a vrnicd from before the shape form: one item per QP
-            replies = ctx.call("create_qps", qps=[shape.request(rings[i] if rings else None)
-                                                  for i in range(made)])["qps"]
+        if made == 1 or not ctx.shape_batches:  # the plain verb (every vrnicd), or items (one before the shape)
+            replies = ([ctx.call("create_qp", **shape.request(rings[0] if rings else None))] if made == 1 else
+                       ctx.call("create_qps", qps=[shape.request(rings[i] if rings else None)
+                                                   for i in range(made)])["qps"])
             return [SpareQp(int(reply["qp"]), int(reply["qpn"]), rings[i] if rings else None, reply)
                     for i, reply in enumerate(replies)]
         # One shape, and the rings' addresses: checked once by vrnicd and small on the wire
