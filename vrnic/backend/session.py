@@ -688,8 +688,7 @@ class GuestSession:
             return None
         return self.registry.peer_qp(self.vrnic, gid, vqpn)
 
-    def op_connect(self, args: verb_args.Connect, resolved: tuple[Peer, int] | None = None,
-                   batch: RcJoins | None = None) -> dict[str, Any]:
+    def op_connect(self, args: verb_args.Connect, resolved: tuple[Peer, int] | None = None) -> dict[str, Any]:
         """INIT, RTR and RTS with the default path settings (CONNECT_LINK), as three modify_qp would do them; the
         guest's earlier WRs reach the NIC first. The QP's state is each step's, so a failure leaves it there."""
         qp = self.state.qps.get(args.qp)
@@ -701,7 +700,7 @@ class GuestSession:
         self._to_rtr(qp, resolved or self._resolve(args.remote_gid, args.remote_qpn), args.remote_gid,
                      args.remote_qpn, CONNECT_LINK)
         qp.state = "rtr"
-        self._to_rts(qp, CONNECT_LINK, batch)
+        self._to_rts(qp, CONNECT_LINK)
         qp.state = "rts"
         return {"state": "rts"}
 
