@@ -218,6 +218,74 @@ def test_a_receive_a_local_peer_posted_is_on_the_nic_before_a_send_to_it(make_vr
         assert edge.rnr_naks == 0
 
 
+class PeerBusy:
+    """Another thread holds a session's lock (a verb, or its engine mid-step) for hold seconds."""
+
+    def __init__(self, session: GuestSession, hold: float) -> None:
+        self.taken, self.released = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._hold, args=(session, hold))
+
+    def _hold(self, session: GuestSession, hold: float) -> None:
+        with session.lock:
+            self.taken.set()
+            time.sleep(hold)
+            self.released.set()
+
+    def __enter__(self) -> PeerBusy:
+        self.thread.start()
+        assert self.taken.wait(5)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.thread.join()
+
+
+def _pair(ca: Context, cb: Context) -> tuple[QP, QP, CQ, CQ, MR, MR]:
+    pa, pb = PD(ca), PD(cb)
+    cqa, cqb = CQ(ca, 16), CQ(cb, 16)
+    mra, mrb = MR(pa, 4096), MR(pb, 4096)
+    qa, qb = QP(pa, cqa, cqa), QP(pb, cqb, cqb)
+    qa.connect(cb.gid, qb.qpn)
+    qb.connect(ca.gid, qa.qpn)
+    return qa, qb, cqa, cqb, mra, mrb
+
+
+def test_a_send_waits_for_a_busy_local_peer_to_post_its_receives_first(
+        make_vrnic: Callable[..., AttachInfo], driver: VerbsDriver, edge: FakeEdge) -> None:
+    """The race the test above can lose: the peer's lock is taken (its engine mid-step, or a verb) when the SEND is
+    drained, so the sender cannot post the peer's receives. The SEND waits for the lock (briefly) instead of
+    going out to an RNR NAK."""
+    info_b = make_vrnic(device="fake1")
+    with Context.attach(make_vrnic(), ARENA) as ca, Context.attach(info_b, ARENA) as cb:
+        qa, qb, cqa, cqb, mra, mrb = _pair(ca, cb)
+        for number in range(3):
+            with PeerBusy(session_of(driver, info_b), hold=0.002):
+                qb.post_recv(RecvRequest(number, (mrb.sge(0, 64),)), doorbell=False)
+                qa.post_send(SendRequest(number, WrOpcode.SEND, (mra.sge(0, 6),)))
+            assert [(c.wr_id, c.status) for c in cqa.wait(1, timeout=5)] == [(number, 0)]
+            assert [(c.wr_id, c.status) for c in cqb.wait(1, timeout=5)] == [(number, 0)]
+        assert edge.rnr_naks == 0
+
+
+def test_a_send_waits_for_a_busy_local_peer_no_longer_than_an_rnr_retry_would(
+        make_vrnic: Callable[..., AttachInfo], driver: VerbsDriver, edge: FakeEdge) -> None:
+    """A peer held far longer (a long batch verb) does not hold the SEND: after PEER_WAIT_S it goes, as to a peer
+    on another host, and the NIC's RNR retry delivers it once the receive is there."""
+    info_b = make_vrnic(device="fake1")
+    with Context.attach(make_vrnic(), ARENA) as ca, Context.attach(info_b, ARENA) as cb:
+        qa, qb, cqa, cqb, mra, mrb = _pair(ca, cb)
+        with PeerBusy(session_of(driver, info_b), hold=1.0) as busy:
+            qb.post_recv(RecvRequest(1, (mrb.sge(0, 64),)), doorbell=False)
+            qa.post_send(SendRequest(2, WrOpcode.SEND, (mra.sge(0, 6),)))
+            deadline = time.monotonic() + 0.9
+            while not edge.posted and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert edge.posted and not busy.released.is_set()  # on the NIC while the peer is still busy
+        assert [(c.wr_id, c.status) for c in cqa.wait(1, timeout=5)] == [(2, 0)]
+        assert [(c.wr_id, c.status) for c in cqb.wait(1, timeout=5)] == [(1, 0)]
+        assert edge.rnr_naks == 1
+
+
 def test_a_send_posted_before_its_qp_is_destroyed_reaches_the_nic(make_vrnic: Callable[..., AttachInfo],
                                                                   driver: VerbsDriver,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,6 +20,7 @@ import os
 import select
 import socket
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
@@ -48,6 +49,9 @@ log = logging.getLogger(__name__)
 BATCH = 32
 IDLE_WAIT_S = 1.0  # with every CQ armed, a completion or a doorbell wakes us anyway
 UNKNOWN_FD_WAIT_S = 0.001  # a CQ whose channel fd is unknown must be polled
+# How long a SEND may wait for its local peer's lock to post the peer's receives first. rxe retries a SEND refused
+# for want of a receive (RNR NAK) a timer tick later, 4 ms at least, so waiting up to that long never costs more.
+PEER_WAIT_S = 0.004
 WRITE_OPS = (WrOpcode.RDMA_READ, *ATOMICS)  # local buffers the NIC writes into
 CONSUMES_RECV = (WrOpcode.SEND, WrOpcode.SEND_WITH_IMM, WrOpcode.RDMA_WRITE_WITH_IMM)  # a receive at the peer
 WC_GRH = 1  # IBV_WC_GRH
@@ -102,8 +106,12 @@ class EngineHost(Protocol):
     def remote_writes(self, qp: QpEntry, address: int, length: int) -> None:
         """This QP's RDMA WRITE or atomic will write this range of its peer's memory."""
 
-    def post_peer_receives(self, qp: QpEntry) -> None:
-        """qp's SENDs are about to go out: the receives its peer's guest posted should be on the NIC first."""
+    def post_peer_receives(self, qp: QpEntry) -> bool:
+        """qp's SENDs are about to go out: the receives its peer's guest posted should be on the NIC first. False
+        when that could not be known: the peer is a session of this vrnicd whose lock another thread holds."""
+
+    def await_peer(self, qp: QpEntry, timeout: float) -> None:
+        """Wait (the caller holding no session's lock) until qp's peer session may be free, or timeout seconds."""
 
 
 class DataPathEngine(ABC):
@@ -156,6 +164,7 @@ class SharedRingEngine(DataPathEngine):
         self._stopping = False
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._thread: threading.Thread | None = None
+        self._peer_waits: list[tuple[QpEntry, float]] = []  # QPs whose SENDs wait for their peer: (qp, deadline)
         self.posted = 0
         self.recvs_posted = 0
         self.completed = 0
@@ -182,7 +191,7 @@ class SharedRingEngine(DataPathEngine):
     def drain_queues(self, qps: list[QpEntry] | None = None) -> int:
         before = self.posted + self.recvs_posted
         for qp in qps if qps is not None else [q for _, q in self.host.state.qps.items()]:
-            self._drain_queues(qp)
+            self._drain_queues(qp, patient=False)  # a verb's program order: everything on the NIC when it returns
         return self.posted + self.recvs_posted - before
 
     def settle(self) -> int:
@@ -214,6 +223,7 @@ class SharedRingEngine(DataPathEngine):
         try:
             while not self._stopping:
                 if self._step():
+                    self._await_peers()
                     continue
                 if self.busy_poll:
                     continue
@@ -241,6 +251,14 @@ class SharedRingEngine(DataPathEngine):
             with contextlib.suppress(OSError):  # a full counter already means "look"
                 os.eventfd_write(host.notify_fd, 1)
         return worked or completed
+
+    def _await_peers(self) -> None:
+        """Block, holding no lock, until the peers some SENDs wait for may be free (their deadlines at most)."""
+        waits, self._peer_waits = self._peer_waits, []
+        for qp, deadline in waits:
+            left = deadline - time.monotonic()
+            if left > 0:
+                self.host.await_peer(qp, left)
 
     def _wait(self) -> None:
         self.waits += 1
@@ -288,7 +306,9 @@ class SharedRingEngine(DataPathEngine):
                     os.eventfd_read(fd)
 
     # ----- guest -> NIC ------------------------------------------------------------------------
-    def _drain_queues(self, qp: QpEntry) -> bool:
+    def _drain_queues(self, qp: QpEntry, patient: bool = True) -> bool:
+        """Move qp's rings to the NIC. patient: a SEND to a local peer whose lock is taken waits for a later step
+        (up to PEER_WAIT_S), so that the peer's receives go first; a verb's drain is never patient."""
         worked = False
         sq, rq = qp.sq, qp.rq
         if sq is None or rq is None or qp.held:  # not a shared-ring QP, or a migration holds it
@@ -299,11 +319,11 @@ class SharedRingEngine(DataPathEngine):
             # by being early: only arriving SENDs consume receives. All of them (the ring is no longer than the QP's
             # receive queue), so none posted before a send stays behind it.
             worked = self._post_ring_receives(qp, rq) > 0
+            primed = qp.peer_id is None  # a local peer's receives go to the NIC before the first WR that needs one
             retry, qp.pending = qp.pending, []
             for wr in retry:
-                self._post(qp, wr)
+                primed = self._post_in_order(qp, wr, primed, patient)
             # While the NIC's send queue is full, leave WRs in the ring: that is the guest's backpressure.
-            primed = qp.peer_id is None  # a local peer's receives go to the NIC before the first WR that needs one
             for slot in [] if qp.pending else sq.consume(BATCH):
                 worked = True
                 try:
@@ -312,17 +332,36 @@ class SharedRingEngine(DataPathEngine):
                     self._complete(qp.send_cq, Completion(slot[0], WcStatus.LOC_QP_OP_ERR, WcOpcode.SEND,
                                                           qp=qp.vqpn))
                     continue
-                if not primed and wr.opcode in CONSUMES_RECV:
-                    primed = True
-                    self.host.post_peer_receives(qp)
-                if qp.pending:
-                    qp.pending.append(wr)
-                else:
-                    self._post(qp, wr)
+                primed = self._post_in_order(qp, wr, primed, patient)
         except RingCorrupt as exc:
             sq.set_flag(RingFlags.CORRUPT)
             log.warning("vRNIC %s QP %d: %s; queue marked corrupt", self.host.vrnic_id, qp.vqpn, exc)
+        if qp.peer_wait_until:
+            worked = True  # step again soon (after _await_peers), not asleep until a doorbell
         return worked
+
+    def _post_in_order(self, qp: QpEntry, wr: Any, primed: bool, patient: bool) -> bool:
+        """Post wr behind any WR still waiting; whether the peer's receives are known to be on the NIC now."""
+        if not qp.pending and not primed and wr.opcode in CONSUMES_RECV:
+            if self.host.post_peer_receives(qp) or not patient or self._out_of_patience(qp):
+                qp.peer_wait_until = 0.0  # a verb's drain, or patience ran out: it goes, as if the peer were remote
+                primed = True
+            else:
+                self._peer_waits.append((qp, qp.peer_wait_until))
+                qp.pending.append(wr)
+                return False
+        if qp.pending:
+            qp.pending.append(wr)
+        else:
+            self._post(qp, wr)
+        return primed
+
+    @staticmethod
+    def _out_of_patience(qp: QpEntry) -> bool:
+        now = time.monotonic()
+        if not qp.peer_wait_until:
+            qp.peer_wait_until = now + PEER_WAIT_S
+        return now >= qp.peer_wait_until
 
     def _physical(self, qp: QpEntry, wr: Any) -> PhysSend:
         """The guest's WR in physical terms, or WrRejected: nothing unchecked reaches the NIC."""

@@ -905,23 +905,37 @@ class GuestSession:
     def peer_mrs(self, qp: QpEntry) -> Mapping[int, MrWindow] | None:
         return None if qp.peer_id is None else self.registry.peer_mrs(qp.peer_id, self.vrnic)
 
-    def post_peer_receives(self, qp: QpEntry) -> None:
+    def post_peer_receives(self, qp: QpEntry) -> bool:
         """Before qp's SENDs go out, the receives its peer's guest already posted go to the NIC, when the peer is a
         QP of this vrnicd connected back to qp. The peer's own engine posts them too, but the two engines race: a
         SEND that arrives first is refused (RNR NAK) and rxe sends it again a timer tick later (4 ms at least),
-        which held the shared-ring engine's ping-pong at 10 ms. Never waits for the peer's lock: whoever holds it
-        (its engine, a verb) is at work on the peer, and the race is left as it was."""
-        if qp.peer_id is None or qp.peer_vqpn is None:
-            return
-        peer = self.registry.session_of(qp.peer_id)
-        if not isinstance(peer, GuestSession) or not peer.lock.acquire(blocking=False):
-            return  # on another host (the network gives its engine time), not attached, or busy
+        which held the shared-ring engine's ping-pong at 10 ms. Never waits for the peer's lock (this engine holds
+        its own, and the peer's may be waiting for it): False when it is taken, and the engine tries again after
+        await_peer."""
+        peer = self._local_peer(qp)
+        if peer is None:
+            return True  # on another host (the network gives its engine time), or not attached
+        if not peer.lock.acquire(blocking=False):
+            peer.engine.wake()  # whoever holds it, the peer's engine looks at its receives again soon
+            return False
         try:
-            target = None if peer.closed else peer.state.qp_by_vqpn.get(qp.peer_vqpn)
+            target = None if peer.closed else peer.state.qp_by_vqpn.get(qp.peer_vqpn)  # type: ignore[arg-type]
             if target is not None and target.peer_id == self.vrnic_id and target.peer_vqpn == qp.vqpn:
                 peer.engine.post_receives(target)
         finally:
             peer.lock.release()
+        return True
+
+    def await_peer(self, qp: QpEntry, timeout: float) -> None:
+        peer = self._local_peer(qp)
+        if peer is not None and peer.lock.acquire(timeout=timeout):
+            peer.lock.release()
+
+    def _local_peer(self, qp: QpEntry) -> GuestSession | None:
+        if qp.peer_id is None or qp.peer_vqpn is None:
+            return None
+        peer = self.registry.session_of(qp.peer_id)
+        return peer if isinstance(peer, GuestSession) else None
 
     def source_vqpn(self, phys_qpn: int, phys_gid: str | None) -> int:
         return self.registry.virtual_qpn(self.vrnic, phys_qpn, phys_gid)

@@ -76,7 +76,9 @@ class QpEntry:
     peer_gid: str | None = None  # its virtual identity, as the guest named it
     peer_vqpn: int | None = None
     ahs: dict[tuple[str, int], Any] = field(default_factory=dict, repr=False)  # UD address handles
-    pending: list[Any] = field(default_factory=list, repr=False)  # WRs the NIC refused for lack of room
+    pending: list[Any] = field(default_factory=list, repr=False)  # WRs not on the NIC yet, in order: refused for
+    # lack of room, or waiting for the receives of a local peer whose lock was taken (until peer_wait_until)
+    peer_wait_until: float = 0.0
     grh_at: dict[int, int] = field(default_factory=dict, repr=False)  # UD recv wr_id -> address of its GRH
     guard_flow: Any = field(default=None, repr=False)  # the packet guard's flow for this RC QP, when guarded
     # The shared-ring engine's account of what the NIC holds, so a migration can drain and re-post:
