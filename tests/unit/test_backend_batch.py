@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from vrnic.backend.fake_edge import FakeContext, FakeEdge
+from vrnic.backend.registry import Registry
 from vrnic.backend.session import GuestSession
 from vrnic.core import verb_args
 from vrnic.core.rings import RingFlags
@@ -279,6 +280,35 @@ def test_connect_qps_moves_every_qp_one_step_at_a_time(make_vrnic: Callable[...,
         QP.connect_many(ca, [(qa, cb.gid, qb.qpn) for qa, qb in zip(qas, qbs, strict=True)])
         assert log == ["qp_to_init"] * 3 + ["qp_to_rtr"] * 3 + ["qp_to_rts"] * 3
         assert [qp.query()["state"] for qp in qas] == ["rts"] * 3
+
+
+def test_connect_qps_looks_each_peer_up_once_and_before_any_qp_moves(
+        make_vrnic: Callable[..., AttachInfo], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four QPs towards two peers: two peer lookups and policy checks, not four (issue 14). A peer QPN that does
+    not exist is refused before any QP leaves RESET, without a transition to undo."""
+    with Context.attach(make_vrnic(), ARENA) as ca, Context.attach(make_vrnic(device="fake1"), ARENA) as cb, \
+            Context.attach(make_vrnic(device="fake1"), ARENA) as cc:
+        qas = QP.create_many(PD(ca), (cqa := CQ(ca, 16)), cqa, 4)
+        qbs = QP.create_many(PD(cb), (cqb := CQ(cb, 16)), cqb, 2)
+        qcs = QP.create_many(PD(cc), (cqc := CQ(cc, 16)), cqc, 2)
+        log: list[str] = []
+        _recording(monkeypatch, log, FakeContext, "qp_to_init")
+        original = Registry.check
+        checks: list[str] = []
+
+        def counting(self: Any, asker: Any, target: Any, via: str) -> Any:
+            checks.append(target.vrnic_id)
+            return original(self, asker, target, via)
+
+        monkeypatch.setattr(Registry, "check", counting)
+        with pytest.raises(NotFound, match=f"no QP {0xFFFFFF}"):
+            QP.connect_many(ca, [(qas[0], cb.gid, qbs[0].qpn), (qas[1], cc.gid, 0xFFFFFF)])
+        assert log == [] and [qp.query()["state"] for qp in qas] == ["reset"] * 4
+        checks.clear()
+        QP.connect_many(ca, [(qas[0], cb.gid, qbs[0].qpn), (qas[1], cc.gid, qcs[0].qpn),
+                             (qas[2], cb.gid, qbs[1].qpn), (qas[3], cc.gid, qcs[1].qpn)])
+        assert len(checks) == 2 and len(set(checks)) == 2
+        assert [qa.query()["connected_to"] for qa in qas] == [cb.gid, cc.gid, cb.gid, cc.gid]
 
 
 @pytest.mark.parametrize("step", ["qp_to_init", "qp_to_rtr", "qp_to_rts"])

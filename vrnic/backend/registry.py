@@ -533,6 +533,19 @@ class Registry:
             self._remote[remote.vrnic_id] = remote
         return remote, phys_qpn
 
+    def peer_qps(self, asker: VirtualRnic, virtual_gid: str, vqpns: list[int]) -> list[tuple[Peer, int]]:
+        """peer_qp for several QPs of one peer: a peer this vrnicd holds is looked up and checked once."""
+        if self.directory is not None and not self.holds(virtual_gid):
+            return [self.peer_qp(asker, virtual_gid, vqpn) for vqpn in vqpns]
+        peer = self.local_peer(asker.identity, virtual_gid)
+        with self._lock:
+            published = self._published.get(peer.spec.id)
+            phys = [None if published is None else published.qpn_by_vqpn.get(vqpn) for vqpn in vqpns]
+        for vqpn, phys_qpn in zip(vqpns, phys, strict=True):
+            if phys_qpn is None:
+                raise NotFound(f"no QP {vqpn} on {peer.spec.virtual_gid}")
+        return [(peer, phys_qpn) for phys_qpn in phys if phys_qpn is not None]
+
     def ud_peer(self, asker: VirtualRnic, virtual_gid: str, vqpn: int) -> tuple[Peer, int]:
         """peer_qp for a UD work request: a remote answer (or refusal) is kept for REMOTE_CACHE_S."""
         if self.directory is None or self.holds(virtual_gid):

@@ -750,6 +750,20 @@ class GuestSession:
             return {"qps": [self._qp_reply(qp) for qp in entered]}
         return self._qps_reply(entered)
 
+    def _resolve_all(self, connections: list[verb_args.Connection],
+                     resolved: list[tuple[Peer, int] | None] | None) -> list[tuple[Peer, int]]:
+        """Each connection's peer and physical QPN (those not resolved beforehand), each peer looked up once."""
+        peers: list[tuple[Peer, int] | None] = list(resolved) if resolved is not None else [None] * len(connections)
+        by_gid: dict[str, list[int]] = {}
+        for index, (c, peer) in enumerate(zip(connections, peers, strict=True)):
+            if peer is None:
+                by_gid.setdefault(c.remote_gid, []).append(index)
+        for gid, indexes in by_gid.items():
+            found = self.registry.peer_qps(self.vrnic, gid, [connections[i].remote_qpn for i in indexes])
+            for index, one in zip(indexes, found, strict=True):
+                peers[index] = one
+        return [peer for peer in peers if peer is not None]
+
     def _destroy_quietly(self, objs: Iterable[Any]) -> None:
         for obj in objs:
             with contextlib.suppress(VrnicError):
@@ -773,15 +787,14 @@ class GuestSession:
         drain = self._drain_kbit()
         connected = self._rc_connected() if drain is not None else 0
         batch = RcJoins(drain, connected, None if drain is None else self._timed_senders(leaving_out=qps))
+        peers = self._resolve_all(connections, resolved)  # a peer that is not there moves no QP
         try:
             self.engine.drain_queues(qps)  # the guest's earlier WRs reach the NIC first, as in connect
             for c, qp in zip(connections, qps, strict=True):
                 self._to_init(qp, c.access, CONNECT_LINK.qkey)
                 qp.state = "init"
-            for index, (c, qp) in enumerate(zip(connections, qps, strict=True)):
-                peer = None if resolved is None else resolved[index]
-                self._to_rtr(qp, peer or self._resolve(c.remote_gid, c.remote_qpn), c.remote_gid, c.remote_qpn,
-                             CONNECT_LINK)
+            for c, qp, peer in zip(connections, qps, peers, strict=True):
+                self._to_rtr(qp, peer, c.remote_gid, c.remote_qpn, CONNECT_LINK)
                 qp.state = "rtr"
             for qp, joins in zip(qps, joining, strict=True):
                 connected += joins
