@@ -106,6 +106,37 @@ def test_connect_qps_is_all_or_nothing(make_vrnic: Callable[..., AttachInfo]) ->
 
 
 
+def test_a_batchs_rings_lie_side_by_side_and_each_qp_frees_its_own(make_vrnic: Callable[..., AttachInfo]) -> None:
+    """create_many finds room for every ring of the batch in one search of the arena; when the arena has no run
+    that long, the rings are placed pair by pair where they fit."""
+    with Context.attach(make_vrnic(), ARENA) as ctx:
+        pd, cq = PD(ctx), CQ(ctx, 16)
+        before = ctx.allocator.in_use()
+        qps = QP.create_many(pd, cq, cq, 4)
+        offsets = [b.offset for qp in qps for b in (qp.sq_buffer, qp.rq_buffer)]
+        sq_bytes, rq_bytes = qps[0].sq_buffer.length, qps[0].rq_buffer.length
+        assert all(b - a in (sq_bytes, rq_bytes) for a, b in zip(offsets, offsets[1:], strict=False))
+        used, hole = ctx.allocator.in_use(), qps[1].sq_buffer.offset
+        qps[1].close()
+        assert ctx.allocator.in_use() == used - sq_bytes - rq_bytes
+        # Fill the arena but for a few rings' worth in holes: the batch still gets made, its rings apart.
+        pair = sq_bytes + rq_bytes + 128  # with room for each ring's alignment
+        filler: list[Buffer] = []
+        with pytest.raises(QuotaExceeded):
+            while True:
+                filler.append(ctx.alloc(pair))
+        for buffer in filler[::2]:
+            ctx.free(buffer)
+        apart = QP.create_many(pd, cq, cq, 3)
+        holes = {hole, *(b.offset for b in filler[::2])}
+        assert {qp.sq_buffer.offset for qp in apart} <= holes  # one pair in each of three holes
+        for qp in [*qps[:1], *qps[2:], *apart]:
+            qp.close()
+        for buffer in filler[1::2]:
+            ctx.free(buffer)
+        assert ctx.allocator.in_use() == before
+
+
 def test_create_qps_takes_one_shape_with_its_rings_or_one_item_per_qp(make_vrnic: Callable[..., AttachInfo]) -> None:
     """The shape form (what the guest library sends) answers with two lists; the item form (older guests) with an
     item per QP. Both make real QPs with their rings where the guest put them."""

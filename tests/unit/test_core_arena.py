@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vrnic.core.arena import ArenaAllocator
+from vrnic.core.arena import ArenaAllocator, SegmentedAllocator
 from vrnic.errors import InvalidArgument, QuotaExceeded
 
 
@@ -139,3 +139,36 @@ def test_allocations_never_overlap_and_stay_inside(requests: list[tuple[int, int
         arena.free(offset)
     assert arena.in_use() == 0
     assert arena.alloc(size, align=1) == 0  # everything coalesced back
+
+
+def test_alloc_many_puts_pieces_side_by_side_each_freed_on_its_own() -> None:
+    arena = ArenaAllocator(1 << 16)
+    first = arena.alloc(100)
+    pieces = arena.alloc_many([4160, 1000, 4160, 1000])
+    assert pieces == [128, 128 + 4160, 128 + 4160 + 1024, 128 + 2 * 4160 + 1024]  # 100 -> 128, 1000 -> 1024
+    assert arena.in_use() == 100 + 2 * 4160 + 2 * 1024  # each piece of the run holds its rounded length
+    arena.free(pieces[1])
+    assert arena.alloc(1000) == pieces[1]  # the hole one piece left
+    for offset in [first, *pieces]:
+        arena.free(offset)
+    assert arena.in_use() == 0 and arena.alloc(1 << 16) == 0  # everything coalesced again
+
+
+def test_alloc_many_is_all_or_nothing_and_checks_its_requests() -> None:
+    arena = ArenaAllocator(8192)
+    with pytest.raises(QuotaExceeded):
+        arena.alloc_many([4096, 4096, 64])
+    assert arena.in_use() == 0
+    for lengths, align in (([], 64), ([64, 0], 64), ([64], 48)):
+        with pytest.raises(InvalidArgument):
+            arena.alloc_many(lengths, align)
+
+
+def test_a_segmented_arena_keeps_a_run_in_one_segment_or_places_pieces_one_by_one() -> None:
+    arena = SegmentedAllocator([(0, 4096), (1 << 20, 8192)])
+    assert arena.alloc_many([2048, 2048, 2048]) == [1 << 20, (1 << 20) + 2048, (1 << 20) + 4096]
+    # No segment has room for the whole run: each piece still lands in one piece of one segment.
+    assert sorted(arena.alloc_many([2048, 2048, 2048])) == [0, 2048, (1 << 20) + 6144]
+    with pytest.raises(QuotaExceeded):
+        arena.alloc_many([64])
+    assert arena.in_use() == 6 * 2048

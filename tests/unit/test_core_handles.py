@@ -128,3 +128,15 @@ def test_racing_destroys_of_one_handle_give_one_object_and_not_found() -> None:
     assert results.count("ok") == 2000
     assert results.count("not_found") == 6000
     assert len(table) == 0
+
+
+def test_handles_spread_over_the_whole_space_and_its_size_is_checked() -> None:
+    """Random words are read in blocks; each handle still takes all of its bits from one of them."""
+    table: HandleTable[int] = HandleTable("qp")
+    handles = [table.add(i) for i in range(300)]  # more than one block
+    assert 100 < sum(h >> 62 for h in handles) < 200  # the top bit set in about half
+    assert 100 < sum(h & 1 for h in handles) < 200  # and the bottom one
+    for bits in (0, 65):
+        with pytest.raises(InvalidArgument, match="1 to 64 bits"):
+            HandleTable("qp", bits=bits)
+    assert 0 < HandleTable[int]("wide", bits=64).add(1) < 1 << 64

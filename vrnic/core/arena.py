@@ -32,6 +32,24 @@ class ArenaAllocator:
                     return offset
         raise QuotaExceeded("arena_bytes", self.size, self.in_use() + length)
 
+    def alloc_many(self, lengths: list[int], align: int = 64) -> list[int]:
+        """Several allocations side by side, found in one search (a batch of QPs' rings); each is freed on its own.
+        Each takes its length rounded up to align, so the next starts aligned."""
+        if not lengths or align <= 0 or align & (align - 1) or min(lengths) <= 0:
+            raise InvalidArgument(f"bad allocations: {len(lengths)} of {min(lengths, default=0)}+ bytes aligned to "
+                                  f"{align}")
+        sizes = [(length + align - 1) & ~(align - 1) for length in lengths]
+        base = self.alloc(sum(sizes), align)
+        offsets = []
+        with self._lock:
+            del self._used[base]
+            offset = base
+            for size in sizes:
+                offsets.append(offset)
+                self._used[offset] = size
+                offset += size
+        return offsets
+
     def free(self, offset: int) -> None:
         with self._lock:
             length = self._used.pop(offset, None)
@@ -74,6 +92,23 @@ class SegmentedAllocator:
             raise InvalidArgument(f"{length} bytes do not fit one physically contiguous piece of the arena "
                                   f"(the largest is {largest} bytes; use hugepages for larger buffers)")
         raise QuotaExceeded("arena_bytes", self.size, self.in_use() + length)
+
+    def alloc_many(self, lengths: list[int], align: int = 64) -> list[int]:
+        """Side by side in one segment if one has room, else one by one (each still in one piece)."""
+        for start, part in self._parts:
+            try:
+                return [start + offset for offset in part.alloc_many(lengths, align)]
+            except QuotaExceeded:
+                continue
+        offsets: list[int] = []
+        try:
+            for length in lengths:
+                offsets.append(self.alloc(length, align))
+        except BaseException:
+            for offset in offsets:
+                self.free(offset)
+            raise
+        return offsets
 
     def free(self, offset: int) -> None:
         for start, part in self._parts:

@@ -7,6 +7,7 @@ found (it names nothing here) and reveals nothing about other vRNICs.
 from __future__ import annotations
 
 import secrets
+import struct
 import threading
 from collections.abc import Iterator
 from typing import Generic, TypeVar
@@ -15,9 +16,30 @@ from vrnic.errors import InvalidArgument, NotFound
 
 T = TypeVar("T")
 
+_DRAW = 64  # handles' worth of randomness read at once: one getrandom(2) per 64 new objects, not one each
+
+
+class _RandomWords:
+    """64-bit random words from the OS's CSPRNG, read in blocks (a batch of 64 QPs drew 64 times; issue 14)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._words: list[int] = []
+
+    def next(self) -> int:
+        with self._lock:
+            if not self._words:
+                self._words = list(struct.unpack(f"<{_DRAW}Q", secrets.token_bytes(8 * _DRAW)))
+            return self._words.pop()
+
+
+_random_words = _RandomWords()
+
 
 class HandleTable(Generic[T]):
     def __init__(self, kind: str, bits: int = 63) -> None:
+        if not 1 <= bits <= 64:
+            raise InvalidArgument(f"handles have 1 to 64 bits, not {bits}")
         self.kind = kind
         self._bits = bits
         self._objects: dict[int, T] = {}
@@ -26,7 +48,7 @@ class HandleTable(Generic[T]):
     def add(self, obj: T) -> int:
         with self._lock:
             while True:
-                handle = secrets.randbits(self._bits) or 1
+                handle = _random_words.next() >> (64 - self._bits) or 1
                 if handle not in self._objects:
                     self._objects[handle] = obj
                     return handle

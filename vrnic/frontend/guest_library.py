@@ -227,6 +227,17 @@ class Context(_Resource):
             offset = self.allocator.alloc(length, align)
         return Buffer(self, offset, self.arena.wire(offset), length)
 
+    def alloc_many(self, lengths: list[int], align: int = 64) -> list[Buffer]:
+        """Buffers side by side, in one search of the arena (spare MRs given back first if it is short)."""
+        try:
+            offsets = self.allocator.alloc_many(lengths, align)
+        except QuotaExceeded as exc:
+            if exc.limit != "arena_bytes" or not _give_back_spare_mrs(self):
+                raise
+            offsets = self.allocator.alloc_many(lengths, align)
+        wire = self.arena.wire
+        return [Buffer(self, offset, wire(offset), length) for offset, length in zip(offsets, lengths, strict=True)]
+
     def free(self, buffer: Buffer) -> None:
         self.allocator.free(buffer.offset)
 
@@ -601,7 +612,11 @@ def _create_qps(ctx: Context, shape: QpShape, count: int, fewer: bool = False) -
     none; with fewer, as many as the arena has room for (at least one)."""
     rings: list[tuple[Buffer, Buffer]] = []
     try:
-        if ctx.direct is None:  # the shared-ring engine: the rings live in the arena
+        if ctx.direct is None and count > 1:  # the shared-ring engine: the rings live in the arena, side by side
+            with contextlib.suppress(QuotaExceeded):  # the arena has no room for all: one pair at a time, below
+                buffers = ctx.alloc_many(list(shape.ring_bytes()) * count)
+                rings = list(zip(buffers[0::2], buffers[1::2], strict=True))
+        if ctx.direct is None:
             while len(rings) < count:
                 try:
                     rings.append(_ring_pair(ctx, shape))
