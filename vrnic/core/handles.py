@@ -36,6 +36,11 @@ class _RandomWords:
 _random_words = _RandomWords()
 
 
+def random_word() -> int:
+    """64 random bits (CSPRNG), for names a guest must not guess: handles, virtual memory keys."""
+    return _random_words.next()
+
+
 class HandleTable(Generic[T]):
     def __init__(self, kind: str, bits: int = 63) -> None:
         if not 1 <= bits <= 64:
@@ -48,7 +53,7 @@ class HandleTable(Generic[T]):
     def add(self, obj: T) -> int:
         with self._lock:
             while True:
-                handle = _random_words.next() >> (64 - self._bits) or 1
+                handle = random_word() >> (64 - self._bits) or 1
                 if handle not in self._objects:
                     self._objects[handle] = obj
                     return handle

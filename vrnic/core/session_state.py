@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from vrnic.core.guest_phys import MemoryLayout
-from vrnic.core.handles import HandleTable
+from vrnic.core.handles import HandleTable, random_word
 from vrnic.core.quota import QuotaLedger, Resource
 from vrnic.core.rings import Ring
 from vrnic.core.specs import Quota
@@ -176,7 +176,7 @@ class SessionState:
 
     def new_vkey(self) -> int:
         while True:
-            key = secrets.randbits(32) or 1
+            key = random_word() >> 32 or 1
             if key not in self.mr_by_vkey:
                 return key
 
