@@ -8,12 +8,13 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from vrnic.backend.attachment import PeerCred
 from vrnic.backend.drivers.paravirtual import VerbsDriver
-from vrnic.backend.fake_edge import FakeEdge
+from vrnic.backend.fake_edge import FakeContext, FakeEdge
 from vrnic.backend.guest_memory import REQUIRED_SEALS
 from vrnic.backend.session import GuestSession
 from vrnic.core.rings import pack_send
@@ -284,6 +285,63 @@ def test_a_send_waits_for_a_busy_local_peer_no_longer_than_an_rnr_retry_would(
         assert [(c.wr_id, c.status) for c in cqa.wait(1, timeout=5)] == [(2, 0)]
         assert [(c.wr_id, c.status) for c in cqb.wait(1, timeout=5)] == [(1, 0)]
         assert edge.rnr_naks == 1
+
+
+def test_two_local_peers_sending_to_each_other_at_once_neither_stall_nor_lose_a_message(
+        make_vrnic: Callable[..., AttachInfo], edge: FakeEdge, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both engines post SENDs to each other at the same moments, each wanting the other's lock for the other's
+    receives: neither waits for the other while holding its own, so both streams complete, in order. Each post
+    holds its engine's lock a little longer (as a post into a slow NIC would), so the engines do find each other's
+    lock taken."""
+    waits: list[float] = []
+    original_post, original_peer = FakeContext.post_send, GuestSession.post_peer_receives
+
+    def slow_post(self: FakeContext, qp: Any, wr: Any) -> None:
+        time.sleep(0.0005)
+        original_post(self, qp, wr)
+
+    def counted_wait(self: GuestSession, qp: Any, wait: float = 0.0) -> bool:
+        if wait:
+            waits.append(wait)
+        return original_peer(self, qp, wait)
+
+    monkeypatch.setattr(FakeContext, "post_send", slow_post)
+    monkeypatch.setattr(GuestSession, "post_peer_receives", counted_wait)
+    with Context.attach(make_vrnic(), ARENA) as ca, Context.attach(make_vrnic(device="fake1"), ARENA) as cb:
+        qa, qb, cqa, cqb, mra, mrb = _pair(ca, cb)
+        count, window = 200, 8
+        results: dict[str, list[int]] = {}
+
+        def stream(name: str, me: QP, cq: CQ, mr: MR) -> None:
+            received: list[int] = []
+            sent = 0
+            me.post_recv([RecvRequest(1000 + i, (mr.sge(64 + 64 * i, 64),)) for i in range(window)])
+            posted_recvs = window
+            while len(received) < count or sent < count:
+                if sent < count and sent - len(received) < window:
+                    me.post_send(SendRequest(sent, WrOpcode.SEND, (mr.sge(0, 8),), signaled=False))
+                    sent += 1
+                for c in cq.poll(16):
+                    assert c.status == WcStatus.SUCCESS, c
+                    if c.wr_id >= 1000:
+                        received.append(c.wr_id)
+                        if posted_recvs < count:
+                            slot = posted_recvs % window
+                            me.post_recv(RecvRequest(1000 + posted_recvs, (mr.sge(64 + 64 * slot, 64),)))
+                            posted_recvs += 1
+            results[name] = received
+
+        threads = [threading.Thread(target=stream, args=("a", qa, cqa, mra)),
+                   threading.Thread(target=stream, args=("b", qb, cqb, mrb))]
+        started = time.monotonic()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert not any(thread.is_alive() for thread in threads)
+        assert results == {"a": [1000 + i for i in range(count)], "b": [1000 + i for i in range(count)]}
+        assert time.monotonic() - started < 30
+        assert waits  # the engines did meet each other's lock
 
 
 def test_a_send_posted_before_its_qp_is_destroyed_reaches_the_nic(make_vrnic: Callable[..., AttachInfo],

@@ -106,12 +106,10 @@ class EngineHost(Protocol):
     def remote_writes(self, qp: QpEntry, address: int, length: int) -> None:
         """This QP's RDMA WRITE or atomic will write this range of its peer's memory."""
 
-    def post_peer_receives(self, qp: QpEntry) -> bool:
+    def post_peer_receives(self, qp: QpEntry, wait: float = 0.0) -> bool:
         """qp's SENDs are about to go out: the receives its peer's guest posted should be on the NIC first. False
-        when that could not be known: the peer is a session of this vrnicd whose lock another thread holds."""
-
-    def await_peer(self, qp: QpEntry, timeout: float) -> None:
-        """Wait (the caller holding no session's lock) until qp's peer session may be free, or timeout seconds."""
+        when that could not be done: the peer is a session of this vrnicd whose lock another thread held
+        (throughout `wait` seconds; a caller that waits must hold no session's lock)."""
 
 
 class DataPathEngine(ABC):
@@ -253,12 +251,14 @@ class SharedRingEngine(DataPathEngine):
         return worked or completed
 
     def _await_peers(self) -> None:
-        """Block, holding no lock, until the peers some SENDs wait for may be free (their deadlines at most)."""
+        """Holding no lock, wait for the peers some SENDs wait for (up to their deadlines) and post their
+        receives: taking the peer's lock again at the next step, under this engine's own, would race the peer's
+        engine for it, which takes it back at every step."""
         waits, self._peer_waits = self._peer_waits, []
         for qp, deadline in waits:
             left = deadline - time.monotonic()
-            if left > 0:
-                self.host.await_peer(qp, left)
+            if left > 0 and self.host.post_peer_receives(qp, wait=left):
+                qp.peer_primed = True
 
     def _wait(self) -> None:
         self.waits += 1
@@ -320,6 +320,8 @@ class SharedRingEngine(DataPathEngine):
             # receive queue), so none posted before a send stays behind it.
             worked = self._post_ring_receives(qp, rq) > 0
             primed = qp.peer_id is None  # a local peer's receives go to the NIC before the first WR that needs one
+            if qp.peer_primed:  # they went while this engine waited for the peer's lock
+                primed, qp.peer_primed, qp.peer_wait_until = True, False, 0.0
             retry, qp.pending = qp.pending, []
             for wr in retry:
                 primed = self._post_in_order(qp, wr, primed, patient)

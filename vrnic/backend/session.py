@@ -918,17 +918,17 @@ class GuestSession:
     def peer_mrs(self, qp: QpEntry) -> Mapping[int, MrWindow] | None:
         return None if qp.peer_id is None else self.registry.peer_mrs(qp.peer_id, self.vrnic)
 
-    def post_peer_receives(self, qp: QpEntry) -> bool:
+    def post_peer_receives(self, qp: QpEntry, wait: float = 0.0) -> bool:
         """Before qp's SENDs go out, the receives its peer's guest already posted go to the NIC, when the peer is a
         QP of this vrnicd connected back to qp. The peer's own engine posts them too, but the two engines race: a
         SEND that arrives first is refused (RNR NAK) and rxe sends it again a timer tick later (4 ms at least),
-        which held the shared-ring engine's ping-pong at 10 ms. Never waits for the peer's lock (this engine holds
-        its own, and the peer's may be waiting for it): False when it is taken, and the engine tries again after
-        await_peer."""
+        which held the shared-ring engine's ping-pong at 10 ms. Waits for the peer's lock only as long as `wait`,
+        and only a caller that holds no lock may wait (the peer's engine may be waiting for this one's)."""
         peer = self._local_peer(qp)
         if peer is None:
             return True  # on another host (the network gives its engine time), or not attached
-        if not peer.lock.acquire(blocking=False):
+        taken = peer.lock.acquire(timeout=wait) if wait > 0 else peer.lock.acquire(blocking=False)
+        if not taken:
             peer.engine.wake()  # whoever holds it, the peer's engine looks at its receives again soon
             return False
         try:
@@ -938,11 +938,6 @@ class GuestSession:
         finally:
             peer.lock.release()
         return True
-
-    def await_peer(self, qp: QpEntry, timeout: float) -> None:
-        peer = self._local_peer(qp)
-        if peer is not None and peer.lock.acquire(timeout=timeout):
-            peer.lock.release()
 
     def _local_peer(self, qp: QpEntry) -> GuestSession | None:
         if qp.peer_id is None or qp.peer_vqpn is None:

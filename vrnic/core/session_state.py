@@ -79,6 +79,7 @@ class QpEntry:
     pending: list[Any] = field(default_factory=list, repr=False)  # WRs not on the NIC yet, in order: refused for
     # lack of room, or waiting for the receives of a local peer whose lock was taken (until peer_wait_until)
     peer_wait_until: float = 0.0
+    peer_primed: bool = False  # the peer's receives went to the NIC while the engine waited for its lock
     grh_at: dict[int, int] = field(default_factory=dict, repr=False)  # UD recv wr_id -> address of its GRH
     guard_flow: Any = field(default=None, repr=False)  # the packet guard's flow for this RC QP, when guarded
     # The shared-ring engine's account of what the NIC holds, so a migration can drain and re-post:
