@@ -19,7 +19,7 @@ from vrnic.core.specs import AttachInfo
 from vrnic.core.verb_args import MAX_BATCH
 from vrnic.errors import Conflict, DeviceError, InvalidArgument, NotFound, QuotaExceeded
 from vrnic.frontend import CQ, MR, PD, QP, Access, Buffer, Context, SendRequest, WcStatus, WrOpcode
-from vrnic.frontend.guest_library import CQ_POOL, MR_POOL, MR_POOL_BYTES, PD_POOL, QP_POOL, MrShape
+from vrnic.frontend.guest_library import CQ_POOL, MR_POOL, MR_POOL_BYTES, PD_POOL, QP_POOL, QP_POOL_MAX, MrShape
 
 ARENA = 4 << 20
 ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
@@ -519,6 +519,43 @@ def test_qps_of_one_shape_come_from_a_pool_and_a_closed_one_is_destroyed(make_vr
         assert ctx.call("query_device")["quota_used"]["qp"] == 1
         big.close()
     assert len(edge.live) == live  # the pools go with the context
+
+
+def test_each_refill_of_a_qp_pool_asks_for_twice_as_many_up_to_a_cap(make_vrnic: Callable[..., AttachInfo]) -> None:
+    """A guest making QPs one by one pays one round trip for 4, then 8, 16, 32, 32... of them; never more spares
+    than it has used."""
+    with Context.attach(make_vrnic(max_qps=4096), 8 << 20) as ctx:
+        pd, cq = PD(ctx), CQ(ctx, 64)
+        requests: list[int] = []
+        original = ctx.call
+
+        def counting(op: str, **args: Any) -> Any:
+            if op == "create_qps":
+                requests.append(args["count"])
+            return original(op, **args)
+
+        ctx.call = counting  # type: ignore[method-assign]
+        qps, used = [], []
+        for _ in range(4 + 8 + 16 + 32 + 32 + 1):
+            qps.append(QP(pd, cq, cq))
+            used.append(ctx.call("query_device")["quota_used"]["qp"])
+        assert requests == [QP_POOL, 8, 16, QP_POOL_MAX, QP_POOL_MAX, QP_POOL_MAX]
+        assert all(u <= 2 * len(qps[:i + 1]) + QP_POOL for i, u in enumerate(used))
+        for qp in qps:
+            qp.close()
+
+
+def test_a_qp_pool_refill_the_quota_refuses_starts_small_again(make_vrnic: Callable[..., AttachInfo]) -> None:
+    with Context.attach(make_vrnic(max_qps=QP_POOL + 2 * QP_POOL - 1), ARENA) as ctx:
+        pd, cq = PD(ctx), CQ(ctx, 64)
+        qps = [QP(pd, cq, cq) for _ in range(QP_POOL)]
+        assert ctx.call("query_device")["quota_used"]["qp"] == QP_POOL
+        qps.append(QP(pd, cq, cq))  # a refill of 8 would pass the quota: this one QP alone
+        assert ctx.call("query_device")["quota_used"]["qp"] == QP_POOL + 1
+        qps.append(QP(pd, cq, cq))  # and the next refill is QP_POOL again, which fits
+        assert ctx.call("query_device")["quota_used"]["qp"] == 2 * QP_POOL + 1
+        for qp in qps:
+            qp.close()
 
 
 def test_the_qp_pool_stops_at_the_quota_and_gives_back_spares_of_other_shapes(

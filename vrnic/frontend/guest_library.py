@@ -39,7 +39,10 @@ DEFAULT_ARENA = 16 << 20
 PD_POOL = 8  # PDs a context asks vrnicd for at once (fewer when the quota leaves less room)
 CQ_POOL = 4  # CQs of one size a context asks vrnicd for at once on the shared-ring engine (fewer likewise)
 CQ_POOL_RING_BYTES = 64 << 10  # larger rings are not pooled: spare ones would take too much of the arena
-QP_POOL = 4  # QPs of one shape a context asks vrnicd for at once on the shared-ring engine (1 if the quota is short)
+QP_POOL = 4  # QPs of one shape a context first asks vrnicd for at once on the shared-ring engine (1 if the quota
+# is short); each later refill of that shape asks for twice as many, up to QP_POOL_MAX: a guest that makes many QPs
+# one by one pays a round trip per few dozen of them, and never holds more spares than it has used
+QP_POOL_MAX = 32
 QP_POOL_RING_BYTES = 64 << 10  # a QP whose two rings take more is not pooled, for the same reason
 MR_POOL = 4  # MRs of one shape (PD, length, access) a context asks vrnicd for at once on the shared-ring engine
 MR_POOL_BYTES = 64 << 10  # larger MRs are not pooled: spare ones would pin, and take, too much of the arena
@@ -153,6 +156,7 @@ class Context(_Resource):
         self.spare_pds: list[int] = []  # PDs vrnicd allocated for this context and no PD object holds
         self.spare_cqs: dict[int, list[tuple[int, Buffer]]] = {}  # by size: CQs (and rings) no CQ object holds
         self.spare_qps: dict[QpShape, list[SpareQp]] = {}  # by shape: new QPs no QP object holds yet
+        self.qp_refill: dict[QpShape, int] = {}  # by shape: how many QPs its pool's next refill asks for
         self.spare_mrs: dict[MrShape, list[SpareMr]] = {}  # by shape: new MRs (on their buffers) no MR object holds
         self.vrnic_id: str = info["vrnic_id"]
         self.gid: str = info["virtual_gid"]
@@ -660,15 +664,19 @@ def _ring_pair(ctx: Context, shape: QpShape) -> tuple[Buffer, Buffer]:
 
 
 def _pooled_qp(ctx: Context, shape: QpShape) -> SpareQp:
-    """A QP of this shape from the context's pool, which one create_qps fills with up to QP_POOL. When the
-    quota refuses, the spare QPs of every shape are given back and one QP is asked for alone."""
+    """A QP of this shape from the context's pool, which one create_qps fills: with QP_POOL QPs at first, twice
+    as many at each later refill, up to QP_POOL_MAX. When the quota refuses, the spare QPs of every shape are given
+    back, one QP is asked for alone, and the next refill is QP_POOL again."""
     spares = ctx.spare_qps.setdefault(shape, [])
     if not spares:
+        want = ctx.qp_refill.get(shape, QP_POOL)
         try:
-            made = _create_qps(ctx, shape, QP_POOL, fewer=True)
+            made = _create_qps(ctx, shape, want, fewer=True)
+            ctx.qp_refill[shape] = min(2 * want, QP_POOL_MAX)
         except QuotaExceeded as exc:
             if exc.limit != "max_qps":
                 raise
+            ctx.qp_refill[shape] = QP_POOL
             _give_back_spare_qps(ctx)
             made = _create_qps(ctx, shape, 1)
         spares += made[::-1]
@@ -704,8 +712,9 @@ class QP(_Resource):
     def __init__(self, pd: PD, send_cq: CQ, recv_cq: CQ, qp_type: str = "rc", max_send_wr: int = 64,
                  max_recv_wr: int = 64, max_sge: int = 1) -> None:
         """A QP in RESET. On the shared-ring engine it is handed out from the context's pool of QPs of its shape
-        (pre-setup, as PDs and CQs are): vrnicd creates QP_POOL of them in one request. They count against the
-        quota; when it has no room for a pool, one QP is made at a time. A closed QP is destroyed, never handed
+        (pre-setup, as PDs and CQs are): vrnicd creates QP_POOL of them in one request, and twice as many at each
+        later refill of that shape (up to QP_POOL_MAX). They count against the quota; when it has no room for a
+        refill, one QP is made at a time. A closed QP is destroyed, never handed
         out again, so every QP is a new one."""
         ctx = pd.ctx
         shape = QpShape(pd.handle, send_cq.handle, recv_cq.handle, qp_type, max_send_wr, max_recv_wr, max_sge)
