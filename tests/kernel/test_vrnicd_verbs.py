@@ -409,7 +409,7 @@ def test_direct_guest_gets_a_mapped_nic_queue_and_vrnicd_posts_nothing(
 def test_qps_are_real_rxe_qps_handed_out_from_a_pool_and_never_twice(make_vrnic: Callable[..., AttachInfo]) -> None:
     """Pre-setup on the shared-ring engine: the first QP of a shape brings QP_POOL real QPs onto rxe, the next
     ones are handouts that connect and carry data as any QP does, and a closed QP is destroyed, so no QP is
-    handed out twice. Past the pool, one create_qps fills it again."""
+    handed out twice. Past the pool, one create_qps fills it again, with twice as many."""
     infos = make_vrnic(device="rxe0"), make_vrnic(device="rxe1")
     before = resource_counts()
     a, b = _guest(infos[0]), _guest(infos[1])
@@ -431,7 +431,7 @@ def test_qps_are_real_rxe_qps_handed_out_from_a_pool_and_never_twice(make_vrnic:
             seen.add(a.qp.qpn)
             b.qp.modify("reset")
         spares = a.ctx.spare_qp_count
-        assert spares == QP_POOL - 2  # the second pool, less the QP now held
+        assert spares == 2 * QP_POOL - 2  # the second refill (twice the first), less the QP now held
         assert resource_counts()["rxe0"]["qp"] == before["rxe0"]["qp"] + 1 + spares
     finally:
         _close(a)
