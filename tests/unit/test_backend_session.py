@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests.unit.connected_pair import connected_pair
 from vrnic.backend.attachment import PeerCred
 from vrnic.backend.drivers.paravirtual import VerbsDriver
 from vrnic.backend.fake_edge import FakeContext, FakeEdge
@@ -203,12 +204,7 @@ def test_a_receive_a_local_peer_posted_is_on_the_nic_before_a_send_to_it(make_vr
     ping-pong at 10 ms). Here the peer's engine is never even rung, and the receive is still there first: the
     sender's engine posts the receives of the QP it sends to before the SEND."""
     with Context.attach(make_vrnic(), ARENA) as ca, Context.attach(make_vrnic(device="fake1"), ARENA) as cb:
-        pa, pb = PD(ca), PD(cb)
-        cqa, cqb = CQ(ca, 16), CQ(cb, 16)
-        mra, mrb = MR(pa, 4096), MR(pb, 4096)
-        qa, qb = QP(pa, cqa, cqa), QP(pb, cqb, cqb)
-        qa.connect(cb.gid, qb.qpn)
-        qb.connect(ca.gid, qa.qpn)
+        qa, qb, cqa, cqb, mra, mrb = connected_pair(ca, cb)
         for number in range(3):
             mra.buffer.write(b"ping %d" % number)
             qb.post_recv(RecvRequest(number, (mrb.sge(0, 64),)), doorbell=False)
@@ -241,16 +237,6 @@ class PeerBusy:
         self.thread.join()
 
 
-def _pair(ca: Context, cb: Context) -> tuple[QP, QP, CQ, CQ, MR, MR]:
-    pa, pb = PD(ca), PD(cb)
-    cqa, cqb = CQ(ca, 16), CQ(cb, 16)
-    mra, mrb = MR(pa, 4096), MR(pb, 4096)
-    qa, qb = QP(pa, cqa, cqa), QP(pb, cqb, cqb)
-    qa.connect(cb.gid, qb.qpn)
-    qb.connect(ca.gid, qa.qpn)
-    return qa, qb, cqa, cqb, mra, mrb
-
-
 def test_a_send_waits_for_a_busy_local_peer_to_post_its_receives_first(
         make_vrnic: Callable[..., AttachInfo], driver: VerbsDriver, edge: FakeEdge) -> None:
     """The race the test above can lose: the peer's lock is taken (its engine mid-step, or a verb) when the SEND is
@@ -258,7 +244,7 @@ def test_a_send_waits_for_a_busy_local_peer_to_post_its_receives_first(
     going out to an RNR NAK."""
     info_b = make_vrnic(device="fake1")
     with Context.attach(make_vrnic(), ARENA) as ca, Context.attach(info_b, ARENA) as cb:
-        qa, qb, cqa, cqb, mra, mrb = _pair(ca, cb)
+        qa, qb, cqa, cqb, mra, mrb = connected_pair(ca, cb)
         for number in range(3):
             with PeerBusy(session_of(driver, info_b), hold=0.002):
                 qb.post_recv(RecvRequest(number, (mrb.sge(0, 64),)), doorbell=False)
@@ -274,7 +260,7 @@ def test_a_send_waits_for_a_busy_local_peer_no_longer_than_an_rnr_retry_would(
     on another host, and the NIC's RNR retry delivers it once the receive is there."""
     info_b = make_vrnic(device="fake1")
     with Context.attach(make_vrnic(), ARENA) as ca, Context.attach(info_b, ARENA) as cb:
-        qa, qb, cqa, cqb, mra, mrb = _pair(ca, cb)
+        qa, qb, cqa, cqb, mra, mrb = connected_pair(ca, cb)
         with PeerBusy(session_of(driver, info_b), hold=1.0) as busy:
             qb.post_recv(RecvRequest(1, (mrb.sge(0, 64),)), doorbell=False)
             qa.post_send(SendRequest(2, WrOpcode.SEND, (mra.sge(0, 6),)))
@@ -308,7 +294,7 @@ def test_two_local_peers_sending_to_each_other_at_once_neither_stall_nor_lose_a_
     monkeypatch.setattr(FakeContext, "post_send", slow_post)
     monkeypatch.setattr(GuestSession, "post_peer_receives", counted_wait)
     with Context.attach(make_vrnic(), ARENA) as ca, Context.attach(make_vrnic(device="fake1"), ARENA) as cb:
-        qa, qb, cqa, cqb, mra, mrb = _pair(ca, cb)
+        qa, qb, cqa, cqb, mra, mrb = connected_pair(ca, cb)
         count, window = 200, 8
         results: dict[str, list[int]] = {}
 

@@ -10,11 +10,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from tests.unit.connected_pair import connected_pair
 from vrnic.backend.descriptors import raise_descriptor_limit
 from vrnic.backend.drivers.paravirtual import VerbsDriver
 from vrnic.backend.session import GuestSession
 from vrnic.core.specs import AttachInfo
-from vrnic.frontend import CQ, MR, PD, QP, Context, RecvRequest, SendRequest, WrOpcode
+from vrnic.frontend import Context, RecvRequest, SendRequest, WrOpcode
 
 ARENA = 1 << 20
 
@@ -53,12 +54,7 @@ def test_guests_whose_descriptors_in_vrnicd_are_past_1024_are_served_and_the_eng
     with Context.attach(info_a, ARENA) as ca, Context.attach(info_b, ARENA) as cb:
         session = driver.registry.get(info_a.vrnic_id).session
         assert isinstance(session, GuestSession) and session.doorbell_fd >= 1024
-        pa, pb = PD(ca), PD(cb)
-        cqa, cqb = CQ(ca, 16), CQ(cb, 16)
-        mra, mrb = MR(pa, 4096), MR(pb, 4096)
-        qa, qb = QP(pa, cqa, cqa), QP(pb, cqb, cqb)
-        qa.connect(cb.gid, qb.qpn)
-        qb.connect(ca.gid, qa.qpn)
+        qa, qb, cqa, cqb, mra, mrb = connected_pair(ca, cb)
         for number in range(3):
             mra.buffer.write(b"high %d" % number)
             qb.post_recv(RecvRequest(number, (mrb.sge(0, 64),)))
