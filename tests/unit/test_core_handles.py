@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
 
-from vrnic.core.handles import HandleTable
+from vrnic.core.handles import HandleTable, random_word
 from vrnic.errors import InvalidArgument, NotFound
 
 
@@ -140,3 +141,19 @@ def test_handles_spread_over_the_whole_space_and_its_size_is_checked() -> None:
         with pytest.raises(InvalidArgument, match="1 to 64 bits"):
             HandleTable("qp", bits=bits)
     assert 0 < HandleTable[int]("wide", bits=64).add(1) < 1 << 64
+
+
+def test_a_forked_child_does_not_repeat_its_parents_random_words() -> None:
+    random_word()  # the parent now holds a block of words
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next word, to the parent
+        try:
+            os.write(write, random_word().to_bytes(8, "little"))
+        finally:
+            os._exit(0)
+    os.close(write)
+    child = int.from_bytes(os.read(read, 8), "little")
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert child != random_word()  # the parent's next word, which the child would have repeated

@@ -6,6 +6,7 @@ found (it names nothing here) and reveals nothing about other vRNICs.
 
 from __future__ import annotations
 
+import os
 import secrets
 import struct
 import threading
@@ -25,6 +26,12 @@ class _RandomWords:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._words: list[int] = []
+        # A forked child must not hand out the words its parent holds (the same "random" names twice)
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()
+        self._words = []
 
     def next(self) -> int:
         with self._lock:

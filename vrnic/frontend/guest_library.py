@@ -9,7 +9,7 @@ import select
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vrnic.core.rings import (
     CQ_SLOT,
@@ -36,6 +36,8 @@ if TYPE_CHECKING:  # pydantic: not imported in a VM guest
     from vrnic.core.specs import AttachInfo
 
 DEFAULT_ARENA = 16 << 20
+_T = TypeVar("_T")
+
 PD_POOL = 8  # PDs a context asks vrnicd for at once (fewer when the quota leaves less room)
 CQ_POOL = 4  # CQs of one size a context asks vrnicd for at once on the shared-ring engine (fewer likewise)
 CQ_POOL_RING_BYTES = 64 << 10  # larger rings are not pooled: spare ones would take too much of the arena
@@ -223,24 +225,23 @@ class Context(_Resource):
     def alloc(self, length: int, align: int = 64, spare: bool = False) -> Buffer:
         """length bytes of the arena. The buffers of spare MRs are the pool's, not the caller's: when the arena
         is short they are given back first (not for a buffer that is itself a spare's, which is simply not made)."""
-        try:
-            offset = self.allocator.alloc(length, align)
-        except QuotaExceeded as exc:
-            if spare or exc.limit != "arena_bytes" or not _give_back_spare_mrs(self):
-                raise
-            offset = self.allocator.alloc(length, align)
+        offset = self._with_room(lambda: self.allocator.alloc(length, align), spare)
         return Buffer(self, offset, self.arena.wire(offset), length)
 
     def alloc_many(self, lengths: list[int], align: int = 64) -> list[Buffer]:
         """Buffers side by side, in one search of the arena (spare MRs given back first if it is short)."""
-        try:
-            offsets = self.allocator.alloc_many(lengths, align)
-        except QuotaExceeded as exc:
-            if exc.limit != "arena_bytes" or not _give_back_spare_mrs(self):
-                raise
-            offsets = self.allocator.alloc_many(lengths, align)
+        offsets = self._with_room(lambda: self.allocator.alloc_many(lengths, align))
         wire = self.arena.wire
         return [Buffer(self, offset, wire(offset), length) for offset, length in zip(offsets, lengths, strict=True)]
+
+    def _with_room(self, take: Callable[[], _T], spare: bool = False) -> _T:
+        """take() from the arena, once more after giving back the spare MRs if it was short."""
+        try:
+            return take()
+        except QuotaExceeded as exc:
+            if spare or exc.limit != "arena_bytes" or not _give_back_spare_mrs(self):
+                raise
+            return take()
 
     def free(self, buffer: Buffer) -> None:
         self.allocator.free(buffer.offset)
