@@ -541,10 +541,12 @@ class Registry:
         with self._lock:
             published = self._published.get(peer.spec.id)
             phys = [None if published is None else published.qpn_by_vqpn.get(vqpn) for vqpn in vqpns]
+        found: list[tuple[Peer, int]] = []
         for vqpn, phys_qpn in zip(vqpns, phys, strict=True):
             if phys_qpn is None:
                 raise NotFound(f"no QP {vqpn} on {peer.spec.virtual_gid}")
-        return [(peer, phys_qpn) for phys_qpn in phys if phys_qpn is not None]
+            found.append((peer, phys_qpn))
+        return found
 
     def ud_peer(self, asker: VirtualRnic, virtual_gid: str, vqpn: int) -> tuple[Peer, int]:
         """peer_qp for a UD work request: a remote answer (or refusal) is kept for REMOTE_CACHE_S."""
