@@ -132,3 +132,41 @@ def test_a_busy_sqlite_database_fails_begin_with_sqlalchemys_operational_error(m
     with db.write("operator") as uow:
         uow.record("tenant.create", "tenant/after", None, {})
     assert _count(db, Event) == 1
+
+
+def test_sqlite_writes_share_one_held_connection_until_closed_or_disposed(migrated: Engine) -> None:
+    """The write units of work reuse one pooled connection (no checkout per write), a failed write leaves it
+    usable, an invalidated one is replaced, and close or the engine's disposal gives it back to the pool."""
+    db = Database(migrated)
+    if not db.serialises_writes:
+        pytest.skip("PostgreSQL's writers run in parallel, each on a connection of its own")
+    checkouts: list[int] = []
+    event.listen(migrated, "checkout", lambda dbapi, *_: checkouts.append(id(dbapi)))
+    for n in range(3):
+        with db.write("operator") as uow:
+            uow.record("tenant.create", f"tenant/{n}", None, {})
+    with pytest.raises(RuntimeError), db.write("operator") as uow:
+        uow.record("tenant.create", "tenant/rolled-back", None, {})
+        raise RuntimeError("half-way")
+    with db.write("operator") as uow:
+        held = uow.connection
+        uow.record("tenant.create", "tenant/3", None, {})
+    assert len(checkouts) == 1  # (reads take their own connections: counted after)
+    assert _count(db, Event) == 4
+    checkouts.clear()
+    held.invalidate()
+    with db.write("operator") as uow:
+        assert uow.connection is not held
+        uow.record("tenant.create", "tenant/4", None, {})
+    assert len(checkouts) == 1 and _count(db, Event) == 5
+    pool = migrated.pool
+    db.close()
+    assert pool.checkedout() == 0
+    with db.write("operator") as uow:  # after close: a connection is taken again
+        uow.record("tenant.create", "tenant/5", None, {})
+        driver_connection = uow.connection.connection.driver_connection
+    assert pool.checkedout() == 1
+    migrated.dispose()  # as the daemon stops: the held connection is closed with the pool it came from
+    with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+        driver_connection.execute("SELECT 1")
+    assert _count(db, Event) == 6

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 from vrnic.api.app import create_app
 from vrnic.backend.driver import load_driver
@@ -375,6 +375,7 @@ def test_a_database_gone_under_a_request_is_a_503_to_retry_and_nothing_is_half_m
         raise OperationalError("BEGIN", {}, ConnectionError("server closed the connection unexpectedly"))
 
     monkeypatch.setattr(migrated, "connect", gone)
+    monkeypatch.setattr(Connection, "begin", gone)  # SQLite's writes hold their connection: it fails at BEGIN
     refused = client.post("/api/v1/vrnics", json={}, headers=_as(acme))
     assert refused.status_code == 503, refused.text
     assert refused.headers["retry-after"] == "1" and refused.json()["code"] == "unavailable"

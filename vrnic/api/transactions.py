@@ -49,3 +49,4 @@ class Transactions:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.shutdown(wait=True)
+        self.db.close()
