@@ -41,7 +41,7 @@ from vrnic.core.recovery import RecoveryPlan, plan_recovery, token_digest
 from vrnic.core.specs import DataEngine, QosPolicy, Quota, VrnicMode, VrnicSpec
 from vrnic.core.vaddr import check_virtual_ip, first_free_virtual_ip, make_virtual_gid, next_virtual_ip
 from vrnic.db.prepared import Prepared
-from vrnic.db.tables import Device, Host, Tenant, Vrnic, utcnow
+from vrnic.db.tables import Device, Host, Tenant, Vrnic, utcnow, vrnic_is_live
 from vrnic.db.unit_of_work import DAEMON_ACTOR, UnitOfWork
 from vrnic.errors import (
     Conflict,
@@ -104,8 +104,8 @@ _FIND_FOR_UPDATE = (select(_VRNICS, _TENANTS.c.name.label("tenant_name"))
                     .join(_TENANTS, _TENANTS.c.id == _VRNICS.c.tenant_id)
                     .where(_VRNICS.c.public_id == bindparam("b_id")).with_for_update(of=_VRNICS))
 _FIND_TENANTS_FOR_UPDATE = _FIND_FOR_UPDATE.where(_VRNICS.c.tenant_id == bindparam("b_tenant"))  # built once too
-_LIVE = _VRNICS.c.state != VrnicState.RELEASED.value
-_LIVE_ORM = Vrnic.state != VrnicState.RELEASED.value
+_LIVE = vrnic_is_live(_VRNICS.c.state)
+_LIVE_ORM = vrnic_is_live(Vrnic.state)
 _DEVICES = cast(Table, Device.__table__)
 _HOSTS = cast(Table, Host.__table__)
 # Core columns, not ORM attributes: an ORM-enabled select goes through the ORM's loading machinery
@@ -478,7 +478,7 @@ class Vrnics:
         held = self.backend.vrnic_ids()
         with self.tx.read() as uow:
             ids = uow.session.scalars(select(Vrnic.public_id).where(
-                Vrnic.host_id == self.inventory.host_id, Vrnic.state != VrnicState.RELEASED.value))
+                Vrnic.host_id == self.inventory.host_id, _LIVE_ORM))
             return sorted(set(ids) - held)
 
     # -- QoS --------------------------------------------------------------------------------------

@@ -13,16 +13,14 @@ from typing import Any
 from sqlalchemy import Engine, select
 
 from vrnic.backend.peer_directory import AgentRef
-from vrnic.core.lifecycle import VrnicState
 from vrnic.core.peering import Identity, RuleAction, SecurityRule
 from vrnic.core.vaddr import parse_virtual_gid
-from vrnic.db.tables import Device, Host, Tenant, Vrnic
+from vrnic.db.tables import Device, Host, Tenant, Vrnic, vrnic_is_live
 from vrnic.db.tables import SecurityRule as RuleRow
 from vrnic.db.unit_of_work import DAEMON_ACTOR, Database
 from vrnic.errors import InvalidArgument
 
 _UP = "up"
-_RELEASED = VrnicState.RELEASED.value
 
 
 def _canonical_gid(gid: str) -> str | None:
@@ -44,7 +42,7 @@ class DbLocator:
         with self.db.read() as uow:
             row = uow.session.execute(
                 select(Vrnic.virtual_gid, Host.name, Host.api_url, Host.state).join(Host, Host.id == Vrnic.host_id)
-                .where(Vrnic.serial == serial, Vrnic.state != _RELEASED)).first()
+                .where(Vrnic.serial == serial, vrnic_is_live(Vrnic.state))).first()
         if row is None or _canonical_gid(row.virtual_gid) != _canonical_gid(virtual_gid):
             return None
         return AgentRef(row.name, row.api_url) if row.state == _UP and row.api_url else None
@@ -72,7 +70,7 @@ class DbLocator:
             found: str | None = uow.session.scalar(
                 select(Vrnic.virtual_gid).join(Tenant, Tenant.id == Vrnic.tenant_id)
                 .where(Tenant.name == asker.tenant, Tenant.vpc_id == asker.vpc_id, Vrnic.virtual_ip == address,
-                       Vrnic.state != _RELEASED))
+                       vrnic_is_live(Vrnic.state)))
         return found
 
     def rules(self) -> list[SecurityRule]:

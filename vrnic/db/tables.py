@@ -7,7 +7,7 @@ migrations drift apart.
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     JSON,
@@ -21,10 +21,12 @@ from sqlalchemy import (
     String,
     UniqueConstraint,
     false,
+    literal_column,
     text,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.types import TypeDecorator
 
 from vrnic.core.vaddr import DEFAULT_VPC_CIDR
@@ -130,6 +132,17 @@ class ApiToken(Base):
     tenant: Mapped[Tenant] = relationship()
 
 
+# A live vRNIC's row (not released), as the partial index below says it. Queries compare with the literal, never
+# a bound 'released': SQLite prepares a statement again at every execution when a bound value in its WHERE could
+# decide whether a partial index applies, which cost 12 us of a 15 us query (issue 14).
+LIVE_VRNIC = "state != 'released'"
+
+
+def vrnic_is_live(state: Any) -> ColumnElement[bool]:
+    """state (a vrnics.state column, Core or ORM) is not 'released', with the value inline (see LIVE_VRNIC)."""
+    return cast(ColumnElement[bool], state != literal_column("'released'"))
+
+
 class Vrnic(Base):
     __tablename__ = "vrnics"
     __table_args__ = (
@@ -138,7 +151,7 @@ class Vrnic(Base):
         Index("ix_vrnics_device_id_state", "device_id", "state"),  # placement counts a device's live vRNICs
         # A virtual IP names one live vRNIC in its tenant's VPC; a released one gives it back.
         Index("uq_vrnics_live_virtual_ip", "tenant_id", "virtual_ip", unique=True,
-              sqlite_where=text("state != 'released'"), postgresql_where=text("state != 'released'")),
+              sqlite_where=text(LIVE_VRNIC), postgresql_where=text(LIVE_VRNIC)),
         {"sqlite_autoincrement": True},  # serials (and so virtual GIDs) are never reused
     )
 
