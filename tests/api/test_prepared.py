@@ -8,7 +8,7 @@ from typing import Any, cast
 
 import pytest
 from sqlalchemy import Engine, Table, bindparam, insert, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, InvalidRequestError, StatementError
 
 from vrnic.db.prepared import Prepared
 from vrnic.db.tables import Event, Tenant
@@ -80,3 +80,25 @@ def test_what_needs_sqlalchemys_execution_is_refused_when_compiled(migrated: Eng
         # an IN list is expanded at every execution
         with pytest.raises(ValueError, match="rendered at execution"):
             Prepared(select(TENANTS.c.id).where(TENANTS.c.id.in_([1, 2]))).rows(c)
+
+
+def test_bound_values_come_from_the_caller_the_statement_or_a_callable_as_in_connection_execute(
+        migrated: Engine) -> None:
+    """The caller's parameter (by key), a value the statement carries, and a callable's value taken at each
+    execution; a parameter with no value is refused as Connection.execute refuses it."""
+    names = iter(["first", "second"])
+    by_name = select(TENANTS.c.vpc_id).where(TENANTS.c.name == bindparam("b_name", callable_=lambda: next(names)))
+    with migrated.begin() as c:
+        for n, name in enumerate(("first", "second", "third"), start=1):
+            Prepared(insert(TENANTS)).execute(c, _tenant(name, n))
+        with_value = select(TENANTS.c.vpc_id).where(TENANTS.c.name == "third", TENANTS.c.vpc_id > bindparam("b_min"))
+        assert Prepared(with_value).rows(c, {"b_min": 0}) == [(3,)] == c.execute(with_value, {"b_min": 0}).all()
+        assert Prepared(with_value).rows(c, {"b_min": 3}) == []
+        prepared = Prepared(by_name)
+        assert [prepared.scalar(c), prepared.scalar(c)] == [1, 2]  # the callable, again at each execution
+        assert prepared.scalar(c, {"b_name": "third"}) == 3  # the caller's value wins
+        missing = select(TENANTS.c.vpc_id).where(TENANTS.c.name == bindparam("b_name"))
+        with pytest.raises(StatementError, match="A value is required for bind parameter 'b_name'"):
+            c.execute(missing)  # (SQLAlchemy wraps the same error with the statement)
+        with pytest.raises(InvalidRequestError, match="A value is required for bind parameter 'b_name'"):
+            Prepared(missing).rows(c)

@@ -24,19 +24,37 @@ from typing import Any
 
 from sqlalchemy import Connection
 from sqlalchemy.engine import Dialect
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, InvalidRequestError
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.elements import BindParameter
 
 Processor = Callable[[Any], Any] | None
 
 
 @dataclass(frozen=True, slots=True)
+class _Bind:
+    """Where one bound value comes from, fixed when the statement is compiled for a set of parameter names (what
+    SQLCompiler.construct_params works out again at every execution): the caller's parameter `key`, else the
+    bind's own value (`own`: computed at each execution when the bind has a callable)."""
+
+    name: str  # in the SQL
+    key: str | None
+    value: Any
+    own: BindParameter[Any] | None
+    processor: Processor
+
+    def sent(self, params: Mapping[str, Any]) -> Any:
+        value = params[self.key] if self.key is not None else \
+            self.value if self.own is None else self.own.effective_value
+        return value if self.processor is None else self.processor(value)
+
+
+@dataclass(frozen=True, slots=True)
 class _Compiled:
     sql: str
-    compiled: SQLCompiler
-    positional: tuple[tuple[str, Processor], ...] | None  # qmark/format: (name, processor) in SQL order
-    named: tuple[tuple[str, Processor], ...]  # named/pyformat: the names and their processors
+    positional: tuple[_Bind, ...] | None  # qmark/format: in SQL order
+    named: tuple[_Bind, ...]  # named/pyformat
     row: Callable[..., Any] | None  # builds a named tuple from a row's values; None: no result columns
     results: tuple[Processor, ...]
 
@@ -56,11 +74,10 @@ class Prepared:
         compiled = self._compiled.get((dialect.name, frozenset(params)))
         if compiled is None:
             compiled = self._compile(dialect, params)
-        values = compiled.compiled.construct_params(params)
         if compiled.positional is not None:
-            sent: Any = [values[name] if proc is None else proc(values[name]) for name, proc in compiled.positional]
+            sent: Any = [bind.sent(params) for bind in compiled.positional]
         else:
-            sent = {name: values[name] if proc is None else proc(values[name]) for name, proc in compiled.named}
+            sent = {bind.name: bind.sent(params) for bind in compiled.named}
         cursor = connection.connection.cursor()
         try:
             try:
@@ -107,16 +124,23 @@ class Prepared:
                 ("escaped parameter names", compiled.escaped_bind_names)) if present]
             if refused:
                 raise ValueError(f"statement needs SQLAlchemy's execution ({', '.join(refused)}): {compiled}")
-            processors = {name: bind.type.dialect_impl(dialect).bind_processor(dialect)
-                          for bind, name in compiled.bind_names.items()}
-            positional = (tuple((name, processors[name]) for name in compiled.positiontup or ())
-                          if compiled.positional else None)
-            named = tuple(processors.items())
+            binds = {name: _bind_of(bind, name, keys, dialect) for bind, name in compiled.bind_names.items()}
+            positional = tuple(binds[name] for name in compiled.positiontup or ()) if compiled.positional else None
+            named = tuple(binds.values())
             columns = list(getattr(self.statement, "exported_columns", ()))
             if compiled.isinsert or compiled.isupdate or compiled.isdelete:
                 columns = columns if compiled.effective_returning else []
             row = namedtuple("Row", [c.key for c in columns], rename=True) if columns else None
             results = tuple(c.type.dialect_impl(dialect).result_processor(dialect, None) for c in columns)
-            found = self._compiled[(dialect.name, keys)] = _Compiled(
-                str(compiled), compiled, positional, named, row, results)
+            found = self._compiled[(dialect.name, keys)] = _Compiled(str(compiled), positional, named, row, results)
             return found
+
+
+def _bind_of(bind: BindParameter[Any], name: str, keys: frozenset[str], dialect: Dialect) -> _Bind:
+    """As SQLCompiler.construct_params takes the bind's value (by the bind's key, then its name), for a caller
+    that passes the parameters `keys`."""
+    key = bind.key if bind.key in keys else name if name in keys else None
+    if key is None and bind.required:
+        raise InvalidRequestError(f"A value is required for bind parameter {bind.key!r}")
+    return _Bind(name, key, bind.value, bind if key is None and bind.callable else None,
+                 bind.type.dialect_impl(dialect).bind_processor(dialect))
