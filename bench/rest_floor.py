@@ -1,10 +1,10 @@
 """The two floors under REST allocate (issue 14), measured in the same run as `cp.rest.*`.
 
 - The HTTP stack's: `python -m bench.rest_floor PORT` serves POST /api/v1/vrnics as the daemon does (the fast
-  route in front, `vrnic.api.fast_routes`, and behind it the real route's FastAPI shape: the router's query
-  check, the bearer token and caller dependencies, the Idempotency-Key header, the `VrnicCreate` body, the
-  `VrnicOut` response, the problem handlers; the hop to one writer thread) under the daemon's uvicorn settings,
-  and does no work: the writer returns one prepared `VrnicOut`.
+  route in front of the middleware, `vrnic.api.fast_routes`, and behind it the real route's FastAPI shape: the
+  router's query check, the bearer token and caller dependencies, the Idempotency-Key header, the `VrnicCreate`
+  body, the `VrnicOut` response, the problem handlers; the hop to one writer thread) under the daemon's uvicorn
+  settings, and does no work: the writer returns one prepared `VrnicOut`.
 - The control plane's: `allocate_cpu_ms` calls `Vrnics.allocate` directly (no HTTP) on a SQLite file with the
   fake driver, as the daemon's writer thread does.
 
@@ -90,7 +90,7 @@ def floor_app() -> Any:
     app.state.control_plane = NoWorkControlPlane()
     problems.install(app)
     app.include_router(router)
-    app.router.routes.insert(0, fast_routes.FastAllocateRoute())  # as the daemon (it has no DELETE here)
+    fast_routes.install(app, [fast_routes.FastAllocateRoute()])  # as the daemon (it has no DELETE here)
     return app
 
 

@@ -4,15 +4,17 @@ twice, with the fast routes in front and with them taken out, and the two answer
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from vrnic.api.fast_routes import FastAllocateRoute, FastReleaseRoute, PlainRequestRoute
+from vrnic.api.fast_routes import FastAllocateRoute, FastReleaseRoute, FastRoutes, PlainRequestRoute, install
 
 Tenant = dict[str, str]
 # what differs between two allocations of the same request
@@ -22,20 +24,20 @@ VOLATILE_ATTACH = {"vrnic_id", "virtual_gid", "device", "token"}
 
 
 def _fast_route(client: TestClient, kind: type[PlainRequestRoute]) -> PlainRequestRoute:
-    routes = client.app.router.routes  # type: ignore[attr-defined]
-    assert [type(r) for r in routes[:2]] == [FastAllocateRoute, FastReleaseRoute], "the fast routes are first"
+    routes = client.app.state.fast_routes  # type: ignore[attr-defined]
+    assert [type(r) for r in routes] == [FastAllocateRoute, FastReleaseRoute]
     return next(r for r in routes if type(r) is kind)
 
 
 @contextmanager
 def _without_fast_routes(client: TestClient) -> Iterator[None]:
-    routes = client.app.router.routes  # type: ignore[attr-defined]
-    fast = routes[:2]
-    del routes[:2]
+    routes = client.app.state.fast_routes  # type: ignore[attr-defined]
+    fast = routes[:]
+    routes.clear()
     try:
         yield
     finally:
-        routes[:0] = fast
+        routes[:] = fast
 
 
 def _send(client: TestClient, request: dict[str, Any]) -> httpx.Response:
@@ -235,3 +237,50 @@ def test_a_release_of_another_tenants_vrnic_is_refused_alike(
     assert _comparable(fast) == _comparable(declared)
     assert client.get(f"/api/v1/vrnics/{vrnic_id}", headers={"Authorization": acme["auth"]}).json()["state"] != \
         "released"
+
+
+def test_an_unexpected_error_is_the_catch_all_problem_then_raised_for_the_server_to_log(
+        client: TestClient, acme: Tenant, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*_: object, **__: object) -> None:
+        raise RuntimeError("a daemon bug")
+
+    monkeypatch.setattr(client.app.state.control_plane.vrnics, "allocate", broken)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="a daemon bug"):  # raised past the answer, as by Starlette's own
+        client.post("/api/v1/vrnics", json={}, headers={"Authorization": acme["auth"]})
+    answering = TestClient(client.app, raise_server_exceptions=False)  # what the client gets
+    fast, declared = _both(answering, _json(acme["auth"]), served=True)
+    assert fast.status_code == 500 and fast.json()["code"] == "internal"
+    assert _comparable(fast) == _comparable(declared)
+
+
+def test_a_client_gone_before_its_body_is_read_gets_nothing_and_nothing_is_done(
+        client: TestClient, acme: Tenant) -> None:
+    stack_calls: list[object] = []
+
+    async def stack(*args: object) -> None:
+        stack_calls.append(args)
+
+    async def gone() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    route = _fast_route(client, FastAllocateRoute)
+    before = (route.served, route.declined)
+    scope = {"type": "http", "method": "POST", "path": "/api/v1/vrnics", "root_path": "", "query_string": b"",
+             "headers": [(b"authorization", acme["auth"].encode()), (b"content-type", b"application/json")],
+             "app": client.app}
+    asyncio.run(FastRoutes(client.app, stack)(scope, gone, send))  # type: ignore[arg-type]
+    assert sent == [] and stack_calls == [] and (route.served, route.declined) == before
+
+
+def test_an_app_with_a_request_body_limit_gets_no_fast_routes() -> None:
+    app, limited = FastAPI(), FastAPI()
+    limited.max_body_size = 1 << 10  # (FastAPI(max_body_size=...) in the versions that have the limit)
+    for each in (app, limited):
+        install(each)
+    assert isinstance(app.build_middleware_stack(), FastRoutes)
+    assert not isinstance(limited.build_middleware_stack(), FastRoutes)

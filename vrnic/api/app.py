@@ -127,5 +127,5 @@ def create_app(settings: DaemonSettings, backend: BackendService, *, engine: Eng
     app.include_router(agent.router)
     app.include_router(agent_peers_router)
     app.include_router(agent_handover_router)
-    fast_routes.install(app)  # in front: they pass on what they do not serve
+    fast_routes.install(app)  # in front of the middleware: they pass on what they do not serve
     return app

@@ -1,39 +1,42 @@
-"""The hottest vRNIC routes served without FastAPI's per-request machinery, for the plain request (issue 14).
+"""The hottest vRNIC routes served in front of FastAPI's middleware and request machinery, for the plain request
+(issue 14).
 
 FastAPI's request handler (dependency solving, parameter checks, response validation) costs about half the
-HTTP stack's CPU per request. Allocation (POST /api/v1/vrnics) and release (DELETE /api/v1/vrnics/{id}) are
-the writes a tenant makes most, so a route here serves their plain request itself: a bearer token the token
-cache knows, no query string, and for allocation a JSON body that `VrnicCreate` accepts and at most one
-Idempotency-Key that the declared header accepts. Every other request is routed again, with the body already
-read, past these routes to the declared FastAPI route, which stays the only one documented (OpenAPI) and
-answers every refusal of the request's form. A request served here is one the declared route would accept,
-and it gets the same call and the same answer (tests/api/test_fast_routes.py sends the same requests through
-both and compares).
+HTTP stack's CPU per request, and its five middleware layers a sixth more. Allocation (POST /api/v1/vrnics) and
+release (DELETE /api/v1/vrnics/{id}) are the writes a tenant makes most, so a route here serves their plain
+request itself: a bearer token the token cache knows, no query string, and for allocation a JSON body that
+`VrnicCreate` accepts and at most one Idempotency-Key that the declared header accepts. Every other request goes,
+with the body already read, through the app's middleware to the declared FastAPI route, which stays the only one
+documented (OpenAPI) and answers every refusal of the request's form. A request served here is one the declared
+route would accept, and it gets the same call and the same answer (tests/api/test_fast_routes.py sends the same
+requests through both and compares).
 
-Errors of the operation itself (quota, not found, conflicts, unavailable) propagate to the app's problem
-handlers, as they do from any route.
+Errors of the operation itself (quota, not found, conflicts, unavailable) are answered by the app's problem
+handlers, found as Starlette finds them; an error only the catch-all handler answers is answered by it, then
+raised for the server to log, as Starlette's ServerErrorMiddleware does. An app with a request body limit
+(`max_body_size`) gets no fast routes: its limit must see every request.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from abc import abstractmethod
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.security.utils import get_authorization_scheme_param
 from pydantic import ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from starlette.routing import BaseRoute, Match, NoMatchFound
 
 from vrnic.api.routes import IDEMPOTENCY_KEY_MAX, VRNIC_ID_PATTERN, Printable, answer_allocation
 from vrnic.api.schemas import VrnicCreate, VrnicOut
 
 if TYPE_CHECKING:
-    from starlette.datastructures import URLPath
-    from starlette.types import Receive, Scope, Send
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
     from vrnic.api.auth import Principal
     from vrnic.api.controlplane import ControlPlane
@@ -41,19 +44,24 @@ if TYPE_CHECKING:
 VRNICS = "/api/v1/vrnics"
 _PRINTABLE = re.compile(Printable)  # the declared Idempotency-Key header's pattern (and IDEMPOTENCY_KEY_MAX)
 _ONE_VRNIC = re.compile(re.escape(VRNICS) + "/(" + VRNIC_ID_PATTERN.strip("^$") + ")")
-_DECLINED = "vrnic.fast_routes.declined"  # scope key: the request goes to the declared routes
-_ARGUMENTS = "vrnic.fast_routes.arguments"  # scope key: the path's parameters, as the route matched them
 
 
-def install(app: FastAPI) -> None:
-    """Put the fast routes in front of the app's own (after its routers are included)."""
-    app.router.routes[:0] = [FastAllocateRoute(), FastReleaseRoute()]
+def install(app: FastAPI, routes: Sequence[PlainRequestRoute] | None = None) -> None:
+    """Put the fast routes (default: allocation and release) in front of the app's middleware; app.state.fast_routes
+    is their list (served in its order, counted by each)."""
+    app.state.fast_routes = list(routes) if routes is not None else [FastAllocateRoute(), FastReleaseRoute()]
+    build = app.build_middleware_stack
+
+    def build_behind_fast_routes() -> ASGIApp:
+        stack = build()
+        return stack if getattr(app, "max_body_size", None) is not None else FastRoutes(app, stack)
+
+    app.build_middleware_stack = build_behind_fast_routes  # type: ignore[method-assign]
 
 
-class PlainRequestRoute(BaseRoute):
-    """One method on one path, served here when `plain` can read the request, else passed on. It matches
-    fully or not at all (never partially, so a 405's Allow still comes from the declared routes), and counts
-    what it served and what it passed on."""
+class PlainRequestRoute:
+    """One method on one path, served here when `plain` can read the request, else passed on; counts what it
+    served and what it passed on."""
 
     method: str
 
@@ -73,30 +81,74 @@ class PlainRequestRoute(BaseRoute):
     async def serve(self, cp: ControlPlane, caller: Principal, arguments: tuple[Any, ...]) -> Response:
         """Run the operation and answer as the declared route does."""
 
-    def matches(self, scope: Scope) -> tuple[Match, Scope]:
-        if (scope["type"] == "http" and scope["method"] == self.method and not scope.get("root_path")
-                and _DECLINED not in scope):
-            found = self.path_arguments(scope["path"])
-            if found is not None:
-                return Match.FULL, {"path_params": {}, _ARGUMENTS: found}
-        return Match.NONE, {}
 
-    def url_path_for(self, name: str, /, **path_params: Any) -> URLPath:
-        raise NoMatchFound(name, path_params)
+class FastRoutes:
+    """The ASGI app in front of app's middleware stack: the fast routes' plain requests are served here, the
+    rest go to the stack."""
 
-    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def __init__(self, app: FastAPI, stack: ASGIApp) -> None:
+        self.app = app
+        self.stack = stack
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not scope.get("root_path"):
+            for route in self.app.state.fast_routes:
+                if scope["method"] == route.method:
+                    found = route.path_arguments(scope["path"])
+                    if found is not None:
+                        await self._serve(route, found, scope, receive, send)
+                        return
+        await self.stack(scope, receive, send)
+
+    async def _serve(self, route: PlainRequestRoute, path_arguments: tuple[str, ...], scope: Scope,
+                     receive: Receive, send: Send) -> None:
         request = Request(scope, receive)
-        body = await request.body()
-        cp: ControlPlane = request.app.state.control_plane
-        caller = _known_caller(request, cp)
-        arguments = None if caller is None else self.plain(request, body, scope[_ARGUMENTS])
-        if caller is None or arguments is None:
-            self.declined += 1
-            await _to_the_declared_routes(scope, body, receive, send)
+        try:
+            body = await request.body()
+        except ClientDisconnect:  # gone before its request was read: nothing to do, no one to answer
             return
-        self.served += 1
-        response = await self.serve(cp, caller, arguments)
+        cp: ControlPlane = self.app.state.control_plane
+        caller = _known_caller(request, cp)
+        arguments = None if caller is None else route.plain(request, body, path_arguments)
+        if caller is None or arguments is None:
+            route.declined += 1
+            await self.stack(scope, _replaying(body, receive), send)
+            return
+        route.served += 1
+        try:
+            response = await route.serve(cp, caller, arguments)
+        except Exception as exc:
+            await self._answer_error(request, exc, send)
+            return
         await response(scope, receive, send)
+
+    async def _answer_error(self, request: Request, exc: Exception, send: Send) -> None:
+        handlers = self.app.exception_handlers
+        handler = next((handlers[kind] for kind in type(exc).__mro__ if kind in handlers), None)
+        catch_all = handler is None or handler is handlers.get(Exception) or handler is handlers.get(500)
+        handler = handler or handlers.get(500)
+        if handler is None:
+            raise exc
+        response = handler(request, exc)
+        if inspect.isawaitable(response):
+            response = await response
+        await response(request.scope, request.receive, send)
+        if catch_all:  # as ServerErrorMiddleware: answered, and raised for the server to log
+            raise exc
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """receive, with the body already read given once more first."""
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if replayed:  # after the body, the connection's own messages (a disconnect)
+            return await receive()
+        replayed = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
 
 
 class FastAllocateRoute(PlainRequestRoute):
@@ -160,18 +212,3 @@ def _known_caller(request: Request, cp: ControlPlane) -> Principal | None:
     if scheme.lower() != "bearer" or not token:
         return None
     return cp.tenants.cached_principal(token)
-
-
-async def _to_the_declared_routes(scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
-    """Route the request again, with the fast routes out of the way and the body already read."""
-    replayed = False
-
-    async def replay() -> Any:
-        nonlocal replayed
-        if replayed:  # after the body, the connection's own messages (a disconnect)
-            return await receive()
-        replayed = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    scope[_DECLINED] = True
-    await scope["router"](scope, replay, send)
