@@ -165,7 +165,7 @@ class Vrnic(Base):
     device_id: Mapped[int | None] = mapped_column(ForeignKey("devices.id", ondelete="SET NULL"))
     device_name: Mapped[str] = mapped_column(String(64))
     quota: Mapped[dict[str, Any]] = mapped_column()
-    qos: Mapped[dict[str, Any]] = mapped_column()  # stored now, enforced in a later issue
+    qos: Mapped[dict[str, Any]] = mapped_column()  # QosPolicy; enforced by the backend (README "QoS")
     virtual_gid: Mapped[str] = mapped_column(String(45), unique=True)
     virtual_ip: Mapped[str | None] = mapped_column(String(45))  # in its tenant's vpc_cidr
     socket_path: Mapped[str | None] = mapped_column(String(255))
