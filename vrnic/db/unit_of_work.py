@@ -8,7 +8,6 @@ vRNIC rows, desired VF state and audit events commit or roll back together.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, cast
@@ -16,7 +15,7 @@ from typing import Any, cast
 from sqlalchemy import Connection, Engine, Table, event, insert
 from sqlalchemy.orm import Session, sessionmaker
 
-from vrnic.db.engine import session_factory
+from vrnic.db.engine import session_factory, write_lock
 from vrnic.db.prepared import Prepared
 from vrnic.db.tables import Event, utcnow
 
@@ -97,8 +96,9 @@ class UnitOfWork:
 class Database:
     """Units of work on one engine.
 
-    SQLite has one writer at a time: write units of work wait on a lock in this process, which wakes up at
-    once, where SQLite's own busy handler sleeps and polls (tens of ms of tail latency under concurrency). They
+    SQLite has one writer at a time: write units of work wait on a lock in this process (the engine's, shared by
+    every Database on it and by its WAL checkpoints), which wakes up at once, where SQLite's own busy handler
+    sleeps and polls (tens of ms of tail latency under concurrency). They
     also share one connection, held from the first write until `close` (or the engine's disposal): taking a
     Connection from the pool and giving it back cost a seventh of a REST allocation's database work (issue 14).
     """
@@ -109,7 +109,7 @@ class Database:
         self._readonly_sessions: sessionmaker[Session] = session_factory(
             engine.execution_options(vrnic_read_only=True))
         self.serialises_writes = engine.dialect.name == "sqlite"
-        self._write_lock: AbstractContextManager[object] = threading.Lock() if self.serialises_writes \
+        self._write_lock: AbstractContextManager[object] = write_lock(engine) if self.serialises_writes \
             else nullcontext()
         self._writer: Connection | None = None  # SQLite: the write units' connection, under _write_lock
         if self.serialises_writes:
