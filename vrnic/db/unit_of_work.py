@@ -98,9 +98,9 @@ class Database:
 
     SQLite has one writer at a time: write units of work wait on a lock in this process (the engine's, shared by
     every Database on it and by its WAL checkpoints), which wakes up at once, where SQLite's own busy handler
-    sleeps and polls (tens of ms of tail latency under concurrency). They
-    also share one connection, held from the first write until `close` (or the engine's disposal): taking a
-    Connection from the pool and giving it back cost a seventh of a REST allocation's database work (issue 14).
+    sleeps and polls (tens of ms of tail latency under concurrency). They also share one connection, held from
+    the first write until `close` (or the engine's disposal): taking a Connection from the pool and giving it
+    back cost a seventh of a REST allocation's database work (issue 14).
     """
 
     def __init__(self, engine: Engine) -> None:
