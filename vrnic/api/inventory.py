@@ -20,13 +20,11 @@ from vrnic.api.converters import device_out, event_out, host_out
 from vrnic.api.pagination import PageRequest
 from vrnic.api.schemas import DeviceOut, EventOut, HostOut, Page
 from vrnic.backend.service import BackendService
-from vrnic.core.lifecycle import VrnicState
 from vrnic.core.specs import VrnicMode
-from vrnic.db.tables import Device, Event, Host, Tenant, Vrnic, utcnow
+from vrnic.db.tables import Device, Event, Host, Tenant, Vrnic, utcnow, vrnic_is_live
 from vrnic.db.unit_of_work import DAEMON_ACTOR, Database, UnitOfWork
 from vrnic.errors import NotFound
 
-LIVE_STATES = [s.value for s in VrnicState if s is not VrnicState.RELEASED]
 UP, DOWN = "up", "down"
 
 
@@ -219,5 +217,5 @@ class Inventory:
 
     def _device_out(self, s: Session, device: Device) -> DeviceOut:
         live = s.scalar(select(func.count()).select_from(Vrnic)
-                        .where(Vrnic.device_id == device.id, Vrnic.state.in_(LIVE_STATES))) or 0
+                        .where(Vrnic.device_id == device.id, vrnic_is_live(Vrnic.state))) or 0
         return device_out(device, host=self.host_name_of(s, device.host_id), live_vrnics=live)

@@ -8,10 +8,9 @@ from sqlalchemy.orm import Session
 
 from vrnic.api.auth import OPERATOR, Principal, TokenCache, hash_token, is_operator_token, new_tenant_token
 from vrnic.api.converters import tenant_out, token_out
-from vrnic.api.inventory import LIVE_STATES
 from vrnic.api.pagination import PageRequest
 from vrnic.api.schemas import Page, TenantCreate, TenantCreated, TenantOut, TenantUpdate, TokenIssued, TokenOut
-from vrnic.db.tables import ApiToken, Tenant, Vrnic, utcnow
+from vrnic.db.tables import ApiToken, Tenant, Vrnic, utcnow, vrnic_is_live
 from vrnic.db.unit_of_work import Database
 from vrnic.errors import Conflict, NotFound, Unauthenticated
 
@@ -25,7 +24,7 @@ def find_tenant(s: Session, name: str) -> Tenant:
 
 def live_vrnics(s: Session, tenant_id: int) -> int:
     return s.scalar(select(func.count()).select_from(Vrnic)
-                    .where(Vrnic.tenant_id == tenant_id, Vrnic.state.in_(LIVE_STATES))) or 0
+                    .where(Vrnic.tenant_id == tenant_id, vrnic_is_live(Vrnic.state))) or 0
 
 
 class Tenants:
