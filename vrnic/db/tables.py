@@ -135,12 +135,13 @@ class ApiToken(Base):
 # A live vRNIC's row (not released), as the partial index below says it. Queries compare with the literal, never
 # a bound 'released': SQLite prepares a statement again at every execution when a bound value in its WHERE could
 # decide whether a partial index applies, which cost 12 us of a 15 us query (issue 14).
-LIVE_VRNIC = "state != 'released'"
+_RELEASED_SQL = "'released'"  # VrnicState.RELEASED as a SQL literal
+LIVE_VRNIC = f"state != {_RELEASED_SQL}"
 
 
 def vrnic_is_live(state: Any) -> ColumnElement[bool]:
     """state (a vrnics.state column, Core or ORM) is not 'released', with the value inline (see LIVE_VRNIC)."""
-    return cast(ColumnElement[bool], state != literal_column("'released'"))
+    return cast(ColumnElement[bool], state != literal_column(_RELEASED_SQL))
 
 
 class Vrnic(Base):
