@@ -292,3 +292,32 @@ def test_a_rerun_shows_what_failed_in_the_guest_that_died(tmp_path: Path, capsys
     assert "1 test(s) failed before the guest died: a.py::t1; as reported then" in err
     assert ("==== a.py::t1 failed in call\n---- what it printed\nuncapped: 4.2 MB/s\n---- pytest's report\n"
             "E   assert 9 == 0") in err
+
+
+class _GuestsThatDie:
+    """A lab runner whose first `deaths` guests die under the command (exit 126) and the next one passes."""
+    panicked = None
+
+    def __init__(self, deaths: int) -> None:
+        self.deaths, self.runs = deaths, 0
+
+    def run(self, request: object) -> int:
+        self.runs += 1
+        return 126 if self.runs <= self.deaths else 0
+
+
+@pytest.mark.parametrize(("deaths", "runs", "rc"), [(0, 1, 0), (1, 2, 0), (2, 3, 0), (3, 3, 126), (9, 3, 126)])
+def test_a_lost_guest_gets_at_most_two_new_ones(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 deaths: int, runs: int, rc: int) -> None:
+    """Nested KVM has killed two lab guests in a row under one test: the third guest runs it. A command that
+    kills every guest fails with the lost guest's exit status after three."""
+    from vrnic.cli.lab import GUEST_LOSS_RERUNS, _rerun_on_guest_loss
+
+    assert GUEST_LOSS_RERUNS == 2
+    path = tmp_path / "progress.txt"
+    path.write_text("start a.py::t1\npassed a.py::t1\nstart a.py::t2\n")
+    guests = _GuestsThatDie(deaths)
+    assert _rerun_on_guest_loss(guests, object(), path, guests.run(object())) == rc  # type: ignore[arg-type]
+    assert guests.runs == runs
+    err = capsys.readouterr().err
+    assert [f"rerun {n} of 2" in err for n in (1, 2)] == [runs > 1, runs > 2]
