@@ -19,7 +19,16 @@ from vrnic.core.specs import AttachInfo
 from vrnic.core.verb_args import MAX_BATCH
 from vrnic.errors import Conflict, DeviceError, InvalidArgument, NotFound, QuotaExceeded
 from vrnic.frontend import CQ, MR, PD, QP, Access, Buffer, Context, SendRequest, WcStatus, WrOpcode
-from vrnic.frontend.guest_library import CQ_POOL, MR_POOL, MR_POOL_BYTES, PD_POOL, QP_POOL, QP_POOL_MAX, MrShape
+from vrnic.frontend.guest_library import (
+    CQ_POOL,
+    MR_POOL,
+    MR_POOL_BYTES,
+    MR_POOL_MAX,
+    PD_POOL,
+    QP_POOL,
+    QP_POOL_MAX,
+    MrShape,
+)
 
 ARENA = 4 << 20
 ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
@@ -615,9 +624,9 @@ def test_mrs_of_one_shape_come_from_a_pool_and_a_closed_one_is_deregistered(make
         assert _used(ca) == (2 * MR_POOL - 1, (2 * MR_POOL - 1) * 4096)
         with pytest.raises(NotFound):
             ca.call("dereg_mr", mr=first.handle)
-        again = MR(pa, 4096, ALL)  # the pool is empty: a new one is filled
+        again = MR(pa, 4096, ALL)  # the pool is empty: a new one is filled, twice the size of the first
         assert again.handle not in {mr.handle for mr in made} and again.lkey not in {mr.lkey for mr in made}
-        assert _used(ca)[0] == 3 * MR_POOL - 1
+        assert _used(ca)[0] == 2 * MR_POOL - 1 + 2 * MR_POOL
         before = _used(ca)
         large = MR(pa, MR_POOL_BYTES + 4096, ALL)  # larger than a pooled MR: registered alone
         own = MR(pa, ca.alloc(4096), ALL)  # the caller's buffer: registered where it is
@@ -626,12 +635,61 @@ def test_mrs_of_one_shape_come_from_a_pool_and_a_closed_one_is_deregistered(make
             pa.close()
         for obj in [qa, qb, *others, again, local, large, own, dst]:
             obj.close()
-        assert ca.spare_mr_count == 2 * MR_POOL - 2
+        assert ca.spare_mr_count == (2 * MR_POOL - 1) + (MR_POOL - 1)  # the second refill's and `local`'s pool's
         pa.close()  # its spare MRs go with it: a PD handed out again has no MR on it
         assert ca.spare_mr_count == 0
         assert _used(ca) == (0, 0)
         assert ca.allocator.in_use() > 0  # the pooled CQs keep their rings; the MRs' buffers are back
     assert len(edge.live) == live  # the pools go with the context
+
+
+def _reg_mrs_sizes(ctx: Context) -> list[int]:
+    """The number of MRs each of the context's reg_mrs requests asks for, from now on."""
+    sizes: list[int] = []
+    original = ctx.call
+
+    def counting(op: str, **args: Any) -> Any:
+        if op == "reg_mrs":
+            sizes.append(len(args["addrs"]))
+        return original(op, **args)
+
+    ctx.call = counting  # type: ignore[method-assign]
+    return sizes
+
+
+@pytest.mark.parametrize(("length", "refills"), [
+    (4096, [MR_POOL, 8, 16, MR_POOL_MAX, MR_POOL_MAX]),
+    (16384, [MR_POOL, 8, 16, 16, 16]),  # no more than MR_POOL * MR_POOL_BYTES of spares at once
+    (MR_POOL_BYTES, [MR_POOL] * 5)])
+def test_each_refill_of_an_mr_pool_asks_for_twice_as_many_up_to_a_cap(make_vrnic: Callable[..., AttachInfo],
+                                                                       length: int, refills: list[int]) -> None:
+    """As for QPs: a guest making small MRs one by one pays one round trip for 4, then 8, 16, 32... of them."""
+    with Context.attach(make_vrnic(max_mrs=4096, max_pinned_bytes=64 << 20), 16 << 20) as ctx:
+        pd = PD(ctx)
+        sizes = _reg_mrs_sizes(ctx)
+        mrs = [MR(pd, length, ALL) for _ in range(sum(refills[:-1]) + 1)]
+        assert sizes == refills
+        assert _used(ctx) == (sum(refills), sum(refills) * length)  # registered: the handouts and the spares
+        for mr in mrs:
+            mr.close()
+        assert _used(ctx) == (ctx.spare_mr_count, ctx.spare_mr_count * length)
+
+
+def test_an_mr_pool_refill_the_quota_cuts_short_starts_small_again(make_vrnic: Callable[..., AttachInfo]) -> None:
+    with Context.attach(make_vrnic(max_mrs=MR_POOL + 6), ARENA) as ctx:
+        pd = PD(ctx)
+        sizes = _reg_mrs_sizes(ctx)
+        held = [MR(pd, 4096, ALL) for _ in range(MR_POOL + 1)]  # the second refill asks for 8 and gets 6
+        assert _used(ctx)[0] == MR_POOL + 6
+        held += [MR(pd, 4096, ALL) for _ in range(5)]  # its spares
+        for mr in held[2:]:
+            mr.close()
+        held.append(MR(pd, 4096, ALL))  # the next refill is MR_POOL again, not 16
+        assert sizes == [MR_POOL, 8, MR_POOL]
+        assert _used(ctx)[0] == 2 + MR_POOL
+        for mr in held:
+            mr.close()
+        assert _used(ctx)[0] == ctx.spare_mr_count == MR_POOL - 1
 
 
 def test_the_mr_pool_stops_at_the_quota_and_gives_back_spares_of_other_shapes(

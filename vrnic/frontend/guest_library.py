@@ -46,7 +46,11 @@ QP_POOL = 4  # QPs of one shape a context first asks vrnicd for at once on the s
 # one by one pays a round trip per few dozen of them, and never holds more spares than it has used
 QP_POOL_MAX = 32
 QP_POOL_RING_BYTES = 64 << 10  # a QP whose two rings take more is not pooled, for the same reason
-MR_POOL = 4  # MRs of one shape (PD, length, access) a context asks vrnicd for at once on the shared-ring engine
+MR_POOL = 4  # MRs of one shape (PD, length, access) a context first asks vrnicd for at once on the shared-ring
+# engine; each later refill of that shape asks for twice as many, up to MR_POOL_MAX and to MR_POOL of the largest
+# pooled MRs' bytes (spares pin memory): as QPs, a guest that makes many small MRs one by one pays a round trip
+# per few dozen of them
+MR_POOL_MAX = 32
 MR_POOL_BYTES = 64 << 10  # larger MRs are not pooled: spare ones would pin, and take, too much of the arena
 DEFAULT_VM_ARENA = 8 << 20  # four 2 MiB hugepages
 VM_POLL_SLEEP_S = 0.0002  # a VM guest has no completion eventfd: it polls, sleeping this long between polls
@@ -160,6 +164,7 @@ class Context(_Resource):
         self.spare_qps: dict[QpShape, list[SpareQp]] = {}  # by shape: new QPs no QP object holds yet
         self.qp_refill: dict[QpShape, int] = {}  # by shape: how many QPs its pool's next refill asks for
         self.spare_mrs: dict[MrShape, list[SpareMr]] = {}  # by shape: new MRs (on their buffers) no MR object holds
+        self.mr_refill: dict[MrShape, int] = {}  # by shape: how many MRs its pool's next refill asks for
         self.vrnic_id: str = info["vrnic_id"]
         self.gid: str = info["virtual_gid"]
         self.ip: str | None = info.get("virtual_ip")  # its address in the VPC, if it has one (frontend.cm)
@@ -304,12 +309,13 @@ class MR(_Resource):
     """A registered range of the arena: give a Buffer, or a length to allocate one.
 
     Given a length of at most MR_POOL_BYTES, on the shared-ring engine, the MR is handed out from the context's
-    pool of MRs of its shape (PD, length, access; pre-setup, as CQs and QPs are): vrnicd registers up to MR_POOL
-    of them, each on a buffer of its own, in one request. The spare MRs are registered on the NIC and count
-    against the quota (MRs and pinned bytes). A closed MR is deregistered, never handed out again: its key may
-    have reached a peer. When the quota refuses a pool, the spare MRs of every shape are given back and the pool
-    is asked for again (vrnicd makes as many as the quota allows, at least one), so a tenant still gets exactly
-    its quota."""
+    pool of MRs of its shape (PD, length, access; pre-setup, as CQs and QPs are): vrnicd registers MR_POOL of them,
+    each on a buffer of its own, in one request, and twice as many at each later refill of that shape (up to
+    MR_POOL_MAX, and no more bytes than MR_POOL of the largest pooled MRs). The spare MRs are registered on the
+    NIC and count against the quota (MRs and pinned bytes). A closed MR is deregistered, never handed out again:
+    its key may have reached a peer. When the quota refuses a pool, the spare MRs of every shape are given back
+    and the pool is asked for again (vrnicd makes as many as the quota allows, at least one), so a tenant still
+    gets exactly its quota."""
 
     def __init__(self, pd: PD, buffer: Buffer | int, access: int = Access.LOCAL_WRITE) -> None:
         self.pd = pd
@@ -389,16 +395,20 @@ def _spare_mr(ctx: Context, shape: MrShape) -> SpareMr:
 
 
 def _reg_mrs(ctx: Context, shape: MrShape) -> list[SpareMr]:
-    """New MRs of this shape on buffers of their own: up to MR_POOL in one reg_mrs, as many as the arena and
-    the quota allow (at least one). When the quota refuses, the spare MRs of every shape are given back and the
-    request is made once more."""
-    buffers = _pool_buffers(ctx, shape.length, MR_POOL)
+    """New MRs of this shape on buffers of their own, in one reg_mrs: MR_POOL at the shape's first refill, twice as
+    many at each later one (up to MR_POOL_MAX, and MR_POOL * MR_POOL_BYTES bytes), as many as the arena and the
+    quota allow (at least one). When the quota refuses, the spare MRs of every shape are given back and the
+    request is made once more. A refill that got fewer than it asked for makes the next one MR_POOL again."""
+    want = min(ctx.mr_refill.get(shape, MR_POOL), MR_POOL * MR_POOL_BYTES // shape.length)
+    buffers = _pool_buffers(ctx, shape.length, want)
+    refused = False
     try:
         request = {"pd": shape.pd, "addrs": [b.addr for b in buffers], "length": shape.length,
                    "access": shape.access}
         try:
             reply = ctx.call("reg_mrs", **request)
         except QuotaExceeded:
+            refused = True
             if not _give_back_spare_mrs(ctx):
                 raise
             reply = ctx.call("reg_mrs", **request)
@@ -410,6 +420,7 @@ def _reg_mrs(ctx: Context, shape: MrShape) -> list[SpareMr]:
     made = [SpareMr(int(h), int(k), b) for h, k, b in zip(handles, reply["keys"], buffers[:len(handles)], strict=True)]
     for buffer in buffers[len(made):]:
         ctx.free(buffer)
+    ctx.mr_refill[shape] = MR_POOL if refused or len(made) < want else min(2 * want, MR_POOL_MAX)
     return made
 
 
