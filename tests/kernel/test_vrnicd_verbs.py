@@ -347,6 +347,43 @@ def test_objects_in_use_cannot_be_destroyed_and_teardown_is_complete(make_vrnic:
     assert resource_counts() == before
 
 
+def test_close_many_tears_down_in_one_request_each_and_leaves_nothing_on_the_nic(
+        make_vrnic: Callable[..., AttachInfo], device_pair: tuple[str, str], engine: str) -> None:
+    """destroy_qps and dereg_mrs on rxe: six QPs and six MRs in one request each, a key closed so is dead to a
+    peer that kept it, and once the guests close, rdma res counts what it counted before them."""
+    infos = make_vrnic(device=device_pair[0], engine=engine), make_vrnic(device=device_pair[1], engine=engine)
+    before = resource_counts()
+    a, b = _guest(infos[0]), _guest(infos[1])
+    try:
+        a.qp.connect(b.ctx.gid, b.qp.qpn)
+        b.qp.connect(a.ctx.gid, a.qp.qpn)
+        qps = QP.create_many(b.pd, b.cq, b.cq, 6)
+        mrs = [MR(b.pd, 4096, ALL) for _ in range(6)]
+        addr, rkey = mrs[0].addr, mrs[0].rkey
+        sent: list[tuple[str, int]] = []
+        call = b.ctx.call
+
+        def counting(op: str, **args: object) -> dict[str, object]:
+            sent.append((op, len(args.get("qps") or args.get("mrs") or [None])))  # type: ignore[arg-type]
+            return call(op, **args)
+
+        b.ctx.call = counting  # type: ignore[method-assign]
+        during = resource_counts()[device_pair[1]]
+        MR.close_many(mrs)
+        QP.close_many(qps)
+        assert sent == [("dereg_mrs", 6), ("destroy_qps", 6)]
+        after = resource_counts()[device_pair[1]]
+        assert (during["qp"] - after["qp"], during["mr"] - after["mr"]) == (6, 6)  # on the NIC, not only in vrnicd
+        a.mr.write(b"too late")
+        a.qp.post_send(SendRequest(1, WrOpcode.RDMA_WRITE, (a.mr.sge(0, 8),), remote_addr=addr, rkey=rkey))
+        wc = a.cq.wait(1)[0]
+        assert (wc.wr_id, wc.status) == (1, WcStatus.REM_ACCESS_ERR)
+    finally:
+        _close(a)
+        _close(b)
+    assert resource_counts() == before
+
+
 def test_busy_poll_mode_moves_data_and_can_be_switched_off(make_vrnic: Callable[..., AttachInfo],
                                                            device_pair: tuple[str, str], engine: str) -> None:
     a, b = _guest(make_vrnic(device=device_pair[0], engine=engine)), _guest(make_vrnic(device=device_pair[1],

@@ -766,3 +766,139 @@ def test_spare_mrs_give_their_arena_back_when_the_caller_needs_it(make_vrnic: Ca
         for chunk in chunks:
             ctx.free(chunk)
         mr.close()
+
+
+def _requests(ctx: Context) -> list[tuple[str, int]]:
+    """Each request the context sends from now on: its op and how many objects it names (1 for a single one)."""
+    sent: list[tuple[str, int]] = []
+    original = ctx.call
+
+    def counting(op: str, **args: Any) -> Any:
+        lists = [value for value in args.values() if isinstance(value, list)]
+        sent.append((op, len(lists[0]) if lists else 1))
+        return original(op, **args)
+
+    ctx.call = counting  # type: ignore[method-assign]
+    return sent
+
+
+def test_destroy_qps_and_dereg_mrs_check_every_handle_before_any_object_goes(
+        make_vrnic: Callable[..., AttachInfo], edge: FakeEdge) -> None:
+    with Context.attach(make_vrnic(), ARENA) as ctx:
+        pd, cq = PD(ctx), CQ(ctx, 64)
+        qps = QP.create_many(pd, cq, cq, 3)
+        mrs = [MR(pd, ctx.alloc(4096), ALL) for _ in range(3)]  # on the caller's buffers: not pooled
+        handles, keys = [qp.handle for qp in qps], [mr.handle for mr in mrs]
+        live, used = len(edge.live), ctx.call("query_device")["quota_used"]
+        for op, field, good in (("destroy_qps", "qps", handles), ("dereg_mrs", "mrs", keys)):
+            with pytest.raises(InvalidArgument, match=f"{op}: {field}"):
+                ctx.call(op, **{field: []})
+            with pytest.raises(InvalidArgument, match=f"{op}: {field}"):
+                ctx.call(op, **{field: good * (MAX_BATCH // 3 + 1)})
+            with pytest.raises(InvalidArgument, match="twice"):
+                ctx.call(op, **{field: [good[0], good[1], good[0]]})
+            with pytest.raises(NotFound):  # the unknown one is last: the others are still there
+                ctx.call(op, **{field: [*good, 999_999]})
+            assert len(edge.live) == live and ctx.call("query_device")["quota_used"] == used
+        assert ctx.call("destroy_qps", qps=handles) == {"destroyed": 3}
+        assert ctx.call("dereg_mrs", mrs=keys) == {"deregistered": 3}
+        assert len(edge.live) == live - 6
+        after = ctx.call("query_device")["quota_used"]
+        assert (after["qp"], after["mr"], after["pinned_bytes"]) == (used["qp"] - 3, used["mr"] - 3,
+                                                                     used["pinned_bytes"] - 3 * 4096)
+        with pytest.raises(NotFound):
+            ctx.call("query_qp", qp=handles[0])
+        for obj in (*qps, *mrs):
+            obj._forget()  # gone in vrnicd already, by the raw verbs above
+
+
+def test_destroy_qps_tries_every_qp_when_the_nic_refuses_one(make_vrnic: Callable[..., AttachInfo],
+                                                              edge: FakeEdge,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    with Context.attach(make_vrnic(), ARENA) as ctx:
+        pd, cq = PD(ctx), CQ(ctx, 64)
+        qps = QP.create_many(pd, cq, cq, 3)
+        used = ctx.call("query_device")["quota_used"]["qp"]
+        destroy = FakeContext.destroy
+        calls: list[tuple[Any, ...]] = []
+
+        def refuse_the_second(self: FakeContext, *objects: Any) -> None:
+            calls.append(objects)
+            if len(calls) == 2:
+                raise DeviceError("destroy QP: the NIC said no", 16)
+            destroy(self, *objects)
+
+        monkeypatch.setattr(FakeContext, "destroy", refuse_the_second)
+        with pytest.raises(DeviceError, match="the NIC said no"):
+            ctx.call("destroy_qps", qps=[qp.handle for qp in qps])
+        monkeypatch.setattr(FakeContext, "destroy", destroy)
+        assert len(calls) == 3  # the third was still tried
+        assert ctx.call("query_device")["quota_used"]["qp"] == used - 3  # and all three left the session
+        for qp in qps:
+            with pytest.raises(NotFound):
+                ctx.call("query_qp", qp=qp.handle)
+            qp._forget()
+        edge.live.discard(id(calls[1][0]))  # the object the NIC kept: the fake's stand-in for it
+
+
+def test_close_many_sends_one_request_per_context(make_vrnic: Callable[..., AttachInfo], edge: FakeEdge) -> None:
+    live = len(edge.live)
+    with Context.attach(make_vrnic(), ARENA) as ca, Context.attach(make_vrnic(device="fake1"), ARENA) as cb:
+        pa, pb = PD(ca), PD(cb)
+        cqa, cqb = CQ(ca, 64), CQ(cb, 64)
+        qps = [*QP.create_many(pa, cqa, cqa, 5), *QP.create_many(pb, cqb, cqb, 2)]
+        mrs = [MR(pa, ca.alloc(8192), ALL) for _ in range(4)] + [MR(pb, 4096, ALL) for _ in range(2)]
+        sent_a, sent_b = _requests(ca), _requests(cb)
+        QP.close_many([*qps, qps[0]])  # a QP named twice is closed once
+        MR.close_many(mrs)
+        assert sent_a == [("destroy_qps", 5), ("dereg_mrs", 4)]
+        assert sent_b == [("destroy_qps", 2), ("dereg_mrs", 2)]
+        assert all(obj.closed for obj in (*qps, *mrs))
+        used = ca.call("query_device")["quota_used"]
+        assert (used["qp"], used["mr"], used["pinned_bytes"]) == (ca.spare_qp_count, 0, 0)
+        QP.close_many(qps)  # closed already: nothing is sent
+        MR.close_many([])
+        assert sent_a[2:] == [("query_device", 1)]
+        for obj in (cqa, cqb, pa, pb):
+            obj.close()
+    assert len(edge.live) == live
+
+
+def test_close_many_and_the_pools_fall_back_to_one_request_per_object_with_an_older_vrnicd(
+        make_vrnic: Callable[..., AttachInfo]) -> None:
+    with Context.attach(make_vrnic(), ARENA) as ctx:
+        ctx.teardown_batches = False  # what a vrnicd that does not say teardown_batches gets
+        pd, cq = PD(ctx), CQ(ctx, 64)
+        qps = QP.create_many(pd, cq, cq, 3)
+        mine = MR(pd, 4096, ALL)  # its pool's three spares stay
+        sent = _requests(ctx)
+        QP.close_many(qps)
+        mine.close()
+        cq.close()
+        pd.close()
+        assert sent[:4] == [("destroy_qp", 1)] * 3 + [("dereg_mr", 1)]
+        assert sent.count(("dereg_mr", 1)) == 1 + (MR_POOL - 1)  # the spares, one request each
+
+
+def test_spare_mrs_and_qps_are_given_back_in_one_request(make_vrnic: Callable[..., AttachInfo],
+                                                          edge: FakeEdge) -> None:
+    """A closed PD's spare MRs, and the spare QPs a refused pool gives back, go in one request each: with MR pools
+    of up to 32, one request per spare would be 31 round trips."""
+    live = len(edge.live)
+    with Context.attach(make_vrnic(max_qps=QP_POOL + 1), ARENA) as ctx:
+        pd, cq = PD(ctx), CQ(ctx, 64)
+        mrs = [MR(pd, 4096, ALL) for _ in range(MR_POOL + 1)]  # pools of 4 and 8: 7 spares left
+        rc = QP(pd, cq, cq)  # a pool of QP_POOL: QP_POOL - 1 spares
+        sent = _requests(ctx)
+        ud = QP(pd, cq, cq, "ud")  # no room for a pool of UD QPs: the RC spares go, then one UD QP alone
+        assert ("destroy_qps", QP_POOL - 1) in sent and ctx.spare_qp_count == 0
+        MR.close_many(mrs)
+        QP.close_many([rc, ud])
+        del sent[:]
+        pd_spares = ctx.spare_mr_count
+        assert pd_spares == MR_POOL + 8 - len(mrs)
+        pd.close()  # its spare MRs go with it
+        assert sent == [("dereg_mrs", pd_spares)]  # the PD itself goes back to its pool
+        used = ctx.call("query_device")["quota_used"]
+        assert (used["qp"], used["mr"], used["pinned_bytes"]) == (0, 0, 0)
+    assert len(edge.live) == live

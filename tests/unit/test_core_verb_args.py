@@ -40,6 +40,8 @@ VALID: dict[str, dict[str, Any]] = {
     "alloc_pds": {"count": 4},
     "create_cqs": {"cqe": 64, "rings": [0, 4096]},
     "reg_mrs": {"pd": 5, "addrs": [0, 4096], "length": 4096, "access": 7},
+    "dereg_mrs": {"mrs": [3, 4]},
+    "destroy_qps": {"qps": [8, 9]},
     "create_qps": {"qps": [{"pd": 5, "send_cq": 7, "recv_cq": 7, "qp_type": "rc", "max_send_wr": 16,
                             "max_recv_wr": 16, "max_sge": 1, "sq_ring": 0, "rq_ring": 4096}]},
     "connect_qps": {"connections": [{"qp": 8, "remote_gid": "fd76:726e::2", "remote_qpn": 17, "access": 15}]},

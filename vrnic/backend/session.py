@@ -113,6 +113,23 @@ def _within_quota(create: Callable[[T], int], items: Iterable[T]) -> list[int]:
     return handles
 
 
+def _distinct(handles: list[int], op: str, what: str) -> None:
+    if len(set(handles)) != len(handles):
+        raise InvalidArgument(f"{op} names {what} twice")
+
+
+def _each_then_first_error(act: Callable[[int], None], handles: Iterable[int]) -> None:
+    """act(handle) for every handle, even after one failed; then the first failure, if any, is raised."""
+    first: BaseException | None = None
+    for handle in handles:
+        try:
+            act(handle)
+        except VrnicError as exc:
+            first = first or exc
+    if first is not None:
+        raise first
+
+
 def _same_qp(qp: QpEntry, q: QpRecord) -> bool:
     """Is a staged QP the one the record describes (the same guest object, the same shape)?"""
     return (qp.vqpn, qp.qp_type, qp.pd.handle, qp.send_cq.handle, qp.recv_cq.handle, qp.sq_addr, qp.rq_addr,
@@ -246,10 +263,11 @@ class GuestSession:
         the quota and arena size this used to carry were read by no guest, and each attach encoded and decoded
         them (issue 14)."""
         spec = self.vrnic.spec
-        # shape_batches: create_qps takes one shape, connect_qps one peer's lists (a guest library falls back to
-        # one item per QP with a vrnicd that does not say so)
+        # shape_batches: create_qps takes one shape, connect_qps one peer's lists; teardown_batches: dereg_mrs and
+        # destroy_qps exist (a guest library falls back to one item or object per request with a vrnicd that does
+        # not say so)
         return {"vrnic_id": spec.id, "virtual_gid": spec.virtual_gid, "virtual_ip": spec.virtual_ip, "engine": "ring",
-                "shape_batches": True}
+                "shape_batches": True, "teardown_batches": True}
 
     def attach_fds(self) -> list[int]:
         """Descriptors that go back to the guest with the attach reply (the direct engine's uverbs fd)."""
@@ -344,10 +362,22 @@ class GuestSession:
         return {"mrs": [reply["mr"] for reply in made], "keys": [reply["lkey"] for reply in made]}
 
     def op_dereg_mr(self, args: verb_args.MrRef) -> dict[str, Any]:
-        mr = self.state.take_mr(args.mr)
+        self._dereg_mr(args.mr)
+        return {}
+
+    def _dereg_mr(self, handle: int) -> None:
+        mr = self.state.take_mr(handle)
         self.registry.withdraw_mr(self.vrnic, mr.window.vkey)
         self.device.destroy(mr.obj)
-        return {}
+
+    def op_dereg_mrs(self, args: verb_args.DeregMrs) -> dict[str, Any]:
+        """dereg_mr of each: every handle is checked before any MR goes. Each MR leaves the session even if the
+        NIC refuses one of them (as dereg_mr's does); the first such error is raised once all were tried."""
+        _distinct(args.mrs, "dereg_mrs", "an MR")
+        for handle in args.mrs:
+            self.state.mrs.get(handle)
+        _each_then_first_error(self._dereg_mr, args.mrs)
+        return {"deregistered": len(args.mrs)}
 
     # ----- CQ ----------------------------------------------------------------------------------
     def _ring(self, address: int | None, entries: int, slot_size: int, slot: Any, what: str) -> Ring:
@@ -454,6 +484,19 @@ class GuestSession:
         self._destroy_qp(self.state.take_qp(args.qp))
         self.engine.settle_cqs((qp.send_cq, qp.recv_cq))
         return {}
+
+    def op_destroy_qps(self, args: verb_args.DestroyQps) -> dict[str, Any]:
+        """destroy_qp of each: every handle is checked before any QP goes, the guest's earlier WRs on them reach the
+        NIC first and every completion they left is in their CQs' rings on return. Each QP leaves the session even
+        if the NIC refuses one of them; the first such error is raised once all were tried."""
+        _distinct(args.qps, "destroy_qps", "a QP")
+        qps = [self.state.qps.get(handle) for handle in args.qps]
+        self.engine.drain_queues(qps)
+        try:
+            _each_then_first_error(lambda handle: self._destroy_qp(self.state.take_qp(handle)), args.qps)
+        finally:
+            self.engine.settle_cqs(cq for qp in qps for cq in (qp.send_cq, qp.recv_cq))
+        return {"destroyed": len(qps)}
 
     def _destroy_qp(self, qp: QpEntry, publish: bool = True) -> None:
         if publish:
@@ -785,9 +828,7 @@ class GuestSession:
         The QPs move together: every INIT, then every RTR, then every RTS, so each step's verbs run back to back
         (lab, two guests' 64 pairs: 40 -> 33 ms against one QP's three steps after another; issue 14)."""
         connections = args.each()
-        handles = [c.qp for c in connections]
-        if len(set(handles)) != len(handles):
-            raise InvalidArgument("connect_qps names a QP twice")
+        _distinct([c.qp for c in connections], "connect_qps", "a QP")
         qps = [self.state.qps.get(c.qp) for c in connections]  # every QP is checked before any moves
         if any(qp.qp_type != "rc" for qp in qps):
             raise InvalidArgument("connect is for RC QPs; UD QPs name their peer per work request")

@@ -45,6 +45,7 @@ VERSIONS = (JSON_VERSION, BINARY_VERSION)
 VERSION = JSON_VERSION  # encode()'s default, as every vrnicd speaks it; the frontend picks its own (frontend.channel)
 HEADER = struct.Struct("!HBBI")
 MAX_BODY = 64 * 1024
+MAX_BATCH = 128  # objects one batched request may name: its reply stays well under MAX_BODY
 # Caps of the binary encoding, beyond the body's. A decoder checks a declared size against them before it
 # reads on, and an encoder refuses what the peer would refuse, so the error is the sender's own.
 MAX_DEPTH = 32  # containers nested in one another, the message itself included (messages use 3 or 4)

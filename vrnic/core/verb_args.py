@@ -6,6 +6,7 @@ from typing import Annotated, Literal, NamedTuple, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from vrnic.core.framing import MAX_BATCH
 from vrnic.core.peer_wire import ACCEPT_PRIVATE_DATA, CONNECT_PRIVATE_DATA, HEX, MAX_CM_TIMEOUT_MS
 from vrnic.core.rings import MAX_SGE
 
@@ -114,7 +115,6 @@ class Connect(Args):
     access: int = Field(15, ge=0, le=15)
 
 
-MAX_BATCH = 128  # objects one batched request may name: its reply stays well under the frame cap
 
 
 class CreateQps(Args):
@@ -205,6 +205,20 @@ class RegMrs(Args):
     access: int = Field(ge=0, le=15)
 
 
+class DeregMrs(Args):
+    """dereg_mr of each MR in one request: the frontend giving back its pools' spare MRs, or a guest closing many
+    MRs at once. Every handle is checked before any MR goes."""
+
+    mrs: list[Handle] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class DestroyQps(Args):
+    """destroy_qp of each QP in one request: the frontend giving back its pools' spare QPs, or a guest closing
+    many QPs at once. Every handle is checked before any QP goes."""
+
+    qps: list[Handle] = Field(min_length=1, max_length=MAX_BATCH)
+
+
 class CreateCqs(Args):
     """Up to len(rings) CQs of cqe entries, one per ring, as many as the quota leaves room for (at least one):
     the frontend's pool of CQs of that size (pre-setup), so that its later create_cq of that size is a handout.
@@ -275,7 +289,7 @@ OPS: dict[str, type[Args]] = {
     "create_qp": CreateQp, "destroy_qp": QpRef, "modify_qp": ModifyQp, "query_qp": QpRef,
     "connect": Connect, "resolve_rkey": ResolveRkey, "translations": NoArgs,
     "create_qps": CreateQps, "connect_qps": ConnectQps, "alloc_pds": AllocPds, "create_cqs": CreateCqs,
-    "reg_mrs": RegMrs,
+    "reg_mrs": RegMrs, "dereg_mrs": DeregMrs, "destroy_qps": DestroyQps,
     "null_rpc": NoArgs,
     "busy_poll": BusyPoll, "sync": NoArgs, "detach": NoArgs,
     "resolve_ip": ResolveIp, "cm_listen": CmPort, "cm_unlisten": CmPort, "cm_get_request": CmGetRequest,

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from vrnic.core.framing import MAX_BATCH
 from vrnic.core.rings import (
     CQ_SLOT,
     RQ_SLOT,
@@ -170,6 +171,8 @@ class Context(_Resource):
         self.ip: str | None = info.get("virtual_ip")  # its address in the VPC, if it has one (frontend.cm)
         # Batches as one shape (create_qps) and towards one peer (connect_qps); a vrnicd from before takes items
         self.shape_batches: bool = info.get("shape_batches") is True
+        # dereg_mrs and destroy_qps; with a vrnicd from before, one request per object
+        self.teardown_batches: bool = info.get("teardown_batches") is True
 
     @classmethod
     def attach(cls, info: AttachInfo, arena_bytes: int = DEFAULT_ARENA, busy_poll: bool = False) -> Context:
@@ -362,12 +365,30 @@ class MR(_Resource):
 
     def close(self) -> None:
         if not self.closed and not self.pd.ctx.closed:
-            if self.pd.ctx.direct is not None:
-                self.pd.ctx.direct.forget_mr(self.lkey)
+            self._forget_key()
             self.pd.ctx.call("dereg_mr", mr=self.handle)
-            if self.owned:
-                self.pd.ctx.free(self.buffer)
+        self._forget()
+
+    @staticmethod
+    def close_many(mrs: Iterable[MR]) -> None:
+        """close() of each MR, in one dereg_mrs per context (up to MAX_BATCH MRs a request)."""
+        for ctx, group in _open_by_context(mrs):
+            for mr in group:
+                mr._forget_key()
+            _teardown(ctx, "dereg_mrs", "dereg_mr", "mr", [mr.handle for mr in group])
+            for mr in group:
+                mr._forget()
+
+    def _forget_key(self) -> None:
+        """Before the MR goes: a direct guest stops posting with its key."""
+        if self.pd.ctx.direct is not None:
+            self.pd.ctx.direct.forget_mr(self.lkey)
+
+    def _forget(self) -> None:
+        """What this process holds for the MR, once vrnicd deregistered it (or the context closed)."""
         if not self.closed:
+            if self.owned and not self.pd.ctx.closed:
+                self.pd.ctx.free(self.buffer)
             self.pd.users -= 1
         self.closed = True
 
@@ -439,16 +460,15 @@ def _pool_buffers(ctx: Context, size: int, count: int) -> list[Buffer]:
 def _give_back_spare_mrs(ctx: Context, on_pd: int | None = None) -> int:
     """Deregister the context's spare MRs: those on PD on_pd (it is being closed), or all of them (the quota needs
     the room); how many there were."""
-    given = 0
+    given: list[SpareMr] = []
     for shape, spares in ctx.spare_mrs.items():
-        if on_pd is not None and shape.pd != on_pd:
-            continue
-        while spares:
-            spare = spares.pop()
-            ctx.call("dereg_mr", mr=spare.handle)
-            ctx.free(spare.buffer)
-            given += 1
-    return given
+        if on_pd is None or shape.pd == on_pd:
+            given += spares
+            spares.clear()
+    _teardown(ctx, "dereg_mrs", "dereg_mr", "mr", [spare.handle for spare in given])
+    for spare in given:
+        ctx.free(spare.buffer)
+    return len(given)
 
 
 class CQ(_Resource):
@@ -698,14 +718,15 @@ def _pooled_qp(ctx: Context, shape: QpShape) -> SpareQp:
 def _give_back_spare_qps(ctx: Context, on_cq: int | None = None) -> None:
     """Destroy the context's spare QPs: those on CQ on_cq (it is going), or all of them (the quota needs the
     room)."""
+    given: list[SpareQp] = []
     for shape, spares in ctx.spare_qps.items():
-        if on_cq not in (None, shape.send_cq, shape.recv_cq):
-            continue
-        while spares:
-            spare = spares.pop()
-            ctx.call("destroy_qp", qp=spare.handle)
-            for buffer in spare.rings or ():
-                ctx.free(buffer)
+        if on_cq in (None, shape.send_cq, shape.recv_cq):
+            given += spares
+            spares.clear()
+    _teardown(ctx, "destroy_qps", "destroy_qp", "qp", [spare.handle for spare in given])
+    for spare in given:
+        for buffer in spare.rings or ():
+            ctx.free(buffer)
 
 
 class QP(_Resource):
@@ -827,16 +848,57 @@ class QP(_Resource):
             self.pd.ctx.ring_doorbell()
 
     def close(self) -> None:
-        ctx = self.pd.ctx
-        if not self.closed and not ctx.closed:
-            ctx.call("destroy_qp", qp=self.handle)
-            if self.direct is not None:
-                self.direct.close()
-            else:
-                ctx.free(self.sq_buffer)
-                ctx.free(self.rq_buffer)
+        if not self.closed and not self.pd.ctx.closed:
+            self.pd.ctx.call("destroy_qp", qp=self.handle)
+        self._forget()
+
+    @staticmethod
+    def close_many(qps: Iterable[QP]) -> None:
+        """close() of each QP, in one destroy_qps per context (up to MAX_BATCH QPs a request)."""
+        for ctx, group in _open_by_context(qps):
+            _teardown(ctx, "destroy_qps", "destroy_qp", "qp", [qp.handle for qp in group])
+            for qp in group:
+                qp._forget()
+
+    def _forget(self) -> None:
+        """What this process holds for the QP, once vrnicd destroyed it (or the context closed)."""
         if not self.closed:
+            if not self.pd.ctx.closed:
+                if self.direct is not None:
+                    self.direct.close()
+                else:
+                    self.pd.ctx.free(self.sq_buffer)
+                    self.pd.ctx.free(self.rq_buffer)
             self.pd.users -= 1
             self.send_cq.users -= 1
             self.recv_cq.users -= 1
         self.closed = True
+
+
+_Closable = TypeVar("_Closable", QP, MR)
+
+
+def _open_by_context(objects: Iterable[_Closable]) -> list[tuple[Context, list[_Closable]]]:
+    """The objects not closed yet (each once), grouped by their live context; those of a closed context are
+    forgotten here, as close() does."""
+    groups: dict[int, tuple[Context, list[_Closable]]] = {}
+    for obj in dict.fromkeys(objects):
+        if obj.closed:
+            continue
+        ctx = obj.pd.ctx
+        if ctx.closed:
+            obj._forget()
+            continue
+        groups.setdefault(id(ctx), (ctx, []))[1].append(obj)
+    return list(groups.values())
+
+
+def _teardown(ctx: Context, batch_op: str, op: str, field: str, handles: list[int]) -> None:
+    """Deregister or destroy these objects in vrnicd: batch_op (dereg_mrs, destroy_qps) for up to MAX_BATCH at a
+    time, or op (dereg_mr, destroy_qp) for each with a vrnicd that has no batch_op."""
+    if ctx.teardown_batches and len(handles) > 1:
+        for start in range(0, len(handles), MAX_BATCH):
+            ctx.call(batch_op, **{f"{field}s": handles[start:start + MAX_BATCH]})
+    else:
+        for handle in handles:
+            ctx.call(op, **{field: handle})
