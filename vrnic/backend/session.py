@@ -477,26 +477,26 @@ class GuestSession:
         return {"qps": [qp.handle for qp in qps], "qpns": [qp.vqpn for qp in qps]}
 
     def op_destroy_qp(self, args: verb_args.QpRef) -> dict[str, Any]:
-        qp = self.state.qps.get(args.qp)  # an unknown handle is refused before anything moves
-        # Program order, as for modify_qp: WRs the guest posted before destroying the QP reach the NIC first (a
-        # native post_send has put them there on return), rather than vanish with the rings.
-        self.engine.drain_queues([qp])
-        self._destroy_qp(self.state.take_qp(args.qp))
-        self.engine.settle_cqs((qp.send_cq, qp.recv_cq))
+        self._destroy_qps([args.qp])
         return {}
 
     def op_destroy_qps(self, args: verb_args.DestroyQps) -> dict[str, Any]:
-        """destroy_qp of each: every handle is checked before any QP goes, the guest's earlier WRs on them reach the
-        NIC first and every completion they left is in their CQs' rings on return. Each QP leaves the session even
-        if the NIC refuses one of them; the first such error is raised once all were tried."""
+        """destroy_qp of each, in one request."""
         _distinct(args.qps, "destroy_qps", "a QP")
-        qps = [self.state.qps.get(handle) for handle in args.qps]
+        self._destroy_qps(args.qps)
+        return {"destroyed": len(args.qps)}
+
+    def _destroy_qps(self, handles: list[int]) -> None:
+        """Every handle is checked before any QP goes. Program order, as for modify_qp: WRs the guest posted before
+        destroying a QP reach the NIC first (a native post_send has put them there on return), rather than vanish
+        with the rings, and every completion the QPs left is in their CQs' rings on return. Each QP leaves the
+        session even if the NIC refuses one of them; the first such error is raised once all were tried."""
+        qps = [self.state.qps.get(handle) for handle in handles]
         self.engine.drain_queues(qps)
         try:
-            _each_then_first_error(lambda handle: self._destroy_qp(self.state.take_qp(handle)), args.qps)
+            _each_then_first_error(lambda handle: self._destroy_qp(self.state.take_qp(handle)), handles)
         finally:
             self.engine.settle_cqs(cq for qp in qps for cq in (qp.send_cq, qp.recv_cq))
-        return {"destroyed": len(qps)}
 
     def _destroy_qp(self, qp: QpEntry, publish: bool = True) -> None:
         if publish:
