@@ -841,6 +841,56 @@ def test_destroy_qps_tries_every_qp_when_the_nic_refuses_one(make_vrnic: Callabl
         edge.live.discard(id(calls[1][0]))  # the object the NIC kept: the fake's stand-in for it
 
 
+def test_a_close_the_nic_refuses_still_forgets_what_vrnicd_dropped(make_vrnic: Callable[..., AttachInfo],
+                                                                   edge: FakeEdge,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """vrnicd drops every object of a teardown even when the NIC refuses one: the frontend forgets them too (a
+    second close sends nothing, the PD and CQ can close), the rest are still sent, and the NIC's error is raised."""
+    with Context.attach(make_vrnic(), ARENA) as ctx:
+        pd, cq = PD(ctx), CQ(ctx, 64)
+        qps = QP.create_many(pd, cq, cq, 3)
+        mrs = [MR(pd, ctx.alloc(4096), ALL) for _ in range(2)]
+        ones = [MR(pd, ctx.alloc(4096), ALL) for _ in range(3)]
+        destroy = FakeContext.destroy
+        kept: list[Any] = []
+
+        def refusing(every: int) -> Callable[..., None]:
+            seen = [0]
+
+            def refuse(self: FakeContext, *objects: Any) -> None:
+                seen[0] += 1
+                if seen[0] % every == 0:
+                    kept.append(objects[0])
+                    raise DeviceError("destroy: the NIC said no", 16)
+                destroy(self, *objects)
+            return refuse
+
+        sent = _requests(ctx)
+        monkeypatch.setattr(FakeContext, "destroy", refusing(2))
+        with pytest.raises(DeviceError, match="the NIC said no"):
+            QP.close_many(qps)
+        with pytest.raises(DeviceError, match="the NIC said no"):
+            MR.close_many(mrs)
+        monkeypatch.setattr(FakeContext, "destroy", refusing(1))
+        with pytest.raises(DeviceError, match="the NIC said no"):
+            ones[0].close()
+        ctx.teardown_batches = False  # one request per MR: the second is still sent after the first's refusal
+        with pytest.raises(DeviceError, match="the NIC said no"):
+            MR.close_many(ones[1:])
+        monkeypatch.setattr(FakeContext, "destroy", destroy)
+        assert sent == [("destroy_qps", 3), ("dereg_mrs", 2)] + [("dereg_mr", 1)] * 3
+        assert all(obj.closed for obj in (*qps, *mrs, *ones)) and len(kept) == 5
+        QP.close_many(qps)
+        ones[0].close()
+        assert len(sent) == 5  # closed: nothing more is sent
+        cq.close()  # nothing holds them any more
+        pd.close()
+        used = ctx.call("query_device")["quota_used"]
+        assert (used["qp"], used["mr"], used["pinned_bytes"]) == (ctx.spare_qp_count, ctx.spare_mr_count, 0)
+        for obj in kept:  # the objects the NIC kept: the fake's stand-ins for them
+            edge.live.discard(id(obj))
+
+
 def test_close_many_sends_one_request_per_context(make_vrnic: Callable[..., AttachInfo], edge: FakeEdge) -> None:
     live = len(edge.live)
     with Context.attach(make_vrnic(), ARENA) as ca, Context.attach(make_vrnic(device="fake1"), ARENA) as cb:

@@ -7,9 +7,9 @@ import errno
 import os
 import select
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from vrnic.core.framing import MAX_BATCH
 from vrnic.core.rings import (
@@ -364,10 +364,7 @@ class MR(_Resource):
         return self.buffer.read(length, offset)
 
     def close(self) -> None:
-        if not self.closed and not self.pd.ctx.closed:
-            self._forget_key()
-            self.pd.ctx.call("dereg_mr", mr=self.handle)
-        self._forget()
+        MR.close_many((self,))
 
     @staticmethod
     def close_many(mrs: Iterable[MR]) -> None:
@@ -375,9 +372,7 @@ class MR(_Resource):
         for ctx, group in _open_by_context(mrs):
             for mr in group:
                 mr._forget_key()
-            _teardown(ctx, "dereg_mrs", "dereg_mr", "mr", [mr.handle for mr in group])
-            for mr in group:
-                mr._forget()
+            _teardown(ctx, group, "dereg_mrs", "dereg_mr", "mr", MR._forget)
 
     def _forget_key(self) -> None:
         """Before the MR goes: a direct guest stops posting with its key."""
@@ -465,9 +460,7 @@ def _give_back_spare_mrs(ctx: Context, on_pd: int | None = None) -> int:
         if on_pd is None or shape.pd == on_pd:
             given += spares
             spares.clear()
-    _teardown(ctx, "dereg_mrs", "dereg_mr", "mr", [spare.handle for spare in given])
-    for spare in given:
-        ctx.free(spare.buffer)
+    _teardown(ctx, given, "dereg_mrs", "dereg_mr", "mr", lambda spare: ctx.free(spare.buffer))
     return len(given)
 
 
@@ -723,10 +716,11 @@ def _give_back_spare_qps(ctx: Context, on_cq: int | None = None) -> None:
         if on_cq in (None, shape.send_cq, shape.recv_cq):
             given += spares
             spares.clear()
-    _teardown(ctx, "destroy_qps", "destroy_qp", "qp", [spare.handle for spare in given])
-    for spare in given:
+    def forget(spare: SpareQp) -> None:
         for buffer in spare.rings or ():
             ctx.free(buffer)
+
+    _teardown(ctx, given, "destroy_qps", "destroy_qp", "qp", forget)
 
 
 class QP(_Resource):
@@ -848,17 +842,13 @@ class QP(_Resource):
             self.pd.ctx.ring_doorbell()
 
     def close(self) -> None:
-        if not self.closed and not self.pd.ctx.closed:
-            self.pd.ctx.call("destroy_qp", qp=self.handle)
-        self._forget()
+        QP.close_many((self,))
 
     @staticmethod
     def close_many(qps: Iterable[QP]) -> None:
         """close() of each QP, in one destroy_qps per context (up to MAX_BATCH QPs a request)."""
         for ctx, group in _open_by_context(qps):
-            _teardown(ctx, "destroy_qps", "destroy_qp", "qp", [qp.handle for qp in group])
-            for qp in group:
-                qp._forget()
+            _teardown(ctx, group, "destroy_qps", "destroy_qp", "qp", QP._forget)
 
     def _forget(self) -> None:
         """What this process holds for the QP, once vrnicd destroyed it (or the context closed)."""
@@ -878,6 +868,14 @@ class QP(_Resource):
 _Closable = TypeVar("_Closable", QP, MR)
 
 
+class _HasHandle(Protocol):
+    @property
+    def handle(self) -> int: ...
+
+
+_Handled = TypeVar("_Handled", bound=_HasHandle)  # an MR or QP, or a pool's spare one
+
+
 def _open_by_context(objects: Iterable[_Closable]) -> list[tuple[Context, list[_Closable]]]:
     """The objects not closed yet (each once), grouped by their live context; those of a closed context are
     forgotten here, as close() does."""
@@ -893,12 +891,26 @@ def _open_by_context(objects: Iterable[_Closable]) -> list[tuple[Context, list[_
     return list(groups.values())
 
 
-def _teardown(ctx: Context, batch_op: str, op: str, field: str, handles: list[int]) -> None:
-    """Deregister or destroy these objects in vrnicd: batch_op (dereg_mrs, destroy_qps) for up to MAX_BATCH at a
-    time, or op (dereg_mr, destroy_qp) for each with a vrnicd that has no batch_op."""
-    if ctx.teardown_batches and len(handles) > 1:
-        for start in range(0, len(handles), MAX_BATCH):
-            ctx.call(batch_op, **{f"{field}s": handles[start:start + MAX_BATCH]})
-    else:
-        for handle in handles:
-            ctx.call(op, **{field: handle})
+def _teardown(ctx: Context, objects: Sequence[_Handled], batch_op: str, op: str, field: str,
+              forget: Callable[[_Handled], None]) -> None:
+    """Deregister or destroy these objects in vrnicd, then forget() each here: batch_op (dereg_mrs, destroy_qps)
+    for up to MAX_BATCH at a time, or op (dereg_mr, destroy_qp) for each with a vrnicd that has no batch_op.
+
+    A DeviceError is the NIC refusing to destroy an object: vrnicd has dropped every object of that request all
+    the same (their handles are gone), so they are forgotten here too, the rest are still sent, and the first such
+    error is raised at the end. Any other error (the request refused: nothing went) is raised at once."""
+    size = MAX_BATCH if ctx.teardown_batches and len(objects) > 1 else 1
+    first: DeviceError | None = None
+    for start in range(0, len(objects), size):
+        group = objects[start:start + size]
+        try:
+            if size > 1:
+                ctx.call(batch_op, **{f"{field}s": [obj.handle for obj in group]})
+            else:
+                ctx.call(op, **{field: group[0].handle})
+        except DeviceError as exc:
+            first = first or exc
+        for obj in group:
+            forget(obj)
+    if first is not None:
+        raise first
