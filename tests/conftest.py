@@ -114,7 +114,11 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, object, object]:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
     global _MARK
-    _MARK = LogMark.now() if _WATCH is not None else None
+    _MARK = None
+    if _WATCH is not None:
+        # The nested guests' consoles are under the session's temporary directory (tmp_path and its factory's).
+        factory = getattr(item.config, "_tmp_path_factory", None)
+        _MARK = LogMark.now(console_root=factory.getbasetemp() if factory is not None else None)
     return (yield from _watched(item, "call"))
 
 

@@ -93,7 +93,7 @@ def test_vm_rdma_both_ways_refusals_and_destroy_mid_traffic(host: VmHost, driver
         driver.bind_vm(VmBinding(domain=name, ram_path=str(ram_paths[-1]), machine="q35", vrnics=[
             VmVrnic(vrnic_id=vm_info.vrnic_id, channel_socket=str(tmp_path / "org.vrnic.0.sock"))]))
         TIMINGS["bind_ms"] = (time.monotonic() - t0) * 1000
-        return ControlPort(tmp_path / "ctl.sock", gone_report=report)
+        return ControlPort(tmp_path / "ctl.sock")
 
     report = partial(domain_report, name, console)
     try:
@@ -101,6 +101,7 @@ def test_vm_rdma_both_ways_refusals_and_destroy_mid_traffic(host: VmHost, driver
         # a nested guest that died unborn is unbound and booted once more
         control, vm = boot_until_ready(name, start, bind_and_connect, console, report, ready_timeout=180,
                                        undo=lambda: driver.unbind_vm(name))
+        control.report = report  # from here on a silent VM program's error carries them (boot_and_wait's did)
         ram_path = ram_paths[-1]
         TIMINGS["create_to_ready_s"] = time.monotonic() - t0
         print(f"\nVM program ready: {vm}")

@@ -215,10 +215,47 @@ def test_log_mark_sees_only_what_came_after_it(tmp_path: Path) -> None:
     assert mark.faults(lambda: ["[9] Oops: 0000 [#1] SMP"], tmp_path)[0] == "lab kernel: [9] Oops: 0000 [#1] SMP"
 
 
+def test_a_nested_guest_console_shows_a_fault_when_its_kernel_stalled_or_oopsed() -> None:
+    console = ("[    0.8] Run /init as init process\nvrnic-vm: ready\n"
+               "[  212.4] watchdog: BUG: soft lockup - CPU#0 stuck for 134s! [python3:88]\n"
+               "[  214.0] rcu: INFO: rcu_sched self-detected stall on CPU\n"
+               "[  300.1] INFO: task kworker/0:1:40 blocked for more than 120 seconds.\n")
+    assert guest_faults.faults([], {}, {"t0/console.log": console, "t1/vm.console.log": "vrnic-vm: ready\n"}) == [
+        "nested console t0/console.log: [  212.4] watchdog: BUG: soft lockup - CPU#0 stuck for 134s! [python3:88]",
+        "nested console t0/console.log: [  214.0] rcu: INFO: rcu_sched self-detected stall on CPU",
+        "nested console t0/console.log: [  300.1] INFO: task kworker/0:1:40 blocked for more than 120 seconds."]
+    # the lab kernel's own RCU stall is the emulator's too
+    assert guest_faults.faults(["[9] rcu: INFO: rcu_preempt detected stalls on CPUs/tasks:"], {}) == [
+        "lab kernel: [9] rcu: INFO: rcu_preempt detected stalls on CPUs/tasks:"]
+
+
+def test_log_mark_reads_only_the_nested_consoles_new_lines(tmp_path: Path) -> None:
+    """Consoles anywhere under the root (each test's tmp_path): one that was there keeps its old lines out, one that
+    appeared since counts whole; other files are not consoles."""
+    logs = tmp_path / "qemu"
+    logs.mkdir()
+    old = tmp_path / "test_a0" / "console.log"
+    old.parent.mkdir()
+    old.write_text("[1] BUG: soft lockup - CPU#0 stuck for 30s!\n")  # an earlier test's VM: not this test's
+    mark = guest_faults.LogMark.now(lambda: [], logs, console_root=tmp_path)
+    assert mark.faults(lambda: [], logs) == []
+    with old.open("a") as console:
+        console.write("[2] ok\n[3] Kernel panic - not syncing: Fatal exception\n")
+    new = tmp_path / "test_b0" / "attempt1" / "vm-b.console.log"
+    new.parent.mkdir(parents=True)
+    new.write_text("[4] rcu: INFO: rcu_sched detected stalls on CPUs/tasks:\n")
+    (tmp_path / "test_b0" / "notes.log").write_text("[5] soft lockup\n")
+    assert mark.faults(lambda: [], logs) == [
+        "nested console test_a0/console.log: [3] Kernel panic - not syncing: Fatal exception",
+        "nested console test_b0/attempt1/vm-b.console.log: [4] rcu: INFO: rcu_sched detected stalls on CPUs/tasks:"]
+    assert guest_faults.LogMark.now(lambda: [], logs).faults(lambda: [], logs) == []  # no root: no consoles
+
+
 def test_a_test_failing_on_an_emulator_fault_ends_the_command_as_a_lost_guest(tmp_path: Path) -> None:
-    """Two real pytest runs: a test fails while a nested QEMU's log says it crashed, so its failure is printed,
+    """Three real pytest runs: a test fails while a nested QEMU's log says it crashed, so its failure is printed,
     `faulted` recorded and the command ended with the lost-guest status; the next run runs it again (it
-    passes) and what came after it. A plain failure, with no fault logged, stays a failure."""
+    passes) and what came after it, where a test fails while a nested guest's console (in its tmp_path) shows a
+    soft lockup: the same again. A plain failure, with no fault logged, stays a failure."""
     tests = ROOT / "tests" / "unit" / f"_fault_probe_{os.getpid()}_test.py"
     marker = tmp_path / "crashed-once"
     logs = tmp_path / "qemu-logs"
@@ -230,6 +267,11 @@ def test_a_test_failing_on_an_emulator_fault_ends_the_command_as_a_lost_guest(tm
         "    if not m.exists():\n        m.write_text('x'); print('the VM went away')\n"
         f"        Path({str(logs / 'vm.log')!r}).write_text('shutting down, reason=crashed\\n')\n"
         "        raise ConnectionError('control port closed')\n"
+        f"def test_nested_vm_stalls(tmp_path):\n    m = Path({str(marker)!r} + '-stall')\n"
+        "    if not m.exists():\n        m.write_text('x')\n"
+        "        lockup = '[99.0] watchdog: BUG: soft lockup - CPU#1 stuck for 130s!\\n'\n"
+        "        (tmp_path / 'console.log').write_text(lockup)\n"
+        "        raise TimeoutError('no reply from the VM program within 120 s')\n"
         "def test_plain_failure(): assert 1 == 2\n"
     )
     progress_file = tmp_path / "progress.txt"
@@ -248,11 +290,20 @@ def test_a_test_failing_on_an_emulator_fault_ends_the_command_as_a_lost_guest(tm
         assert list(after_first.outcomes.values()) == ["passed"]  # test_a
 
         second = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-        assert second.returncode == 1, second.stdout + second.stderr
-        assert "1 failed, 1 passed, 1 deselected" in second.stdout
-        assert "[guest-faults]" not in second.stderr
+        assert second.returncode == EXIT_GUEST_LOST, second.stdout + second.stderr
+        assert "TimeoutError: no reply from the VM program" in second.stderr
+        assert "console.log: [99.0] watchdog: BUG: soft lockup - CPU#1 stuck for 130s!" in second.stderr
+        after_second = progress.Progress.read(progress_file)
+        assert after_second.running is not None and after_second.running.endswith("::test_nested_vm_stalls")
+        assert after_second.faulted == [after_first.running, after_second.running]
+
+        third = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert third.returncode == 1, third.stdout + third.stderr
+        assert "1 failed, 1 passed, 2 deselected" in third.stdout
+        assert "[guest-faults]" not in third.stderr
         final = progress.Progress.read(progress_file)
         assert final.outcomes[after_first.running] == "passed"
+        assert final.outcomes[after_second.running] == "passed"
         assert [n.rsplit("::", 1)[1] for n in final.failed] == ["test_plain_failure"]
     finally:
         tests.unlink(missing_ok=True)

@@ -154,6 +154,11 @@ def start_vm(name: str, image: Path, workdir: Path, accel: Literal["kvm", "tcg"]
                                      memory_mib=memory_mib)).start()
 
 
+def vm_report(vm: QemuVm) -> str:
+    """What to know when a VM's program misbehaves: its console and QEMU log."""
+    return f"console:\n{vm.console()}\nqemu:\n{vm.log_tail()}"
+
+
 def binding(domain: str, vm: QemuVm, vrnic_id: str) -> VmBinding:
     return VmBinding(domain=domain, ram_path=str(vm.ram_path), machine="q35",
                      vrnics=[VmVrnic(vrnic_id=vrnic_id, channel_socket=str(channel_socket(vm.spec, DEFAULT_CHANNEL)))])
@@ -173,7 +178,7 @@ class Streaming:
         """The VM now runs in this QEMU: talk to its control port."""
         self.control.close()
         self.vm = vm
-        self.control = ControlPort(channel_socket(vm.spec, CONTROL_PORT))
+        self.control = ControlPort(channel_socket(vm.spec, CONTROL_PORT), report=lambda: vm_report(vm))
 
     def close(self) -> None:
         self.peer.close()
@@ -191,7 +196,8 @@ def stream_into_vm(vrnicd: Binder, domain: str, vm: QemuVm, vm_info: AttachInfo,
         info = control.ready(ready_timeout)
     except Exception as exc:
         control.close()
-        raise RuntimeError(f"{exc}; console:\n{vm.console()}\nqemu:\n{vm.log_tail()}") from exc
+        raise RuntimeError(f"{exc}; {vm_report(vm)}") from exc
+    control.report = lambda: vm_report(vm)  # a silent VM program's error carries them too, from here on
     ready_s = time.monotonic() - t0
     peer = start_stream(control, info, peer_info, send_every)
     return Streaming(vm, control, info, peer, ready_s)

@@ -300,11 +300,11 @@ class ControlPort:
     migration (a new host end), a reply the program wrote while nobody was connected may arrive first."""
 
     def __init__(self, path: Path, timeout: float = 120.0, connect_timeout: float = 30.0,
-                 gone_report: Callable[[], str] | None = None) -> None:
-        """gone_report: what to add to the error when the port closes under a call (its QEMU died): the
-        domain's QEMU log and the lab kernel's log say why."""
+                 report: Callable[[], str] | None = None) -> None:
+        """report: what to add to the error when the VM program stops answering or the port closes under a call
+        (its QEMU died): the domain's QEMU log, its console and the lab kernel's log say why."""
         self.path = path
-        self.gone_report = gone_report
+        self.report = report
         deadline = time.monotonic() + connect_timeout
         while True:
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -330,15 +330,18 @@ class ControlPort:
             try:
                 chunk = self.sock.recv(65536)
             except TimeoutError:
-                raise TimeoutError(f"no reply from the VM program on {self.path} within {seconds:.0f} s") from None
+                raise TimeoutError(f"no reply from the VM program on {self.path} within {seconds:.0f} s"
+                                   f"{self._why()}") from None
             if not chunk:
-                why = f"\n{self.gone_report()}" if self.gone_report is not None else ""
-                raise ConnectionError(f"the VM's control port {self.path} closed (its QEMU is gone?){why}")
+                raise ConnectionError(f"the VM's control port {self.path} closed (its QEMU is gone?){self._why()}")
             self._buf += chunk
         line, _, rest = bytes(self._buf).partition(b"\n")
         self._buf[:] = rest
         reply: dict[str, Any] = json.loads(line)
         return reply
+
+    def _why(self) -> str:
+        return f"\n{self.report()}" if self.report is not None else ""
 
     def ready(self, timeout: float = 180.0) -> dict[str, Any]:
         reply = self.read(timeout)

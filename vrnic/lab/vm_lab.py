@@ -149,8 +149,10 @@ class VmLab:
             if started.returncode != 0:
                 raise LabError(f"virsh start {name} failed: {(started.stderr or started.stdout).strip()}")
 
-        return boot_until_ready(name, start, lambda: self.control(files), files / "console.log",
-                                lambda: self.report(name), ready_timeout, say=self.say)
+        control, ready = boot_until_ready(name, start, lambda: self.control(files), files / "console.log",
+                                          lambda: self.report(name), ready_timeout, say=self.say)
+        control.report = lambda: self.report(name)  # a silent VM program's error carries them too, from here on
+        return control, ready
 
     def api(self, token: str | None = None) -> httpx.Client:
         return httpx.Client(base_url=f"{self.url}/api/v1", timeout=60,
