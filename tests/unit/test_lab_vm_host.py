@@ -23,10 +23,12 @@ from vrnic.lab.vm_host import (
     libvirtd_argv,
     libvirtd_conf_settings,
     qemu_conf_settings,
+    qemu_threads,
     ram_dir,
     ram_file,
     read_from,
     retry_boot_once,
+    thread_stat,
     virtlogd_argv,
     wait_until,
 )
@@ -133,6 +135,30 @@ def test_read_from_an_offset_of_an_appended_log(tmp_path: Path) -> None:
         f.write(b"second boot \xff\n")
     assert read_from(log, offset) == "second boot \ufffd\n"
     assert read_from(log).startswith("first boot")
+
+
+def _stat(tid: int, name: str, state: str, utime: int, stime: int) -> str:
+    return f"{tid} ({name}) {state} 1 {tid} {tid} 0 -1 4194560 10 0 0 0 {utime} {stime} 0 0 20 0 4 0 99"
+
+
+def test_thread_stat_reads_name_state_and_cpu_ticks() -> None:
+    assert thread_stat(_stat(812, "CPU 0/KVM", "R", 1200, 34)) == ("CPU 0/KVM", "R", 1234)
+    assert thread_stat(_stat(9, "a) (b", "S", 0, 5)) == ("a) (b", "S", 5)  # a name with parentheses
+
+
+def test_qemu_threads_names_each_qemu_thread_with_its_cpu_over_the_sample(tmp_path: Path) -> None:
+    for pid, comm, threads in ((812, "qemu-system-x86", {812: ("qemu-system-x86", "S", "do_sys_poll"),
+                                                         815: ("CPU 0/KVM", "R", "0")}),
+                               (900, "python3", {900: ("python3", "S", "ep_poll")})):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "comm").write_text(comm + "\n")
+        for tid, (name, state, wchan) in threads.items():
+            task = tmp_path / str(pid) / "task" / str(tid)
+            task.mkdir(parents=True)
+            (task / "stat").write_text(_stat(tid, name, state, 100, 20))
+            (task / "wchan").write_text(wchan)  # a running thread's is "0"
+    (tmp_path / "self").mkdir()
+    assert qemu_threads(0, tmp_path) == ["812/812 qemu-system-x86 S do_sys_poll +0", "812/815 CPU 0/KVM R - +0"]
 
 
 def test_bounded_returns_raises_or_gives_up_naming_the_wait() -> None:

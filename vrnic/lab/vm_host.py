@@ -275,6 +275,37 @@ def qemu_processes() -> list[str]:
     return found
 
 
+def thread_stat(text: str) -> tuple[str, str, int]:
+    """(name, state, CPU ticks used: utime + stime) from a /proc/<pid>/task/<tid>/stat line."""
+    head, _, rest = text.rpartition(")")  # the name may hold spaces and parentheses ("CPU 0/KVM")
+    fields = rest.split()
+    return head.partition("(")[2], fields[0], int(fields[11]) + int(fields[12])
+
+
+def qemu_threads(sample_s: float = 1.0, proc: Path = Path("/proc")) -> list[str]:
+    """`pid/tid name state wchan +ticks` of every QEMU thread in this guest, ticks being the CPU it used over
+    sample_s (100 a second): a vCPU thread that spins shows about +100, one that never runs +0 and where it
+    waits. What tells a stalled nested VM from a VM program that is stuck."""
+    def snapshot() -> dict[str, tuple[str, str, int, str]]:
+        found = {}
+        for process in proc.iterdir():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                if not process.name.isdigit() or not (process / "comm").read_text().startswith("qemu-system"):
+                    continue
+                for task in (process / "task").iterdir():
+                    name, state, ticks = thread_stat((task / "stat").read_text())
+                    wchan = (task / "wchan").read_text().strip()
+                    wchan = "-" if wchan in ("", "0") else wchan  # "0" while it runs
+                    found[f"{process.name}/{task.name}"] = (name, state, ticks, wchan)
+        return found
+
+    before = snapshot()
+    time.sleep(sample_s)
+    after = snapshot()
+    return [f"{key} {name} {state} {wchan} +{ticks - before[key][2] if key in before else '?'}"
+            for key, (name, state, ticks, wchan) in sorted(after.items())]
+
+
 def read_from(path: Path, offset: int = 0) -> str:
     """A file's text from byte `offset` on ('' when there is no file): a console log is appended to, so what
     one boot printed starts at the size the file had before it."""
@@ -288,7 +319,8 @@ def read_from(path: Path, offset: int = 0) -> str:
 
 def domain_report(name: str, console: Path | None = None, lines: int = 40) -> str:
     """What to know when a nested guest misbehaves: libvirt's state of it, the tails of its QEMU log and
-    its serial console, the QEMU processes, and the lab kernel's last lines (KVM complains there)."""
+    its serial console, the QEMU processes and their threads, and the lab kernel's last lines (KVM complains
+    there)."""
     parts = [f"--- domain {name}: {domain_state(name)}"]
     qemu_log = QEMU_LOG_DIR / f"{name}.log"
     try:
@@ -302,8 +334,12 @@ def domain_report(name: str, console: Path | None = None, lines: int = 40) -> st
                          else f"--- console {console}: empty")
         except OSError as exc:
             parts.append(f"--- console {console}: {exc.strerror}")
-    parts.append("--- QEMU processes (pid state wchan cmdline): " + ("\n" + "\n".join(qemu_processes())
-                                                                     if qemu_processes() else "none"))
+    processes = qemu_processes()
+    parts.append("--- QEMU processes (pid state wchan cmdline): " + ("\n" + "\n".join(processes)
+                                                                     if processes else "none"))
+    if processes:
+        parts.append("--- QEMU threads (pid/tid name state wchan, CPU ticks over 1 s):\n"
+                     + "\n".join(qemu_threads()))
     dmesg = _run(["dmesg"], check=False, timeout=10)
     parts.append(f"--- lab kernel (dmesg tail):\n{tail(dmesg.stdout, 15)}")
     return "\n".join(parts)
