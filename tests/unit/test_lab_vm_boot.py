@@ -97,3 +97,38 @@ def test_what_start_raises_goes_straight_to_the_caller(tmp_path: Path) -> None:
     with pytest.raises(LabError, match="hook refused"):
         vm_lab.boot_until_ready("vm-1", refused, lambda: pytest.fail("no port without a start"),  # type: ignore[arg-type,return-value]
                                 tmp_path / "console.log", lambda: "REPORT")
+
+
+def test_a_silent_or_gone_vm_program_fails_with_the_domains_report(tmp_path: Path) -> None:
+    """The control port's two failures after boot, on a real Unix socket: the program says nothing within the
+    timeout, or its QEMU closes the port; either error carries report() (the domain's logs and QEMU threads)."""
+    import socket
+    import threading
+
+    from vrnic.lab.vm_guest import ControlPort
+
+    path = tmp_path / "ctl.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(path))
+        listener.listen()
+        port = ControlPort(path, timeout=0.2, report=lambda: "--- domain vm-1: running, CPU 0/KVM R - +0")
+        program, _ = listener.accept()
+        try:
+            with pytest.raises(TimeoutError, match=r"within 0 s\n--- domain vm-1: running, CPU 0/KVM R - \+0"):
+                port.call("ping", iterations=200)
+            def hang_up_after_the_next_command() -> None:
+                got = b""
+                while got.count(b"\n") < 2:  # the one it never answered, and the next
+                    got += program.recv(4096)
+                program.close()
+
+            hangs_up = threading.Thread(target=hang_up_after_the_next_command)
+            hangs_up.start()
+            with pytest.raises(ConnectionError, match=r"closed \(its QEMU is gone\?\)\n--- domain vm-1"):
+                port.call("ping", iterations=200)
+            hangs_up.join()
+            with pytest.raises(ConnectionError, match=r"closed \(its QEMU is gone\?\): Broken pipe\n--- domain"):
+                port.call("ping", iterations=200)  # the next command meets the closed port
+        finally:
+            port.close()
+            program.close()

@@ -332,6 +332,8 @@ class ControlPort:
             except TimeoutError:
                 raise TimeoutError(f"no reply from the VM program on {self.path} within {seconds:.0f} s"
                                    f"{self._why()}") from None
+            except ConnectionResetError:  # it went with our command unread
+                chunk = b""
             if not chunk:
                 raise ConnectionError(f"the VM's control port {self.path} closed (its QEMU is gone?){self._why()}")
             self._buf += chunk
@@ -352,7 +354,11 @@ class ControlPort:
     def call(self, op: str, **args: Any) -> dict[str, Any]:
         seq = next(self._seq)
         self.sock.settimeout(self.timeout)  # bounded, and not the few ms a read may have left behind
-        self.sock.sendall((json.dumps({"op": op, "seq": seq, **args}) + "\n").encode())
+        try:
+            self.sock.sendall((json.dumps({"op": op, "seq": seq, **args}) + "\n").encode())
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise ConnectionError(f"the VM's control port {self.path} closed (its QEMU is gone?): {exc.strerror}"
+                                  f"{self._why()}") from exc
         deadline = time.monotonic() + self.timeout
         while True:
             reply = self.read(max(0.01, deadline - time.monotonic()))
