@@ -259,15 +259,21 @@ def domain_running(name: str) -> bool:
     return domain_state(name).startswith(("running", "paused", "in shutdown"))
 
 
+def _qemu_dirs(proc: Path = Path("/proc")) -> list[Path]:
+    """/proc/<pid> of every QEMU in this guest."""
+    found = []
+    for process in proc.iterdir():
+        with contextlib.suppress(OSError):
+            if process.name.isdigit() and (process / "comm").read_text().startswith("qemu-system"):
+                found.append(process)
+    return found
+
+
 def qemu_processes() -> list[str]:
     """`pid state wchan cmdline-head` of every QEMU in this guest (a D state or a zombie says a lot)."""
     found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
+    for proc in _qemu_dirs():
         with contextlib.suppress(OSError):
-            if not (proc / "comm").read_text().startswith("qemu-system"):
-                continue
             state = (proc / "stat").read_text().rpartition(")")[2].split()[0]
             wchan = (proc / "wchan").read_text().strip() or "-"
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -288,11 +294,12 @@ def qemu_threads(sample_s: float = 1.0, proc: Path = Path("/proc")) -> list[str]
     waits. What tells a stalled nested VM from a VM program that is stuck."""
     def snapshot() -> dict[str, tuple[str, str, int, str]]:
         found = {}
-        for process in proc.iterdir():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                if not process.name.isdigit() or not (process / "comm").read_text().startswith("qemu-system"):
-                    continue
-                for task in (process / "task").iterdir():
+        for process in _qemu_dirs(proc):
+            tasks: list[Path] = []
+            with contextlib.suppress(OSError):  # a QEMU that ended meanwhile
+                tasks = list((process / "task").iterdir())
+            for task in tasks:
+                with contextlib.suppress(OSError, ValueError, IndexError):  # a thread that ended meanwhile
                     name, state, ticks = thread_stat((task / "stat").read_text())
                     wchan = (task / "wchan").read_text().strip()
                     wchan = "-" if wchan in ("", "0") else wchan  # "0" while it runs
