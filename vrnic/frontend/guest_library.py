@@ -716,7 +716,8 @@ def _give_back_spare_qps(ctx: Context, on_cq: int | None = None) -> None:
         if on_cq in (None, shape.send_cq, shape.recv_cq):
             given += spares
             spares.clear()
-    def forget(spare: SpareQp) -> None:
+
+    def forget(spare: SpareQp) -> None:  # its rings go back to the arena once vrnicd let go of it
         for buffer in spare.rings or ():
             ctx.free(buffer)
 
