@@ -24,10 +24,11 @@ from contextlib import contextmanager
 
 from bench import native_verbs
 from bench.harness import Record, alternating, median_ms, samples_ms
+from vrnic.core.framing import FrameDecoder, encode_ok, encode_request
 from vrnic.core.specs import AttachInfo
 from vrnic.frontend import CQ, MR, PD, QP, Access, Context, SendRequest, WrOpcode
 from vrnic.frontend.channel import WIRE_VERSION_ENV, UnixChannel
-from vrnic.lab.latency import ping_pong_us, standalone_vrnicd
+from vrnic.lab.latency import ping_pong_us, standalone_vrnicd, this_code_env
 
 ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 ARENA = 8 << 20
@@ -82,6 +83,7 @@ def control_verbs(infos: list[AttachInfo], native: dict[str, float], repeat: int
         records.append(Record("paravirt.null_rpc", "ms", median_ms(ctx.null_rpc, repeat),
                               native["native.alloc_pd"]))
         records.append(Record("paravirt.bare_rpc", "ms", bare_round_trip_ms(repeat * 4), native["native.alloc_pd"]))
+        records += codec_in_and_out_of_a_round_trip(repeat * 4)
         records += wire_versions(ctx, infos[1], native, repeat * 4)
         records += polled_and_asleep(ctx, native, repeat * 4)
         timed("alloc_pd", lambda: PD(ctx).close)
@@ -118,6 +120,48 @@ def bare_round_trip_ms(repeat: int) -> float:
     finally:
         ours.close()
         child.wait(timeout=10)
+
+
+CODEC_ECHO = ("import socket, sys\n"
+              "from vrnic.core.framing import FrameDecoder, encode_ok, encode_request\n"
+              "s = socket.socket(fileno=int(sys.argv[1]))\n"
+              "while data := s.recv(256):\n"
+              "    FrameDecoder().feed_frames(encode_request(7, 'null_rpc', {}, 2))\n"
+              "    FrameDecoder().feed_frames(encode_ok(7, {}, 2))\n"
+              "    s.sendall(data)\n")
+
+
+def _codec_work() -> None:
+    """A null_rpc's framing, both ends of it: encode the request, decode it, encode the reply, decode it."""
+    FrameDecoder().feed_frames(encode_request(7, "null_rpc", {}, 2))
+    FrameDecoder().feed_frames(encode_ok(7, {}, 2))
+
+
+def codec_in_and_out_of_a_round_trip(repeat: int) -> list[Record]:
+    """What a round trip does to the Python around it, with no vrnic code but the codec: the same work timed in a
+    loop of its own, and between the round trips of a ping-pong with a child that does the same work per message.
+    The ratio is the platform's, not vrnicd's: under the lab's TCG, code that runs after the kernel scheduled
+    another process (or the idle loop) runs slower than the same code in a loop (README, issue 14's floor)."""
+    in_loop = statistics.median(samples_ms(_codec_work, repeat)) * 1e3
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    child = subprocess.Popen([sys.executable, "-c", CODEC_ECHO, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+                             env=this_code_env())
+    theirs.close()
+    between = []
+    try:
+        for n in range(repeat + 20):
+            started = time.perf_counter()
+            _codec_work()
+            if n >= 20:  # the child's first messages import and warm up
+                between.append((time.perf_counter() - started) * 1e6)
+            ours.sendall(b"x")
+            if not ours.recv(256):
+                raise RuntimeError("the codec echo child ended early")
+    finally:
+        ours.close()
+        child.wait(timeout=30)
+    return [Record("paravirt.codec_loop", "us", in_loop),
+            Record("paravirt.codec_between_round_trips", "us", statistics.median(between), in_loop)]
 
 
 BARE_ATTACH = ("import mmap, os, socket, sys\n"

@@ -53,6 +53,20 @@ def test_the_bare_round_trip_is_a_real_echo_through_another_process() -> None:
     assert 0 < bare_round_trip_ms(20) < 1000
 
 
+def test_the_codec_is_timed_in_a_loop_and_between_round_trips_with_a_child_that_decodes_too() -> None:
+    """The platform's record under null_rpc needs no RDMA: the child imports vrnic's codec and does the same work
+    per message (a child that could not would end the echo, and the bench would say so); nothing stays open."""
+    import os
+
+    from bench.paravirt import codec_in_and_out_of_a_round_trip
+
+    before = set(os.listdir("/proc/self/fd"))
+    loop, between = codec_in_and_out_of_a_round_trip(10)
+    assert (loop.name, between.name) == ("paravirt.codec_loop", "paravirt.codec_between_round_trips")
+    assert loop.value > 0 and between.value > 0 and between.baseline == loop.value and loop.baseline is None
+    assert set(os.listdir("/proc/self/fd")) <= before
+
+
 def test_an_absolute_target_bounds_the_value_from_below_above_or_both(tmp_path: Path) -> None:
     rate = Record("cp.rest.allocate.c1.throughput", "ops/s", 740.0, baseline=80000.0, better="higher",
                   at_least=1000.0)

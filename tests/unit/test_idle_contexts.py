@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,9 +15,11 @@ from vrnic.backend.drivers.paravirtual import VerbsDriver
 from vrnic.backend.fake_edge import FakeContext, FakeEdge
 from vrnic.backend.idle_contexts import IdleContexts
 from vrnic.backend.registry import VirtualRnic
-from vrnic.core.specs import AttachInfo
+from vrnic.core.recovery import token_digest
+from vrnic.core.specs import AttachInfo, DeviceInfo, VrnicSpec
+from vrnic.core.vaddr import make_virtual_gid
 from vrnic.core.verb_args import Attach
-from vrnic.errors import Conflict, DeviceError
+from vrnic.errors import Conflict, DeviceError, NotFound
 from vrnic.frontend import CQ, MR, PD, QP, Access, Context
 
 ARENA = 1 << 20
@@ -136,4 +139,53 @@ def test_at_most_limit_contexts_wait_and_a_kept_one_lets_go_of_its_spares(edge: 
     assert contexts.count() == 2 and taken.closed and not third.closed
     assert released[-2:] == [third, taken]
     contexts.close()
+    assert edge.open_contexts == 0
+
+
+class _OpenCountingEdge(FakeEdge):
+    """Counts device opens as the pyverbs edge makes them: describe() opens the device for its queries, and
+    open_described() reads the description through the context it opens (one open, not two)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.device_opens = 0
+
+    def describe(self, name: str) -> DeviceInfo:
+        self.device_opens += 1
+        return super().describe(name)
+
+    def open(self, name: str) -> FakeContext:
+        self.device_opens += 1
+        return super().open(name)
+
+    def open_described(self, name: str) -> tuple[FakeContext, DeviceInfo]:
+        context = self.open(name)
+        return context, FakeEdge.describe(self, name)
+
+
+def test_a_restored_vrnic_opens_its_device_once_and_keeps_that_context_for_its_guest(tmp_path: Path) -> None:
+    """Crash recovery holds each vRNIC again as a create does: one device open, whose context its guest takes."""
+    spec = VrnicSpec(id="v1", tenant="t", vpc_id=1, virtual_gid=make_virtual_gid(1, 1))
+    first_edge = _OpenCountingEdge()
+    first = VerbsDriver(socket_path=tmp_path / "first.sock", edge=first_edge)
+    try:
+        opened = first_edge.device_opens  # the driver described each device at start
+        info = first.create_vrnic(spec, "fake0")
+        assert first_edge.device_opens - opened == 1 and first.idle_contexts.holds("v1")
+    finally:
+        first.close()
+    edge = _OpenCountingEdge()
+    second = VerbsDriver(socket_path=tmp_path / "second.sock", edge=edge)
+    try:
+        opened = edge.device_opens
+        second.restore_vrnic(spec, "fake0", token_digest(info.token or ""))
+        assert edge.device_opens - opened == 1 and edge.open_contexts == 1 and second.idle_contexts.holds("v1")
+        with Context.attach(info.model_copy(update={"socket_path": str(tmp_path / "second.sock")}), ARENA) as ctx:
+            PD(ctx)
+            assert edge.device_opens - opened == 1 and not second.idle_contexts.holds("v1")  # its guest took it
+        with pytest.raises(NotFound):
+            second.restore_vrnic(spec.model_copy(update={"id": "v2"}), "no-such-device", "digest")
+        assert edge.open_contexts == 1 and second.registry.ids() == {"v1"}  # nothing opened for the refused one
+    finally:
+        second.close()
     assert edge.open_contexts == 0

@@ -137,30 +137,33 @@ class VerbsDriver(RnicDriver):
 
     def create_vrnic(self, spec: VrnicSpec, device: str) -> AttachInfo:
         token = secrets.token_urlsafe(24)
-        # A shared-ring vRNIC keeps a device context for its first guest: the description is read through it, one
-        # device open where a description and that context took two (issue 14).
+        self._hold(spec, device, token_digest(token))
+        return AttachInfo(vrnic_id=spec.id, mode=spec.mode, device=device, virtual_gid=spec.virtual_gid,
+                          socket_path=str(self.socket_path), token=token)
+
+    def restore_vrnic(self, spec: VrnicSpec, device: str, token_hash: str) -> None:
+        """Hold again a vRNIC an earlier vrnicd held (crash recovery): the guest's token still attaches."""
+        self._hold(spec, device, token_hash)
+
+    def _hold(self, spec: VrnicSpec, device: str, token_hash: str) -> None:
+        """Make and admit the vRNIC. A shared-ring one keeps a device context for its first guest, and its
+        description is read through that context: one device open where a description and the context took two
+        (issue 14; a restart restoring many vRNICs paid the second open for each)."""
         context, info = (self.edge.open_described(device) if spec.engine is DataEngine.RING
                          and self.idle_contexts.has_room() else (None, self.edge.describe(device)))
         try:
-            vrnic = self._make_vrnic(spec, device, token_digest(token), info)
+            vrnic = self._make_vrnic(spec, device, token_hash, info)
             self._admit(vrnic, ready_context=context is None)
         except BaseException:
             if context is not None:
                 context.close()
             raise
         if context is not None:
-            self.idle_contexts.give_back(vrnic, context)  # no guest can attach yet: its token is not out
-        return AttachInfo(vrnic_id=spec.id, mode=spec.mode, device=device, virtual_gid=spec.virtual_gid,
-                          socket_path=str(self.socket_path), token=token)
+            # A restored vRNIC's guest may attach meanwhile (its token is out): it opens its own context, and
+            # this one is kept for its next guest, as prime() would keep it.
+            self.idle_contexts.give_back(vrnic, context)
 
-    def restore_vrnic(self, spec: VrnicSpec, device: str, token_hash: str) -> None:
-        """Hold again a vRNIC an earlier vrnicd held (crash recovery): the guest's token still attaches."""
-        self._admit(self._make_vrnic(spec, device, token_hash))
-
-    def _make_vrnic(self, spec: VrnicSpec, device: str, token_hash: str, info: DeviceInfo | None = None) \
-            -> VirtualRnic:
-        if info is None:
-            info = self.edge.describe(device)  # NotFound for an unknown device
+    def _make_vrnic(self, spec: VrnicSpec, device: str, token_hash: str, info: DeviceInfo) -> VirtualRnic:
         gid_index, phys_gid = active_roce_v2_gid(info)
         if spec.engine is DataEngine.DIRECT:
             self._check_direct(spec, info)
@@ -578,6 +581,7 @@ class VerbsDriver(RnicDriver):
             name = device or next((d.name for d in self.devices()), None)
             if name is None:
                 raise Conflict("this vrnicd serves no device", current_state="no_device")
+            info = self.edge.describe(name)  # NotFound for an unknown device; read once for every vRNIC
             memory = GuestMemory.from_vm_ram(Path(binding.ram_path), binding.machine)
             incoming = _Incoming(binding, memory)
             try:
@@ -587,7 +591,7 @@ class VerbsDriver(RnicDriver):
                         raise InvalidArgument(f"the VM has {snapshot.memory_bytes >> 20} MiB of RAM, the "
                                               f"destination's RAM file {memory.size >> 20} MiB")
                     # A VM attaches by its channel, never by token: the handed-over vRNIC gets an unusable one.
-                    vrnic = self._make_vrnic(spec, name, token_digest(secrets.token_urlsafe(24)))
+                    vrnic = self._make_vrnic(spec, name, token_digest(secrets.token_urlsafe(24)), info)
                     vrnic.vm_domain = domain
                     incoming.vrnics.append(vrnic)
                     sock = connect_channel(Path(wanted.channel_socket))
