@@ -79,8 +79,9 @@ class QuotaLedger:
 
 
 class _Reservation:
-    """QuotaLedger.reserve's block. A class, not a generator: every create in vrnicd enters one, and under the
-    lab's TCG the generator machinery was about a tenth of a pooled MR's Python there (issue 14)."""
+    """QuotaLedger.reserve's block. A class, not a generator-based context manager: every create in vrnicd enters
+    one (reserve was about a tenth of a pooled MR's Python in vrnicd under TCG; the class takes 2.0 us on the host
+    against the generator's 2.9, issue 14)."""
 
     __slots__ = ("_ledger", "_charges")
 
