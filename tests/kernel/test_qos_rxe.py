@@ -132,7 +132,10 @@ def test_caps_guarantees_live_changes_and_drift_on_rxe(qos_driver: object, devic
         uncapped = _stream_mb_per_s(a, qa, peer, 2.0)
         print(f"\nuncapped: {uncapped:.1f} MB/s")
         # a cap on a live vRNIC: its connected QP is classified at once, and the stream obeys
-        cap_mbps = max(8, min(int(uncapped * 8 * 0.25), 200))  # well under what rxe does here, doubled too
+        # Well under what rxe does here, doubled too: doubled, the cap is 30% of the uncapped stream. At 25% (50%
+        # doubled), one CI run's stream reached 4.5 MB/s under a doubled cap of 6 (uncapped 12.3) while the lab
+        # slowed; the same test alone reached 94-95% of each cap.
+        cap_mbps = max(8, min(int(uncapped * 8 * 0.15), 200))
         drv.set_qos(a_info.vrnic_id, QosPolicy(rate_cap_mbps=cap_mbps))  # type: ignore[attr-defined]
         assert _classes(dev) == {"7672:10": f"{cap_mbps}Mbit"} and _flows(dev) == ["7672:10"]
         capped = _stream_mb_per_s(a, qa, peer, 3.0)
