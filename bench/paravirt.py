@@ -123,15 +123,14 @@ def bare_round_trip_ms(repeat: int) -> float:
 
 
 CODEC_ECHO = ("import socket, sys\n"
-              "from vrnic.core.framing import FrameDecoder, encode_ok, encode_request\n"
+              "from bench.paravirt import codec_work\n"
               "s = socket.socket(fileno=int(sys.argv[1]))\n"
               "while data := s.recv(256):\n"
-              "    FrameDecoder().feed_frames(encode_request(7, 'null_rpc', {}, 2))\n"
-              "    FrameDecoder().feed_frames(encode_ok(7, {}, 2))\n"
+              "    codec_work()\n"
               "    s.sendall(data)\n")
 
 
-def _codec_work() -> None:
+def codec_work() -> None:
     """A null_rpc's framing, both ends of it: encode the request, decode it, encode the reply, decode it."""
     FrameDecoder().feed_frames(encode_request(7, "null_rpc", {}, 2))
     FrameDecoder().feed_frames(encode_ok(7, {}, 2))
@@ -142,7 +141,7 @@ def codec_in_and_out_of_a_round_trip(repeat: int) -> list[Record]:
     loop of its own, and between the round trips of a ping-pong with a child that does the same work per message.
     The ratio is the platform's, not vrnicd's: under the lab's TCG, code that runs after the kernel scheduled
     another process (or the idle loop) runs slower than the same code in a loop (README, issue 14's floor)."""
-    in_loop = statistics.median(samples_ms(_codec_work, repeat)) * 1e3
+    in_loop = statistics.median(samples_ms(codec_work, repeat)) * 1e3
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     child = subprocess.Popen([sys.executable, "-c", CODEC_ECHO, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
                              env=this_code_env())
@@ -151,7 +150,7 @@ def codec_in_and_out_of_a_round_trip(repeat: int) -> list[Record]:
     try:
         for n in range(repeat + 20):
             started = time.perf_counter()
-            _codec_work()
+            codec_work()
             if n >= 20:  # the child's first messages import and warm up
                 between.append((time.perf_counter() - started) * 1e6)
             ours.sendall(b"x")
