@@ -104,22 +104,30 @@ def bare_round_trip_ms(repeat: int) -> float:
     """The floor under the floor: a 64-byte echo over a Unix socket pair between this process and a Python child
     that does nothing else (no vrnic code, no encoding, no dispatch). No request from one process to another
     in this machine's Python gets under it; null_rpc minus this is what vrnicd's channel adds."""
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    child = subprocess.Popen([sys.executable, "-c", ECHO, str(theirs.fileno())], pass_fds=(theirs.fileno(),))
-    theirs.close()
     frame = bytes(64)
+    with _echo_child(ECHO) as ours:
+        def echo() -> None:
+            ours.sendall(frame)
+            got = 0
+            while got < len(frame):
+                got += len(ours.recv(256))
 
-    def echo() -> None:
-        ours.sendall(frame)
-        got = 0
-        while got < len(frame):
-            got += len(ours.recv(256))
-
-    try:
         return median_ms(echo, repeat)
+
+
+@contextmanager
+def _echo_child(script: str, env: dict[str, str] | None = None) -> Iterator[socket.socket]:
+    """Our end of a socket pair whose other end a Python child running script holds (its fd in argv[1]); at the
+    block's end ours is closed, which ends the child's recv loop, and the child is waited for."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    child = subprocess.Popen([sys.executable, "-c", script, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+                             env=env)
+    theirs.close()
+    try:
+        yield ours
     finally:
         ours.close()
-        child.wait(timeout=10)
+        child.wait(timeout=30)
 
 
 CODEC_ECHO = ("import socket, sys\n"
@@ -142,12 +150,8 @@ def codec_in_and_out_of_a_round_trip(repeat: int) -> list[Record]:
     The ratio is the platform's, not vrnicd's: under the lab's TCG, code that runs after the kernel scheduled
     another process (or the idle loop) runs slower than the same code in a loop (README, issue 14's floor)."""
     in_loop = statistics.median(samples_ms(codec_work, repeat)) * 1e3
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    child = subprocess.Popen([sys.executable, "-c", CODEC_ECHO, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
-                             env=this_code_env())
-    theirs.close()
     between = []
-    try:
+    with _echo_child(CODEC_ECHO, this_code_env()) as ours:
         for n in range(repeat + 20):
             started = time.perf_counter()
             codec_work()
@@ -156,9 +160,6 @@ def codec_in_and_out_of_a_round_trip(repeat: int) -> list[Record]:
             ours.sendall(b"x")
             if not ours.recv(256):
                 raise RuntimeError("the codec echo child ended early")
-    finally:
-        ours.close()
-        child.wait(timeout=30)
     return [Record("paravirt.codec_loop", "us", in_loop),
             Record("paravirt.codec_between_round_trips", "us", statistics.median(between), in_loop)]
 

@@ -54,7 +54,7 @@ def test_the_bare_round_trip_is_a_real_echo_through_another_process() -> None:
 
 
 def test_the_codec_is_timed_in_a_loop_and_between_round_trips_with_a_child_that_decodes_too() -> None:
-    """The platform's record under null_rpc needs no RDMA: the child imports vrnic's codec and does the same work
+    """The platform's record under null_rpc needs no RDMA: the child imports the same codec work and does it
     per message (a child that could not would end the echo, and the bench would say so); nothing stays open."""
     import os
 
