@@ -27,7 +27,7 @@ from bench.harness import Record, alternating, median_ms, samples_ms
 from vrnic.core.framing import FrameDecoder, encode_ok, encode_request
 from vrnic.core.specs import AttachInfo
 from vrnic.frontend import CQ, MR, PD, QP, Access, Context, SendRequest, WrOpcode
-from vrnic.frontend.channel import WIRE_VERSION_ENV, UnixChannel
+from vrnic.frontend.channel import DEFAULT_WIRE_VERSION, WIRE_VERSION_ENV, UnixChannel
 from vrnic.lab.latency import ping_pong_us, standalone_vrnicd, this_code_env
 
 ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
@@ -138,10 +138,14 @@ CODEC_ECHO = ("import socket, sys\n"
               "    s.sendall(data)\n")
 
 
+_CODEC_DECODERS = (FrameDecoder(), FrameDecoder())  # each end keeps its decoder, as a channel does
+
+
 def codec_work() -> None:
-    """A null_rpc's framing, both ends of it: encode the request, decode it, encode the reply, decode it."""
-    FrameDecoder().feed_frames(encode_request(7, "null_rpc", {}, 2))
-    FrameDecoder().feed_frames(encode_ok(7, {}, 2))
+    """A null_rpc's framing, both ends of it, in the version the frontend speaks: encode the request, decode it,
+    encode the reply, decode it."""
+    _CODEC_DECODERS[0].feed_frames(encode_request(7, "null_rpc", {}, DEFAULT_WIRE_VERSION))
+    _CODEC_DECODERS[1].feed_frames(encode_ok(7, {}, DEFAULT_WIRE_VERSION))
 
 
 def codec_in_and_out_of_a_round_trip(repeat: int) -> list[Record]:
@@ -224,21 +228,22 @@ def bare_attach_ms(repeat: int) -> list[float]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def wire_versions(binary: Context, other: AttachInfo, native: dict[str, float], rounds: int) -> list[Record]:
-    """null_rpc in protocol v2 (binary, what the frontend speaks) and v1 (JSON) to the same vrnicd, one call of
-    each per round, in turns, so that both see the same load: what the encoding is worth on the round trip."""
+def wire_versions(ctx: Context, other: AttachInfo, native: dict[str, float], rounds: int) -> list[Record]:
+    """null_rpc in protocol v3 (MessagePack, what the frontend speaks where msgpack imports) and v2 (binary, what
+    a VM's standard-library frontend speaks) to the same vrnicd, one call of each per round, in turns, so that
+    both see the same load: what the encoding is worth on the round trip."""
     saved = os.environ.get(WIRE_VERSION_ENV)
-    os.environ[WIRE_VERSION_ENV] = "1"
+    os.environ[WIRE_VERSION_ENV] = "2"
     try:
-        json_ctx = Context.attach(other, ARENA)
+        binary_ctx = Context.attach(other, ARENA)
     finally:
         if saved is None:
             os.environ.pop(WIRE_VERSION_ENV)
         else:
             os.environ[WIRE_VERSION_ENV] = saved
-    with json_ctx:
-        return _null_rpc_records(("binary_v2", "json_v1"),
-                                 alternating(_null_rpc_ms(binary), _null_rpc_ms(json_ctx), rounds), native)
+    with binary_ctx:
+        return _null_rpc_records(("msgpack_v3", "binary_v2"),
+                                 alternating(_null_rpc_ms(ctx), _null_rpc_ms(binary_ctx), rounds), native)
 
 
 def polled_and_asleep(ctx: Context, native: dict[str, float], rounds: int) -> list[Record]:

@@ -1,4 +1,4 @@
-"""`python -m bench.wire`: the frontend <-> vrnicd frame codec, version 1 (JSON) against version 2 (binary).
+"""`python -m bench.wire`: the frontend <-> vrnicd frame codec, version 1 (JSON), 2 (binary) and 3 (MessagePack).
 
 Host only, no sockets: encode() and FrameDecoder.feed_frames() of the requests and replies the guest library
 exchanges most (vrnic/frontend/guest_library.py), best of several timeit repeats, in µs per frame.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import timeit
 from typing import Any
 
-from vrnic.core.framing import BINARY_VERSION, JSON_VERSION, FrameDecoder, encode
+from vrnic.core.framing import VERSIONS, FrameDecoder, encode
 
 ID = 0x3A_5F12_9C44  # request ids start at a random point below 2**40 (frontend.channel)
 HANDLE = 0x51D3_77AB_0C2E_9F01  # handles are random 63-bit numbers (core.handles)
@@ -35,27 +35,31 @@ def best_us(statement: Any, number: int) -> float:
     return min(timeit.repeat(statement, number=number, repeat=7)) / number * 1e6
 
 
-def measure(number: int = 20000) -> list[tuple[str, int, float, float, int, float, float]]:
-    """Per message: v1 bytes, encode µs, decode µs; v2 bytes, encode µs, decode µs."""
+def measure(number: int = 20000) -> list[tuple[Any, ...]]:
+    """Per message: its name, then for each version spoken here (VERSIONS): bytes, encode µs, decode µs."""
     rows = []
     for name, message in MESSAGES.items():
         row: list[Any] = [name]
-        for version in (JSON_VERSION, BINARY_VERSION):
+        for version in VERSIONS:
             frame = encode(message, version)
             decoder = FrameDecoder()
             assert decoder.feed_frames(frame) == [(version, message)]
             row += [len(frame), best_us(lambda m=message, v=version: encode(m, v), number),
                     best_us(lambda f=frame, d=decoder: d.feed_frames(f), number)]
         rows.append(tuple(row))
-    return rows  # type: ignore[return-value]
+    return rows
 
 
 def main() -> None:
-    print(f"{'message':20} {'v1 B':>5} {'v1 enc':>7} {'v1 dec':>7} {'v2 B':>5} {'v2 enc':>7} {'v2 dec':>7}"
-          f" {'v2/v1 enc+dec':>14}")
-    for name, b1, e1, d1, b2, e2, d2 in measure():
-        print(f"{name:20} {b1:5d} {e1:7.2f} {d1:7.2f} {b2:5d} {e2:7.2f} {d2:7.2f} {(e2 + d2) / (e1 + d1):14.2f}")
-    print("(bytes per frame with its 8-byte header; µs per frame, best of 7)")
+    head = "".join(f" {f'v{v} B':>5} {f'v{v} enc':>7} {f'v{v} dec':>7}" for v in VERSIONS)
+    ratios = "".join(f" {f'v{v}/v1':>6}" for v in VERSIONS[1:])
+    print(f"{'message':20}{head}{ratios}")
+    for name, *cells in measure():
+        sizes = cells[0::3]
+        costs = [e + d for e, d in zip(cells[1::3], cells[2::3], strict=True)]
+        line = "".join(f" {b:5d} {e:7.2f} {d:7.2f}" for b, e, d in zip(sizes, cells[1::3], cells[2::3], strict=True))
+        print(f"{name:20}{line}" + "".join(f" {c / costs[0]:6.2f}" for c in costs[1:]))
+    print("(bytes per frame with its 8-byte header; µs per frame, best of 7; the ratios are encode + decode)")
 
 
 if __name__ == "__main__":

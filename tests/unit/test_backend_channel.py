@@ -13,19 +13,20 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 
 from vrnic.backend.channel import ChannelLimits, group_id
 from vrnic.backend.drivers.paravirtual import VerbsDriver
 from vrnic.backend.fake_edge import FakeEdge
 from vrnic.backend.session import GuestSession
-from vrnic.core.proto import BINARY_VERSION, HEADER, JSON_VERSION, MAGIC, VERSION, FrameDecoder, encode
+from vrnic.core.proto import BINARY_VERSION, HEADER, JSON_VERSION, MAGIC, MSGPACK_VERSION, VERSION, FrameDecoder, encode
 from vrnic.core.recovery import token_digest
 from vrnic.core.specs import AttachInfo, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
 from vrnic.core.verb_args import Attach
 from vrnic.frontend import CQ, MR, PD, ChannelLost, Context, InvalidArgument, NotFound, VrnicError
-from vrnic.frontend.channel import WIRE_VERSION_ENV
+from vrnic.frontend.channel import WIRE_VERSION_ENV, UnixChannel
 
 ARENA = 1 << 20
 
@@ -499,7 +500,7 @@ def test_each_request_is_answered_in_its_own_protocol_version(
         serve: Callable[..., tuple[VerbsDriver, AttachInfo]]) -> None:
     _, info = serve()
     sock = connect(info)
-    versions = [JSON_VERSION, BINARY_VERSION, BINARY_VERSION, JSON_VERSION]
+    versions = [JSON_VERSION, BINARY_VERSION, MSGPACK_VERSION, JSON_VERSION]
     sock.sendall(b"".join(encode({"id": i, "op": "alloc_pd", "args": {}}, version)
                           for i, version in enumerate(versions, 1)))  # one write, so one read takes them all
     replies = replies_with_versions(sock, 4)
@@ -508,8 +509,8 @@ def test_each_request_is_answered_in_its_own_protocol_version(
     sock.close()
 
 
-@pytest.mark.parametrize("version", [JSON_VERSION, BINARY_VERSION])
-def test_a_guest_attaches_and_works_in_either_version(serve: Callable[..., tuple[VerbsDriver, AttachInfo]],
+@pytest.mark.parametrize("version", [JSON_VERSION, BINARY_VERSION, MSGPACK_VERSION])
+def test_a_guest_attaches_and_works_in_any_version(serve: Callable[..., tuple[VerbsDriver, AttachInfo]],
                                                       monkeypatch: pytest.MonkeyPatch, version: int) -> None:
     _, info = serve()
     monkeypatch.setenv(WIRE_VERSION_ENV, str(version))
@@ -540,11 +541,64 @@ def test_an_unsupported_version_is_answered_in_version_1_naming_those_spoken(
         serve: Callable[..., tuple[VerbsDriver, AttachInfo]]) -> None:
     _, info = serve()
     sock = connect(info)
-    sock.sendall(HEADER.pack(MAGIC, 3, 0, 2) + b"{}")
+    sock.sendall(HEADER.pack(MAGIC, 4, 0, 2) + b"{}")
     [(version, reply)] = replies_with_versions(sock, 1)
     assert version == JSON_VERSION  # what any peer reads
-    assert reply["error"]["message"] == "unsupported protocol version 3 (this end speaks 1 and 2)"
+    assert reply["error"]["message"] == "unsupported protocol version 4 (this end speaks 1, 2 and 3)"
     assert closed_by_server(sock)
+
+
+def test_a_bad_version_3_body_is_answered_in_version_3_and_ends_the_stream(
+        serve: Callable[..., tuple[VerbsDriver, AttachInfo]]) -> None:
+    _, info = serve()
+    sock = connect(info)
+    body = b"\x81\x01\x01"  # {1: 1}: an int where a key belongs
+    sock.sendall(HEADER.pack(MAGIC, MSGPACK_VERSION, 0, len(body)) + body)
+    [(version, reply)] = replies_with_versions(sock, 1)
+    assert version == MSGPACK_VERSION
+    assert reply["error"]["code"] == "protocol_error"
+    assert "not a version 3 message" in reply["error"]["message"]
+    assert closed_by_server(sock)
+
+
+@pytest.mark.parametrize(("args", "code", "says"), [
+    ({"pd": b"\x01"}, "invalid_argument", "pd"),  # bytes: version 2 has no word for them, the schema refuses
+    ({"pd": (1 << 64) - 1}, "not_found", ""),  # past int64: a handle that is no one's
+    ({"pd": float("nan")}, "invalid_argument", "pd"),
+    ({"pd": msgpack.Timestamp(1, 0)}, "invalid_argument", "pd"),  # msgpack's extension -1, which it reads itself
+    ({"pd": 1, "extra": [[[[1]]]]}, "invalid_argument", "extra"),
+])
+def test_values_only_version_3_carries_are_refused_by_the_verbs_schema_and_the_guest_goes_on(
+        serve: Callable[..., tuple[VerbsDriver, AttachInfo]], monkeypatch: pytest.MonkeyPatch,
+        args: dict[str, Any], code: str, says: str) -> None:
+    """What a version 3 body decodes to but a version 2 one cannot hold meets dealloc_pd's argument schema: a
+    typed error for that request, and the session lives on."""
+    _, info = serve()
+    monkeypatch.setenv(WIRE_VERSION_ENV, str(MSGPACK_VERSION))
+    with Context.attach(info, ARENA) as ctx:
+        channel = ctx.open_channel()
+        assert isinstance(channel, UnixChannel)
+        body = msgpack.packb({"id": 77, "op": "dealloc_pd", "args": args})
+        channel._send(HEADER.pack(MAGIC, MSGPACK_VERSION, 0, len(body)) + body, None)
+        reply = channel._read_reply(77)
+        assert reply["ok"] is False and reply["error"]["code"] == code
+        assert says in reply["error"]["message"]
+        PD(ctx).close()  # the channel and the session are fine
+
+
+def test_a_repeated_key_in_a_version_3_body_keeps_its_last_value(
+        serve: Callable[..., tuple[VerbsDriver, AttachInfo]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """As in version 1 (JSON): the map's last value of the key counts."""
+    _, info = serve()
+    monkeypatch.setenv(WIRE_VERSION_ENV, str(MSGPACK_VERSION))
+    with Context.attach(info, ARENA) as ctx:
+        channel = ctx.open_channel()
+        assert isinstance(channel, UnixChannel)
+        # {"id": 78, "op": "query_port", "args": {"port": 9, "port": 1}}
+        body = b"\x83\xa2id\x4e\xa2op\xaaquery_port\xa4args\x82\xa4port\x09\xa4port\x01"
+        channel._send(HEADER.pack(MAGIC, MSGPACK_VERSION, 0, len(body)) + body, None)
+        reply = channel._read_reply(78)
+        assert reply["ok"] is True and reply["result"]["gid_tbl_len"] == 1  # port 9 would have been refused
 
 
 def _new_fds(before: set[str]) -> set[str]:

@@ -1,4 +1,4 @@
-"""Protocol version 2: the binary frame body, and frames of both versions on one stream (vrnic.core.framing)."""
+"""Protocol version 2: the binary frame body, and frames of every version on one stream (vrnic.core.framing)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from vrnic.core.framing import (
     MAX_DEPTH,
     MAX_ITEMS,
     MAX_STRING,
+    MSGPACK_VERSION,
     FrameDecoder,
     ProtocolError,
     decode_body,
@@ -203,8 +204,8 @@ def test_the_encoder_refuses(message: Any, match: str) -> None:
 
 
 def test_encode_refuses_an_unknown_version() -> None:
-    with pytest.raises(ProtocolError, match=r"unsupported protocol version 3 \(this end speaks 1 and 2\)"):
-        encode({}, 3)
+    with pytest.raises(ProtocolError, match=r"unsupported protocol version 4 \(this end speaks 1, 2 and 3\)"):
+        encode({}, 4)
 
 
 def test_the_key_cache_stays_bounded() -> None:
@@ -356,15 +357,16 @@ def test_corrupted_encodings_only_ever_raise_protocol_error(message: dict[str, A
 @settings(deadline=None, max_examples=300)
 @given(st.binary(max_size=300))
 def test_random_streams_only_ever_raise_protocol_error(stream: bytes) -> None:
-    for prefix in (b"", HEADER.pack(MAGIC, BINARY_VERSION, 0, len(stream))):
+    for prefix in (b"", HEADER.pack(MAGIC, BINARY_VERSION, 0, len(stream)),
+                   HEADER.pack(MAGIC, MSGPACK_VERSION, 0, len(stream))):
         with contextlib.suppress(ProtocolError):
             FrameDecoder().feed(prefix + stream)
 
 
 # ----- both versions on one stream ------------------------------------------------------------------
 
-def test_v1_and_v2_frames_interleaved_on_one_stream() -> None:
-    batch = [({"id": i, "op": "null_rpc", "args": {"i": i}}, JSON_VERSION if i % 3 else BINARY_VERSION)
+def test_frames_of_every_version_interleaved_on_one_stream() -> None:
+    batch = [({"id": i, "op": "null_rpc", "args": {"i": i}}, (JSON_VERSION, BINARY_VERSION, MSGPACK_VERSION)[i % 3])
              for i in range(12)]
     stream = b"".join(encode(message, version) for message, version in batch)
     decoder = FrameDecoder()
@@ -380,7 +382,8 @@ def test_v1_and_v2_frames_interleaved_on_one_stream() -> None:
 
 
 @settings(deadline=None)
-@given(st.lists(st.tuples(messages, st.sampled_from([JSON_VERSION, BINARY_VERSION])), min_size=1, max_size=5),
+@given(st.lists(st.tuples(messages, st.sampled_from([JSON_VERSION, BINARY_VERSION, MSGPACK_VERSION])), min_size=1,
+                max_size=5),
        st.data())
 def test_mixed_streams_split_at_any_points(batch: list[tuple[dict[str, Any], int]], data: st.DataObject) -> None:
     stream = b"".join(encode(message, version) for message, version in batch)
@@ -440,24 +443,26 @@ def test_a_bad_header_is_refused_as_soon_as_it_is_whole_also_when_buffered() -> 
 
 # ----- the frontend's choice ------------------------------------------------------------------------
 
-def test_the_frontend_sends_version_2_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_frontend_sends_version_3_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(WIRE_VERSION_ENV, raising=False)
-    assert wire_version() == BINARY_VERSION
+    assert wire_version() == MSGPACK_VERSION  # msgpack imports here (without it: 2, test_core_framing_v3)
     assert wire_version(1) == JSON_VERSION
     monkeypatch.setenv(WIRE_VERSION_ENV, "1")
     assert wire_version() == JSON_VERSION
     assert wire_version(2) == BINARY_VERSION  # the argument wins
     monkeypatch.setenv(WIRE_VERSION_ENV, " 2 ")
     assert wire_version() == BINARY_VERSION
-    for bad in ("3", "json", "0x2"):
+    monkeypatch.setenv(WIRE_VERSION_ENV, "3")
+    assert wire_version() == MSGPACK_VERSION
+    for bad in ("4", "json", "0x2"):
         monkeypatch.setenv(WIRE_VERSION_ENV, bad)
-        with pytest.raises(InvalidArgument, match=f"{WIRE_VERSION_ENV} is 1 or 2"):
+        with pytest.raises(InvalidArgument, match=f"{WIRE_VERSION_ENV} is 1, 2 or 3"):
             wire_version()
-    with pytest.raises(InvalidArgument, match="protocol version is 1 or 2, not 7"):
+    with pytest.raises(InvalidArgument, match="protocol version is 1, 2 or 3, not 7"):
         wire_version(7)
 
 
-@pytest.mark.parametrize("version", [JSON_VERSION, BINARY_VERSION])
+@pytest.mark.parametrize("version", [JSON_VERSION, BINARY_VERSION, MSGPACK_VERSION])
 def test_a_vm_port_channel_calls_in_its_version(monkeypatch: pytest.MonkeyPatch, version: int) -> None:
     """PortChannel over a raw pty (a character device, as a virtio-serial port is), vrnicd played by a thread."""
     controller, device = pty.openpty()

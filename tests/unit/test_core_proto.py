@@ -127,9 +127,9 @@ def test_decoder_refuses_bad_magic_as_soon_as_the_header_is_complete() -> None:
         decoder.feed(b"GET / HTTP/1.1\r\n")
 
 
-@pytest.mark.parametrize("version", [0, 3, 255])
+@pytest.mark.parametrize("version", [0, 4, 255])
 def test_decoder_refuses_an_unknown_version_naming_those_it_speaks(version: int) -> None:
-    with pytest.raises(ProtocolError, match=rf"unsupported protocol version {version} \(this end speaks 1 and 2\)"):
+    with pytest.raises(ProtocolError, match=rf"unsupported protocol version {version} \(this end speaks 1, 2 and 3\)"):
         FrameDecoder().feed(raw_frame(b"{}", version=version))
 
 

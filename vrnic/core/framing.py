@@ -5,9 +5,11 @@ A frame is an 8-byte header (magic, version, reserved, body length) followed by 
 that encodes one message (a dict with str keys) as its version says:
 
 - version 1: a UTF-8 JSON object;
-- version 2: the tagged binary encoding below, smaller and strict by construction.
+- version 2: the tagged binary encoding below, smaller and strict by construction;
+- version 3: a MessagePack map, coded by msgpack's C extension (see "version 3" below). Spoken where msgpack
+  imports: vrnicd always, a guest that has it; a VM's standard-library frontend speaks 1 and 2.
 
-A decoder reads each frame by its own version, so a peer may speak either (vrnicd
+A decoder reads each frame by its own version, so a peer may speak any it knows (vrnicd
 answers in the version it was asked in). No I/O here, so the same frames ride a Unix
 socket or a VM's virtio-serial port.
 
@@ -33,15 +35,22 @@ import json
 import operator
 import socket
 import struct
+import threading
 from math import isfinite
 from typing import Any
 
 from vrnic.errors import InvalidArgument
 
+try:  # not in a VM's frontend, which has the standard library only: there it speaks versions 1 and 2
+    import msgpack
+except ImportError:
+    msgpack = None
+
 MAGIC = 0x5652  # "VR"
 JSON_VERSION = 1
 BINARY_VERSION = 2
-VERSIONS = (JSON_VERSION, BINARY_VERSION)
+MSGPACK_VERSION = 3
+VERSIONS = (JSON_VERSION, BINARY_VERSION) + ((MSGPACK_VERSION,) if msgpack is not None else ())
 VERSION = JSON_VERSION  # encode()'s default, as every vrnicd speaks it; the frontend picks its own (frontend.channel)
 HEADER = struct.Struct("!HBBI")
 MAX_BODY = 64 * 1024
@@ -53,7 +62,7 @@ MAX_STRING = 32 * 1024  # UTF-8 bytes of one str
 MAX_ITEMS = 8192  # items of one list or entries of one dict
 INT_MIN, INT_MAX = -(1 << 63), (1 << 63) - 1
 
-_SPOKEN = " and ".join(map(str, VERSIONS))
+_SPOKEN = ", ".join(map(str, VERSIONS[:-1])) + f" and {VERSIONS[-1]}"
 
 
 class ProtocolError(InvalidArgument):
@@ -385,6 +394,110 @@ def decode_body(body: bytes | bytearray | memoryview) -> dict[str, Any]:
     return message
 
 
+# ----- version 3: MessagePack ----------------------------------------------------------------------
+# The body is one MessagePack map, read and written by msgpack's C code: under the lab's TCG a null_rpc's framing
+# in version 2's Python was about a third of its round trip (issue 14). The decoder refuses, as a ProtocolError:
+# what is not MessagePack, trailing bytes, a body that is not a map, a str that is not UTF-8, a map key that is not
+# a str (or bytes), an extension type (but msgpack's own Timestamp, which it reads itself), nesting past msgpack's
+# 1024 levels, and any size past the body's cap (64 KiB bounds every str, bin, list and map in it). A value
+# version 2 has no word for (bytes, an int in [2**63, 2**64), a float that is not finite, a Timestamp) or a map
+# that repeats a key (its last value counts, as in version 1) decodes, and meets the verb's argument schema,
+# which refuses any value of a type or range it does not name (vrnic.core.verb_args: strict pydantic models).
+# The encoder refuses what msgpack cannot pack (an int past 64 bits, a type outside the message types, nesting
+# past 511 levels) and, in a request's arguments, what the decoder would refuse (a map keyed by other than str,
+# an extension type) or version 2 would (nesting past MAX_DEPTH), so the error is the sender's own and the
+# channel lives on.
+
+_packers = threading.local()  # a Packer per thread: its buffer is its own while it packs
+
+
+def _pack(message: dict[str, Any]) -> bytes:
+    """A message as a version 3 frame, header and body in one bytes."""
+    try:
+        packer = _packers.packer
+    except AttributeError:
+        packer = _packers.packer = msgpack.Packer()
+    try:
+        body: bytes = packer.pack(message)  # resets its buffer when it raises
+    except UnicodeEncodeError as exc:
+        raise ProtocolError(f"a str is not valid Unicode text ({exc.reason})") from None
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"cannot encode the message in version 3: {exc}") from None
+    if len(body) > MAX_BODY:
+        raise ProtocolError(f"message of {len(body)} bytes exceeds the {MAX_BODY}-byte cap")
+    return HEADER.pack(MAGIC, MSGPACK_VERSION, 0, len(body)) + body
+
+
+_V3_PLAIN = frozenset((int, str, bool, type(None), float, bytes))  # what a v3 decoder reads whatever its value
+
+
+def _check_v3_args(args: dict[str, Any]) -> None:
+    """Before a request goes out: what msgpack would pack but a v3 decoder refuses, in args (str keys, from
+    **kwargs). Scalars cost one set lookup; only lists and dicts are walked."""
+    for value in args.values():
+        if type(value) not in _V3_PLAIN:
+            _check_v3_value(value, 2)
+
+
+def _check_v3_value(value: Any, depth: int) -> None:
+    if depth > MAX_DEPTH:  # version 2's cap: no verb nests a tenth as deep
+        raise ProtocolError(f"the message nests deeper than {MAX_DEPTH} levels")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ProtocolError(f"dict keys must be str, not {type(key).__name__}")
+            if type(item) not in _V3_PLAIN:
+                _check_v3_value(item, depth + 1)
+    elif isinstance(value, list | tuple):
+        if isinstance(value, msgpack.ExtType):
+            raise ProtocolError("cannot encode a msgpack ExtType: messages carry None, bool, int, float, str, "
+                                "list and dict")
+        for item in value:
+            if type(item) not in _V3_PLAIN:
+                _check_v3_value(item, depth + 1)
+    elif isinstance(value, msgpack.Timestamp):
+        raise ProtocolError("cannot encode a msgpack Timestamp: messages carry None, bool, int, float, str, "
+                            "list and dict")
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(f"an extension type ({code}) in the frame body: messages carry none")
+
+
+def _new_unpacker() -> Any:
+    return msgpack.Unpacker(raw=False, strict_map_key=True, use_list=True, ext_hook=_refuse_ext,
+                            max_buffer_size=MAX_BODY)
+
+
+class _MsgpackBodies:
+    """Version 3 bodies of one stream, each decoded whole by one msgpack Unpacker kept for the stream (making one
+    per frame costs more than the decoding)."""
+
+    def __init__(self) -> None:
+        self._unpacker = _new_unpacker()
+        self._read = 0  # bytes the unpacker has consumed: each body must end where its message does
+
+    def decode(self, body: bytes) -> dict[str, Any]:
+        unpacker = self._unpacker
+        unpacker.feed(body)
+        try:
+            message = unpacker.unpack()
+        except ProtocolError:
+            raise
+        except msgpack.OutOfData:
+            raise ProtocolError("frame body is truncated") from None
+        except UnicodeDecodeError as exc:
+            raise ProtocolError(f"a str in the frame body is not UTF-8 ({exc.reason})") from None
+        except (ValueError, TypeError) as exc:  # malformed, too deep, or a key that is not a str
+            raise ProtocolError(f"frame body is not a version 3 message: {exc}"[:200]) from None
+        self._read += len(body)
+        if unpacker.tell() != self._read:
+            raise ProtocolError(f"{self._read - unpacker.tell()} trailing bytes after the message in the frame body")
+        if type(message) is not dict:
+            raise ProtocolError(f"frame body must be a map, not {type(message).__name__}")
+        return message
+
+
 # ----- frames --------------------------------------------------------------------------------------
 
 _json_encode = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps(separators=...) builds one per call
@@ -400,6 +513,10 @@ def encode(message: dict[str, Any], version: int = VERSION) -> bytes:
         out = bytearray(_HEADER_ROOM)
         _encode_into(out, message)
         return _framed(out)
+    if version == MSGPACK_VERSION and msgpack is not None:
+        if type(message) is not dict and not isinstance(message, dict):
+            raise ProtocolError(f"a message is a dict, not a {type(message).__name__}")
+        return _pack(message)
     if version != JSON_VERSION:
         raise _unsupported(version)
     body = _json_encode(message).encode()
@@ -419,6 +536,8 @@ def encode_ok(request_id: int, result: dict[str, Any], version: int = VERSION) -
     """encode({"id": request_id, "ok": True, "result": result}, version), the same bytes, without the reply dict
     and a level of the encoder's loop: every answer vrnicd sends is one (issue 14)."""
     if version != BINARY_VERSION or type(request_id) is not int or type(result) is not dict:
+        if version == MSGPACK_VERSION and msgpack is not None:
+            return _pack({"id": request_id, "ok": True, "result": result})  # vrnicd's own data: packed unchecked
         return encode({"id": request_id, "ok": True, "result": result}, version)
     out = bytearray(_HEADER_ROOM)
     out += _OK_HEAD
@@ -441,6 +560,9 @@ def encode_request(request_id: int, op: str, args: dict[str, Any], version: int 
     """encode({"id": request_id, "op": op, "args": args}, version), the same bytes, as encode_ok builds a reply:
     every call a guest makes is one. An op that is not ASCII (none is) goes the general way, which turns a
     lone surrogate into our error."""
+    if version == MSGPACK_VERSION and msgpack is not None and type(args) is dict:
+        _check_v3_args(args)
+        return _pack({"id": request_id, "op": op, "args": args})
     if version != BINARY_VERSION or type(request_id) is not int or type(op) is not str or type(args) is not dict \
             or not op.isascii():
         return encode({"id": request_id, "op": op, "args": args}, version)
@@ -490,7 +612,7 @@ def _header(chunk: bytes | bytearray | memoryview, pos: int) -> tuple[int, int]:
     magic, version, _reserved, length = HEADER.unpack_from(chunk, pos)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic 0x{magic:04x}")
-    if version != BINARY_VERSION and version != JSON_VERSION:
+    if version not in VERSIONS:
         raise _unsupported(version)
     if length > MAX_BODY:
         raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_BODY}-byte cap")
@@ -511,6 +633,7 @@ class FrameDecoder:
     def __init__(self) -> None:
         self._buffer = bytearray()
         self.version = JSON_VERSION
+        self._msgpack: _MsgpackBodies | None = None  # made at the stream's first version 3 frame
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[dict[str, Any]]:
         return list(map(_second, self.feed_frames(data)))
@@ -540,10 +663,20 @@ class FrameDecoder:
             body = chunk[start:pos]
             if type(body) is not bytes:  # bytes index fastest; and a view's memory may be reused after this call
                 body = bytes(body)
-            frames.append((version, decode_body(body) if version == BINARY_VERSION else _decode_json(body)))
+            if version == BINARY_VERSION:
+                frames.append((version, decode_body(body)))
+            elif version == MSGPACK_VERSION:
+                bodies = self._msgpack or self._start_msgpack()
+                frames.append((version, bodies.decode(body)))
+            else:
+                frames.append((version, _decode_json(body)))
         if pos < end:
             buffered += chunk[pos:]
         return frames
+
+    def _start_msgpack(self) -> _MsgpackBodies:
+        self._msgpack = _MsgpackBodies()
+        return self._msgpack
 
     @staticmethod
     def _whole_frame(buffered: bytearray) -> bool:

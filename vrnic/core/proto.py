@@ -1,7 +1,7 @@
 """The frontend <-> vrnicd wire protocol: versioned, length-prefixed, schema-checked, size-capped frames.
 
-Frames are vrnic.core.framing (standard library only, for guests): a JSON body
-(version 1) or a binary one (version 2), each frame read by its own version. Requests are
+Frames are vrnic.core.framing (standard library only, for guests; msgpack where it imports): a JSON body
+(version 1), a binary one (version 2) or a MessagePack one (version 3), each frame read by its own version. Requests are
 {"id", "op", "args"}; replies are {"id", "ok", "result"} or {"id", "ok": false,
 "error": {"code", "message", ...}}. Nothing in here does I/O, so the same
 protocol rides a Unix socket (container guests) and a VM's virtio-serial port.
@@ -19,6 +19,7 @@ from vrnic.core.framing import (
     JSON_VERSION,
     MAGIC,
     MAX_BODY,
+    MSGPACK_VERSION,
     VERSION,
     VERSIONS,
     FrameDecoder,
@@ -27,8 +28,9 @@ from vrnic.core.framing import (
 )
 from vrnic.errors import VrnicError
 
-__all__ = ["BINARY_VERSION", "HEADER", "JSON_VERSION", "MAGIC", "MAX_BODY", "VERSION", "VERSIONS", "FrameDecoder",
-           "ParsedRequest", "ProtocolError", "Request", "encode", "parse_request", "reply_error", "reply_ok"]
+__all__ = ["BINARY_VERSION", "HEADER", "JSON_VERSION", "MAGIC", "MAX_BODY", "MSGPACK_VERSION", "VERSION", "VERSIONS",
+           "FrameDecoder", "ParsedRequest", "ProtocolError", "Request", "encode", "parse_request", "reply_error",
+           "reply_ok"]
 
 
 class Request(BaseModel):
