@@ -20,6 +20,7 @@ from vrnic.backend.channel import ChannelLimits, group_id
 from vrnic.backend.drivers.paravirtual import VerbsDriver
 from vrnic.backend.fake_edge import FakeEdge
 from vrnic.backend.session import GuestSession
+from vrnic.core import framing
 from vrnic.core.proto import BINARY_VERSION, HEADER, JSON_VERSION, MAGIC, MSGPACK_VERSION, VERSION, FrameDecoder, encode
 from vrnic.core.recovery import token_digest
 from vrnic.core.specs import AttachInfo, VrnicSpec
@@ -546,6 +547,27 @@ def test_an_unsupported_version_is_answered_in_version_1_naming_those_spoken(
     assert version == JSON_VERSION  # what any peer reads
     assert reply["error"]["message"] == "unsupported protocol version 4 (this end speaks 1, 2 and 3)"
     assert closed_by_server(sock)
+
+
+def test_a_guest_steps_down_to_version_2_for_a_vrnicd_that_speaks_1_and_2(
+        serve: Callable[..., tuple[VerbsDriver, AttachInfo]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A guest library upgraded before vrnicd: vrnicd refuses version 3 at the attach and closes the stream; the
+    guest connects again and attaches in version 2, and stays there. Played by this vrnicd with its decoder
+    taught the older list of versions."""
+    _, info = serve()
+    monkeypatch.delenv(WIRE_VERSION_ENV, raising=False)
+    monkeypatch.setattr(framing, "VERSIONS", (JSON_VERSION, BINARY_VERSION))
+    monkeypatch.setattr(framing, "_SPOKEN", "1 and 2")
+    with Context.attach(info, ARENA) as ctx:
+        assert ctx.channel is not None and ctx.channel.version == BINARY_VERSION
+        assert ctx.channel._decoder.version == BINARY_VERSION  # the attach reply came in it
+        pd = PD(ctx)
+        MR(pd, 4096)
+        assert ctx.query_port()["gid_tbl_len"] == 1
+    # Asked for by name, version 3 is not traded for another: the refusal is the caller's
+    monkeypatch.setenv(WIRE_VERSION_ENV, str(MSGPACK_VERSION))
+    with pytest.raises(InvalidArgument, match=r"unsupported protocol version 3 \(this end speaks 1 and 2\)"):
+        Context.attach(info, ARENA)
 
 
 def test_a_bad_version_3_body_is_answered_in_version_3_and_ends_the_stream(

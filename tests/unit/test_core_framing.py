@@ -462,6 +462,63 @@ def test_the_frontend_sends_version_3_unless_told(monkeypatch: pytest.MonkeyPatc
         wire_version(7)
 
 
+def test_a_vm_port_channel_steps_down_once_for_an_older_vrnicd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vrnicd's VM link answers a frame it cannot read with an error (id 0, version 1) and reads on with a new
+    decoder (backend.vm_link): the first call goes again in version 2, and every later one stays in it."""
+    monkeypatch.delenv(WIRE_VERSION_ENV, raising=False)
+    controller, device = pty.openpty()
+    tty.setraw(device)
+    monkeypatch.setattr(channel_module, "find_port", lambda name: Path(os.ttyname(device)))
+    seen: list[int] = []
+
+    def old_vrnicd() -> None:
+        buffered = b""
+        while len(seen) < 3:
+            buffered += os.read(controller, 4096)
+            while len(buffered) >= HEADER.size:
+                _magic, version, _reserved, length = HEADER.unpack_from(buffered)
+                if len(buffered) < HEADER.size + length:
+                    break
+                frame, buffered = buffered[:HEADER.size + length], buffered[HEADER.size + length:]
+                seen.append(version)
+                if version == MSGPACK_VERSION:
+                    refusal = {"code": "protocol_error", "message": "unsupported protocol version 3 (this end "
+                                                                    "speaks 1 and 2)"}
+                    os.write(controller, encode({"id": 0, "ok": False, "error": refusal}, JSON_VERSION))
+                else:
+                    [request] = FrameDecoder().feed(frame)
+                    os.write(controller, encode({"id": request["id"], "ok": True, "result": request["args"]},
+                                                version))
+
+    server = threading.Thread(target=old_vrnicd, daemon=True)
+    server.start()
+    channel = PortChannel()
+    try:
+        assert channel.version == MSGPACK_VERSION
+        assert channel.call("echo", n=1) == {"n": 1}
+        assert channel.version == BINARY_VERSION
+        assert channel.call("echo", n=2) == {"n": 2}
+    finally:
+        channel.close()
+    server.join(5)
+    assert seen == [MSGPACK_VERSION, BINARY_VERSION, BINARY_VERSION]
+    os.close(controller)
+    os.close(device)
+
+
+def test_only_a_refusal_of_the_requests_own_version_steps_down() -> None:
+    refusal = {"ok": False, "error": {"code": "protocol_error",
+                                      "message": "unsupported protocol version 3 (this end speaks 1 and 2)"}}
+    assert channel_module._refuses_version(refusal, 3)
+    assert not channel_module._refuses_version(refusal, 2)  # not what it said
+    assert not channel_module._refuses_version({"ok": False, "error": {"code": "protocol_error",
+                                                                       "message": "bad magic 0x4745"}}, 3)
+    assert not channel_module._refuses_version({"ok": True, "result": {}}, 3)
+    assert not channel_module._refuses_version({"ok": False, "error": {"code": "protocol_error",
+                                                                       "message": "unsupported protocol version 1 "
+                                                                                  "(this end speaks 2)"}}, 1)
+
+
 @pytest.mark.parametrize("version", [JSON_VERSION, BINARY_VERSION, MSGPACK_VERSION])
 def test_a_vm_port_channel_calls_in_its_version(monkeypatch: pytest.MonkeyPatch, version: int) -> None:
     """PortChannel over a raw pty (a character device, as a virtio-serial port is), vrnicd played by a thread."""

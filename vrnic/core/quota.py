@@ -20,6 +20,7 @@ class Resource(StrEnum):
 
 _LIMIT = {Resource.PD: "max_pds", Resource.CQ: "max_cqs", Resource.QP: "max_qps", Resource.MR: "max_mrs",
           Resource.PINNED_BYTES: "max_pinned_bytes"}
+_RESOURCES = tuple(Resource)  # iterating the enum class itself runs a generator per ledger (every attach)
 
 
 class QuotaLedger:
@@ -27,7 +28,7 @@ class QuotaLedger:
 
     def __init__(self, quota: Quota) -> None:
         self.quota = quota
-        self._used = dict.fromkeys(Resource, 0)
+        self._used = dict.fromkeys(_RESOURCES, 0)
         self._lock = threading.Lock()
 
     def charge(self, resource: Resource, amount: int = 1) -> None:

@@ -65,6 +65,14 @@ def wire_version(version: int | None = None) -> int:
     return version
 
 
+def _refuses_version(reply: dict[str, Any], version: int) -> bool:
+    """Whether reply is a vrnicd's refusal of the version a request came in (one from before that version)."""
+    error = reply.get("error")
+    return (not reply.get("ok") and isinstance(error, dict) and error.get("code") == "protocol_error"
+            and str(error.get("message", "")).startswith(f"unsupported protocol version {version} ")
+            and any(v < version for v in VERSIONS))
+
+
 def reply_poll_seconds(setting: str | None = None, cpus: int | None = None) -> float:
     """How long a guest polls for a reply before it sleeps: $VRNIC_REPLY_POLL_US (or setting) microseconds,
     DEFAULT_POLL_US if unset. 0 with one CPU to run on: the poll would only hold off vrnicd's reply."""
@@ -85,6 +93,9 @@ def reply_poll_seconds(setting: str | None = None, cpus: int | None = None) -> f
 class Channel(ABC):
     def __init__(self, version: int | None = None) -> None:
         self.version = wire_version(version)
+        # Chosen by default (neither given nor set): a vrnicd that refuses it at the first request is older, and
+        # the request goes again in the next older version, so a guest library can be upgraded before vrnicd is.
+        self._may_step_down = version is None and not os.environ.get(WIRE_VERSION_ENV, "").strip()
         self._decoder = FrameDecoder()
         # A VM's port outlives the guest programs that open it: a reply meant for a program that died may
         # still arrive, so ids start somewhere new and replies to other ids are skipped.
@@ -103,6 +114,12 @@ class Channel(ABC):
             try:
                 self._send(data, fds)
                 reply = self._read_reply(request_id)
+                while self._may_step_down and _refuses_version(reply, self.version):
+                    self.version = max(v for v in VERSIONS if v < self.version)
+                    self._restart()
+                    self._send(encode_request(request_id, op, args, self.version), fds)
+                    reply = self._read_reply(request_id)
+                self._may_step_down = False  # vrnicd read a request: the version stays for the channel's life
             except OSError as exc:
                 raise ChannelLost(f"lost the channel to vrnicd: {exc.strerror or exc}{_REATTACH}") from exc
         if not reply.get("ok"):
@@ -128,6 +145,11 @@ class Channel(ABC):
                 if message.get("id") in (request_id, 0):  # 0: vrnicd could not read the request at all
                     return message
 
+    def _restart(self) -> None:
+        """After vrnicd refused the version of the first request: a stream it will read from the start (it
+        closes a Unix socket after a framing error; a VM's port it reads on)."""
+        self._decoder = FrameDecoder()
+
     @abstractmethod
     def _send(self, data: bytes, fds: list[int] | None) -> None: ...
 
@@ -144,15 +166,25 @@ class UnixChannel(Channel):
     def __init__(self, path: str, version: int | None = None) -> None:
         poll = reply_poll_seconds()  # a bad setting fails before anything is opened
         super().__init__(version)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.path = path
         self._buffer = memoryview(bytearray(RECV_BYTES))
-        try:
-            self.sock.connect(path)
-        except OSError as exc:
-            self.sock.close()
-            raise VrnicError(f"cannot reach vrnicd at {path}: {exc.strerror}") from exc
+        self.sock = self._connect()
         # Not against a vrnicd in this process (tests, tools): the poll would hold the GIL its reply needs.
         self.poll_seconds = 0.0 if peer_cred(self.sock)[0] == os.getpid() else poll
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.path)
+        except OSError as exc:
+            sock.close()
+            raise VrnicError(f"cannot reach vrnicd at {self.path}: {exc.strerror}") from exc
+        return sock
+
+    def _restart(self) -> None:
+        super()._restart()
+        self.sock.close()
+        self.sock = self._connect()
 
     def _send(self, data: bytes, fds: list[int] | None) -> None:
         if fds:
