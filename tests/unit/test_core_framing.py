@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.unit.wire_messages import messages
 from vrnic.core import framing
 from vrnic.core.framing import (
     BINARY_VERSION,
@@ -56,13 +57,6 @@ def nested(depth: int, container: type = dict) -> Any:
     return {"n": inner}
 
 
-values = st.recursive(
-    st.none() | st.booleans() | st.integers(INT_MIN, INT_MAX) | st.integers(-40, 300)
-    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=40),
-    lambda inner: st.lists(inner, max_size=18) | st.dictionaries(st.text(max_size=10), inner, max_size=18),
-    max_leaves=24,
-)
-messages = st.dictionaries(st.text(max_size=12), values, max_size=6)
 
 
 def roundtrip(message: dict[str, Any]) -> dict[str, Any]:

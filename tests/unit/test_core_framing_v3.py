@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.unit.wire_messages import messages
 from vrnic.core.framing import (
     HEADER,
     INT_MAX,
-    INT_MIN,
     MAGIC,
     MAX_BODY,
     MAX_DEPTH,
@@ -28,14 +28,6 @@ from vrnic.core.framing import (
     encode_ok,
     encode_request,
 )
-
-values = st.recursive(
-    st.none() | st.booleans() | st.integers(INT_MIN, INT_MAX) | st.integers(-40, 300)
-    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=40),
-    lambda inner: st.lists(inner, max_size=18) | st.dictionaries(st.text(max_size=10), inner, max_size=18),
-    max_leaves=24,
-)
-messages = st.dictionaries(st.text(max_size=12), values, max_size=6)
 
 
 def frame3(body: bytes) -> bytes:
