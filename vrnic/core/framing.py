@@ -36,6 +36,7 @@ import operator
 import socket
 import struct
 import threading
+from collections.abc import Iterable
 from math import isfinite
 from typing import Any
 
@@ -90,6 +91,11 @@ _TAG_NAMES = {_NONE: "None", _FALSE: "a bool", _TRUE: "a bool", _INT32: "an int"
 # Bounded, so a program that invents keys cannot grow it without end.
 _KEY_CACHE: dict[str, bytes] = {}
 _KEY_CACHE_SIZE = 1024
+
+
+def _cannot_encode(value: Any) -> ProtocolError:
+    return ProtocolError(f"cannot encode a {type(value).__name__}: messages carry None, bool, int, float, str, list "
+                         f"and dict")
 
 
 def _tag_name(tag: int) -> str:
@@ -223,8 +229,7 @@ def _put(out: bytearray, value: Any, depth: int) -> None:
     elif isinstance(value, list | tuple):
         _put_list(out, value, depth + 1)
     else:
-        raise ProtocolError(f"cannot encode a {kind.__name__}: messages carry None, bool, int, float, str, "
-                            f"list and dict")
+        raise _cannot_encode(value)
 
 
 def _encode_into(out: bytearray, message: dict[str, Any], depth: int = 1) -> None:
@@ -442,22 +447,21 @@ def _check_v3_args(args: dict[str, Any]) -> None:
 def _check_v3_value(value: Any, depth: int) -> None:
     if depth > MAX_DEPTH:  # version 2's cap: no verb nests a tenth as deep
         raise ProtocolError(f"the message nests deeper than {MAX_DEPTH} levels")
+    if isinstance(value, msgpack.ExtType | msgpack.Timestamp):  # ExtType is a tuple: looked at first
+        raise _cannot_encode(value)
+    items: Iterable[Any]
     if isinstance(value, dict):
-        for key, item in value.items():
+        for key in value:
             if not isinstance(key, str):
                 raise ProtocolError(f"dict keys must be str, not {type(key).__name__}")
-            if type(item) not in _V3_PLAIN:
-                _check_v3_value(item, depth + 1)
+        items = value.values()
     elif isinstance(value, list | tuple):
-        if isinstance(value, msgpack.ExtType):
-            raise ProtocolError("cannot encode a msgpack ExtType: messages carry None, bool, int, float, str, "
-                                "list and dict")
-        for item in value:
-            if type(item) not in _V3_PLAIN:
-                _check_v3_value(item, depth + 1)
-    elif isinstance(value, msgpack.Timestamp):
-        raise ProtocolError("cannot encode a msgpack Timestamp: messages carry None, bool, int, float, str, "
-                            "list and dict")
+        items = value
+    else:
+        return
+    for item in items:
+        if type(item) not in _V3_PLAIN:
+            _check_v3_value(item, depth + 1)
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
@@ -481,9 +485,7 @@ class _MsgpackBodies:
         unpacker = self._unpacker
         unpacker.feed(body)
         try:
-            message = unpacker.unpack()
-        except ProtocolError:
-            raise
+            message = unpacker.unpack()  # _refuse_ext's ProtocolError passes through as it is
         except msgpack.OutOfData:
             raise ProtocolError("frame body is truncated") from None
         except UnicodeDecodeError as exc:
@@ -535,9 +537,9 @@ _OP_KEY, _ARGS_KEY = _key("op"), _key("args")
 def encode_ok(request_id: int, result: dict[str, Any], version: int = VERSION) -> bytes:
     """encode({"id": request_id, "ok": True, "result": result}, version), the same bytes, without the reply dict
     and a level of the encoder's loop: every answer vrnicd sends is one (issue 14)."""
+    if version == MSGPACK_VERSION and msgpack is not None:
+        return _pack({"id": request_id, "ok": True, "result": result})  # vrnicd's own data: packed unchecked
     if version != BINARY_VERSION or type(request_id) is not int or type(result) is not dict:
-        if version == MSGPACK_VERSION and msgpack is not None:
-            return _pack({"id": request_id, "ok": True, "result": result})  # vrnicd's own data: packed unchecked
         return encode({"id": request_id, "ok": True, "result": result}, version)
     out = bytearray(_HEADER_ROOM)
     out += _OK_HEAD

@@ -54,7 +54,7 @@ def wire_version(version: int | None = None) -> int:
     speaks (3 with msgpack, 2 without)."""
     spoken = ", ".join(map(str, VERSIONS[:-1])) + f" or {VERSIONS[-1]}"
     if version is None:
-        setting = os.environ.get(WIRE_VERSION_ENV, "").strip()
+        setting = _wire_setting()
         if not setting:
             return DEFAULT_WIRE_VERSION
         if setting not in map(str, VERSIONS):
@@ -63,6 +63,10 @@ def wire_version(version: int | None = None) -> int:
     if version not in VERSIONS:
         raise InvalidArgument(f"the protocol version is {spoken}, not {version!r}")
     return version
+
+
+def _wire_setting() -> str:
+    return os.environ.get(WIRE_VERSION_ENV, "").strip()
 
 
 def _refuses_version(reply: dict[str, Any], version: int) -> bool:
@@ -95,7 +99,7 @@ class Channel(ABC):
         self.version = wire_version(version)
         # Chosen by default (neither given nor set): a vrnicd that refuses it at the first request is older, and
         # the request goes again in the next older version, so a guest library can be upgraded before vrnicd is.
-        self._may_step_down = version is None and not os.environ.get(WIRE_VERSION_ENV, "").strip()
+        self._may_step_down = version is None and not _wire_setting()
         self._decoder = FrameDecoder()
         # A VM's port outlives the guest programs that open it: a reply meant for a program that died may
         # still arrive, so ids start somewhere new and replies to other ids are skipped.
