@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -952,3 +953,34 @@ def test_spare_mrs_and_qps_are_given_back_in_one_request(make_vrnic: Callable[..
         used = ctx.call("query_device")["quota_used"]
         assert (used["qp"], used["mr"], used["pinned_bytes"]) == (0, 0, 0)
     assert len(edge.live) == live
+
+
+def test_destroy_qp_settles_the_cqs_only_of_a_qp_with_work_on_the_nic(make_vrnic: Callable[..., AttachInfo],
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A QP that never had a WR on the NIC left no completion there: its destroy polls no CQ. One whose WRs reached
+    the NIC (here only as destroy drains its ring) has every completion in its CQ's ring when close returns."""
+    polled_by_destroy: list[Any] = []
+    poll_cq = FakeContext.poll_cq
+
+    def poll_recorded(self: FakeContext, cq: Any, max_entries: int) -> list[Any]:
+        if not threading.current_thread().name.startswith("engine-"):  # the session's own thread: destroy_qp
+            polled_by_destroy.append(cq)
+        return poll_cq(self, cq, max_entries)
+
+    monkeypatch.setattr(FakeContext, "poll_cq", poll_recorded)
+    with Context.attach(make_vrnic(), ARENA) as ca, Context.attach(make_vrnic(device="fake1"), ARENA) as cb:
+        pa, pb, cqa, cqb = PD(ca), PD(cb), CQ(ca, 64), CQ(cb, 64)
+        mra, mrb = MR(pa, 4096, ALL), MR(pb, 4096, ALL)
+        idle = QP(pa, cqa, cqa)
+        idle.close()
+        assert polled_by_destroy == []
+        qa, qb = QP(pa, cqa, cqa), QP(pb, cqb, cqb)
+        qa.connect(cb.gid, qb.qpn)
+        qb.connect(ca.gid, qa.qpn)
+        qa.post_send([SendRequest(i, WrOpcode.RDMA_WRITE, (mra.sge(0, 8),), remote_addr=mrb.addr, rkey=mrb.rkey)
+                      for i in range(4)], doorbell=False)  # still in the ring: destroy's drain posts them
+        qa.close()
+        assert polled_by_destroy  # the CQ, from the destroying thread
+        assert sorted(wc.wr_id for wc in cqa.poll(16)) == [0, 1, 2, 3]  # all there on return
+        for obj in (qb, mra, mrb, cqa, cqb, pa, pb):
+            obj.close()
