@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from bench import native_verbs
+from bench import mediation_floor, native_verbs
 from bench.harness import Record, alternating, median_ms, samples_ms
 from vrnic.core.framing import FrameDecoder, encode_ok, encode_request
 from vrnic.core.specs import AttachInfo
@@ -341,7 +341,8 @@ def setup_qp_pairs(infos: list[AttachInfo], count: int = 64, repeat: int = 5) ->
 def run(native_records: list[Record]) -> list[Record]:
     native = {r.name: r.value for r in native_records}
     with vrnicd(2) as infos:
-        return control_verbs(infos, native) + connect_and_data(infos, native) + setup_qp_pairs(infos)
+        mediated = control_verbs(infos, native) + connect_and_data(infos, native) + setup_qp_pairs(infos)
+    return mediated + mediation_floor.floor_records(native)
 
 
 def control_only() -> list[Record]:
@@ -351,7 +352,7 @@ def control_only() -> list[Record]:
     baseline = {r.name: r.value for r in native}
     with vrnicd(2) as infos:
         mediated = control_verbs(infos, baseline) + connect_and_data(infos, baseline) + setup_qp_pairs(infos)
-    return native + mediated
+    return native + mediated + mediation_floor.floor_records(baseline)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,9 @@ class AttachedSession(Protocol):
     def handle(self, op: str, raw_args: dict[str, Any]) -> dict[str, Any]:
         """Run one request; raises a VrnicError for anything the guest should see."""
 
+    def after_reply(self) -> None:
+        """Work the guest need not wait for (the data path's thread, after a first QP), run once a reply is out."""
+
     def attach_result(self) -> dict[str, Any]:
         """The body of the reply to a successful attach."""
 

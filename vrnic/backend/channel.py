@@ -484,6 +484,7 @@ class ChannelServer:
                     _send(conn, version, reply_ok(request.id))
                     return True
                 _send_ok(conn, version, request.id, session.handle(request.op, request.args))
+                session.after_reply()
             except VrnicError as exc:
                 _send(conn, version, reply_error(request_id, exc))
             except Exception as exc:  # a daemon bug fails one request, not the daemon

@@ -173,7 +173,7 @@ class DirectSession(GuestSession):
     def _placed(self, plan: QpPlan, sq_addr: int | None, rq_addr: int | None) -> QpPlan:
         return plan  # no rings: the guest posts to the NIC's own queues
 
-    def _open_qp(self, qp: QpEntry, restored: bool) -> None:
+    def _open_qp(self, qp: QpEntry) -> None:
         self.registry.publish_qp(self.vrnic, qp.vqpn, qp.phys_qpn)
 
     def _qp_reply(self, qp: QpEntry) -> dict[str, Any]:

@@ -9,8 +9,10 @@ vrnicd fault (SIGBUS) by truncating it.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
+import errno
 import fcntl
 import mmap
 import os
@@ -67,6 +69,32 @@ class GuestMemory:
         except BaseException:
             os.close(fd)
             raise
+
+    def never_written(self, spans: list[tuple[int, int]]) -> list[bool]:
+        """For each [start, end) of the file, sorted by start: whether it lies in a hole, bytes no one ever wrote
+        (nor allocated), which read as zeros. Found with lseek(SEEK_DATA/SEEK_HOLE), two calls per stretch of
+        data among the spans; a file system that cannot tell reports everything as data (never a hole)."""
+        if not spans:
+            return []
+        first, last = spans[0][0], max(end for _, end in spans)
+        data: list[tuple[int, int]] = []  # the stretches of data in [first, last), in order
+        at = first
+        try:
+            while at < last:
+                start = os.lseek(self.fd, at, os.SEEK_DATA)
+                if start >= last:
+                    break
+                at = os.lseek(self.fd, start, os.SEEK_HOLE)
+                data.append((start, at))
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:  # ENXIO: no data from `at` on; anything else: cannot tell
+                return [False] * len(spans)
+        starts = [start for start, _ in data]
+        out = []
+        for start, end in spans:
+            i = bisect.bisect_right(starts, start)  # the last stretch starting at or before `start`, and the next
+            out.append(not ((i > 0 and data[i - 1][1] > start) or (i < len(data) and data[i][0] < end)))
+        return out
 
     def close(self) -> None:
         if self._map.closed:

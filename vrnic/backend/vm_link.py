@@ -135,6 +135,7 @@ class VmLink:
                 self._send(version, reply_ok(request.id))
                 return
             self._send(version, reply_ok(request.id, session.handle(request.op, request.args)))
+            session.after_reply()
         except VrnicError as exc:
             self._send(version, reply_error(request_id, exc))
         except Exception as exc:  # a daemon bug fails one request, not the VM's channel

@@ -1,0 +1,200 @@
+"""The floor of mediation itself: what any control plane that runs each verb in a Python process of its own costs,
+with none of vrnicd's code.
+
+A child process (`serve`) holds both devices' contexts, PDs and CQs, as vrnicd does, and runs each request with
+pyverbs as native does (vrnic.lab.native.connect_rc, MR at an address), after reading a fixed struct from its
+socket: no envelope, no schema, no handles, no quotas, no rings. Each sample is the guest's side of it (a request
+sent, its reply read), in turns with native's own samples. Where the ratio of such a bare mediation is already
+over a target, no design with a daemon in Python meets it on this platform; where it is under, the difference is
+what vrnicd and the guest library may spend (issue 14).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from bench import native_verbs
+from bench.harness import Record, alternating, samples_ms
+
+# Requests: one byte of kind, then the kind's struct; replies are one struct each.
+_CREATE = b"P"  # make count RC QPs on one side's device ("<BH") -> "<H"
+_CONNECT = b"C"  # connect side's QPs to the other side's ("<B"): INIT, RTR, RTS each -> "<B"
+_CLOSE = b"X"  # close every QP -> "<B"
+_REG = b"M"  # register (offset, length) of the arena ("<QQ") -> "<II" lkey, rkey
+_DEREG = b"D"  # close that MR -> "<B"
+_ARENA_SIZE = 8 << 20
+
+SERVER = ("import sys\n"
+          "from bench.mediation_floor import serve\n"
+          "serve(int(sys.argv[1]), sys.argv[2], sys.argv[3])\n")
+
+
+def serve(fd: int, first: str, second: str) -> None:
+    """The bare mediator: requests from the socket fd (the arena's memfd comes with the first), until it closes."""
+    import pyverbs.enums as e
+    from pyverbs.mr import MR
+    from pyverbs.qp import QP, QPCap, QPInitAttr
+
+    from vrnic.lab.native import ACCESS, RcEndpoint, connect_rc
+
+    sock = socket.socket(fileno=fd)
+    ends = [RcEndpoint(first), RcEndpoint(second)]
+    cap = QPCap(max_send_wr=64, max_recv_wr=64, max_send_sge=1, max_recv_sge=1)
+    inits = [QPInitAttr(qp_type=e.IBV_QPT_RC, scq=end.cq, rcq=end.cq, cap=cap) for end in ends]
+    qps: list[list[QP]] = [[], []]
+    data, fds, _, _ = socket.recv_fds(sock, 64, 1)
+    arena = mmap.mmap(fds[0], _ARENA_SIZE)
+    anchor = ctypes.c_char.from_buffer(arena)
+    base = ctypes.addressof(anchor)
+    sock.sendall(b"k")
+    mr = None
+    buffer = bytearray(64)
+    while True:
+        got = sock.recv_into(buffer)
+        if not got:
+            break
+        kind = buffer[:1]
+        if kind == _CONNECT:
+            me = buffer[1]
+            peer = 1 - me
+            for qp, other in zip(qps[me], qps[peer], strict=True):
+                connect_rc(qp, ends[peer].gid, other.qp_num, ends[me].gid_index)
+            sock.sendall(b"k")
+        elif kind == _REG:
+            offset, length = struct.unpack_from("<QQ", buffer, 1)
+            mr = MR(ends[0].pd, length, ACCESS, address=base + offset)
+            sock.sendall(struct.pack("<II", mr.lkey, mr.rkey))
+        elif kind == _DEREG:
+            if mr is not None:
+                mr.close()
+                mr = None
+            sock.sendall(b"k")
+        elif kind == _CREATE:
+            side, count = struct.unpack_from("<BH", buffer, 1)
+            qps[side] += [QP(ends[side].pd, inits[side]) for _ in range(count)]
+            sock.sendall(struct.pack("<H", count))
+        elif kind == _CLOSE:
+            for side in qps:
+                for qp in side:
+                    qp.close()
+                side.clear()
+            sock.sendall(b"k")
+        else:
+            raise SystemExit(f"mediation floor: unknown request {bytes(kind)!r}")
+    del anchor
+    arena.close()
+    for end in ends:
+        end.close()
+
+
+class BareMediator:
+    """The guest's end of a bare mediator child: one request at a time, each a few bytes each way."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def call(self, request: bytes) -> bytes:
+        self.sock.sendall(request)
+        reply = self.sock.recv(64)
+        if not reply:
+            raise RuntimeError("the bare mediator ended early")
+        return reply
+
+    def create(self, side: int, count: int) -> None:
+        self.call(_CREATE + struct.pack("<BH", side, count))
+
+    def connect(self, side: int) -> None:
+        self.call(_CONNECT + bytes([side]))
+
+    def close_qps(self) -> None:
+        self.call(_CLOSE)
+
+    def reg(self, offset: int, length: int) -> Callable[[], None]:
+        self.call(_REG + struct.pack("<QQ", offset, length))
+        return self.dereg
+
+    def dereg(self) -> None:
+        self.call(_DEREG)
+
+
+@contextmanager
+def bare_mediator(pair: tuple[str, str]) -> Iterator[BareMediator]:
+    """A bare mediator child on these two devices, its 8 MiB arena (a memfd, touched, as a guest's is) shared."""
+    from vrnic.lab.latency import this_code_env
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    child = subprocess.Popen([sys.executable, "-c", SERVER, str(theirs.fileno()), *pair],
+                             pass_fds=(theirs.fileno(),), env=this_code_env())
+    theirs.close()
+    fd = os.memfd_create("bare-mediator-arena", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, _ARENA_SIZE)
+        with mmap.mmap(fd, _ARENA_SIZE) as arena:
+            arena.write(b"\1" * _ARENA_SIZE)
+        socket.send_fds(ours, [b"A"], [fd])
+        if ours.recv(64) != b"k":
+            raise RuntimeError("the bare mediator did not start")
+        yield BareMediator(ours)
+    finally:
+        os.close(fd)
+        ours.close()
+        child.wait(timeout=30)
+
+
+def floor_records(native: dict[str, float], pair: tuple[str, str] = ("rxe0", "rxe1"), repeat: int = 50,
+                  pair_rounds: int = 20, setup_rounds: int = 5, count: int = 64) -> list[Record]:
+    """paravirt.bare_*: reg_mr_1m in a loop (against native's loop, as paravirt.reg_mr_1m), connect_qp_pair and
+    setup_64_qp_pairs in turns with native's own samples (as theirs)."""
+    records = []
+    with bare_mediator(pair) as bare:
+        samples = samples_ms(lambda: bare.reg(0, 1 << 20), repeat)
+        records.append(Record("paravirt.bare_reg_mr_1m", "ms", statistics.median(samples),
+                              native["native.reg_mr_1m"]))
+
+        def connect_pair_ms() -> float:
+            bare.create(0, 1)
+            bare.create(1, 1)
+            started = time.perf_counter()
+            bare.connect(0)
+            bare.connect(1)
+            elapsed = (time.perf_counter() - started) * 1e3
+            bare.close_qps()
+            return elapsed
+
+        native_samples, samples = alternating(lambda: native_verbs.connect_pair_ms(pair), connect_pair_ms,
+                                              pair_rounds)
+        records.append(Record("paravirt.bare_connect_qp_pair", "ms", statistics.median(samples),
+                              statistics.median(native_samples)))
+
+        def setup_ms() -> float:
+            started = time.perf_counter()
+            bare.create(0, count)
+            bare.create(1, count)
+            bare.connect(0)
+            bare.connect(1)
+            elapsed = (time.perf_counter() - started) * 1e3
+            bare.close_qps()
+            return elapsed
+
+        native_samples, samples = alternating(lambda: native_verbs.setup_pairs_ms(count, pair), setup_ms,
+                                              setup_rounds)
+        records.append(Record(f"paravirt.bare_setup_{count}_qp_pairs", "ms", statistics.median(samples),
+                              statistics.median(native_samples)))
+    return records
+
+
+if __name__ == "__main__":
+    from bench.harness import show
+
+    baseline = native_verbs.control_verbs()
+    show(baseline + floor_records({r.name: r.value for r in baseline}))

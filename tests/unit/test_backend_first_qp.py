@@ -1,0 +1,165 @@
+"""What a session's first QPs cost: rings on never-written guest memory stay untouched, and the data path's
+thread starts once the guest has its reply (issue 14). The real driver and channel on the fake RNIC edge."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tests.unit.test_backend_session import ME, guest_fds, session_of
+from vrnic.backend.drivers.paravirtual import VerbsDriver
+from vrnic.backend.engine import SharedRingEngine
+from vrnic.backend.guest_memory import REQUIRED_SEALS, GuestMemory
+from vrnic.backend.session import GuestSession
+from vrnic.core.rings import HEADER_BYTES
+from vrnic.core.specs import AttachInfo
+from vrnic.core.verb_args import Attach
+from vrnic.frontend import CQ, PD, QP, Context, RecvRequest, WcStatus
+
+ARENA = 1 << 20
+PAGE = mmap.PAGESIZE
+
+
+@pytest.fixture
+def memory() -> Iterator[GuestMemory]:
+    fd = os.memfd_create("guest", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    os.ftruncate(fd, 16 * PAGE)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS)
+    mem = GuestMemory(fd)
+    yield mem
+    mem.close()
+
+
+def test_never_written_tells_holes_from_data_in_the_guests_memory_file(memory: GuestMemory) -> None:
+    memory.view[3 * PAGE + 100] = 1  # one byte makes its page data; a page of zeros written is data too
+    memory.view[6 * PAGE:7 * PAGE] = bytes(PAGE)
+    memory.view[7 * PAGE + 5] = 1
+    spans = [(0, 64), (2 * PAGE, 3 * PAGE), (2 * PAGE + 10, 3 * PAGE + 1), (3 * PAGE + 4000, 4 * PAGE + 8),
+             (5 * PAGE, 6 * PAGE - 1), (6 * PAGE + 1, 6 * PAGE + 2), (9 * PAGE, 16 * PAGE), (16 * PAGE - 1, 16 * PAGE)]
+    assert memory.never_written(spans) == [True, True, False, False, True, False, True, True]
+    assert memory.never_written([]) == []
+    assert memory.never_written([(0, 16 * PAGE)]) == [False]
+    assert _pages_with_data(memory.fd) == [3, 6, 7]  # asking wrote nothing
+
+
+def test_never_written_says_data_where_the_file_cannot_tell(memory: GuestMemory,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system without SEEK_DATA (EINVAL), or any other failure: every span is data, so rings get reset."""
+    def refuse(fd: int, pos: int, how: int) -> int:
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "lseek", refuse)
+    assert memory.never_written([(0, 64), (PAGE, PAGE + 64)]) == [False, False]
+
+
+def _pages_with_data(fd: int) -> list[int]:
+    """The pages of the file that hold data (written, or allocated), by SEEK_DATA and SEEK_HOLE."""
+    pages, at, size = [], 0, os.fstat(fd).st_size
+    while at < size:
+        try:
+            start = os.lseek(fd, at, os.SEEK_DATA)
+        except OSError as exc:
+            assert exc.errno == errno.ENXIO
+            break
+        at = os.lseek(fd, start, os.SEEK_HOLE)
+        pages += range(start // PAGE, at // PAGE)
+    return pages
+
+
+def test_new_rings_on_never_written_memory_stay_unwritten_and_rings_on_written_memory_are_emptied(
+        make_vrnic: Callable[..., AttachInfo], driver: VerbsDriver) -> None:
+    """create_qps, create_qp and create_cq write a ring's empty header only where the guest's memory was written
+    before (a ring freed and placed again leaves its indices there); elsewhere the header reads as zeros already,
+    and vrnicd faults no page in for it. (The engine, once it runs, reads every ring, and so pages them in.)"""
+    info = make_vrnic()
+    for verb in ("create_qps", "create_qp"):
+        session = driver.open_session(Attach(token=info.token or ""), guest_fds(), ME)
+        try:
+            view, fd = session.memory.view, session.memory.fd
+            for at in (4 * PAGE, 9 * PAGE + 64):  # stale indices of earlier rings
+                view[at:at + HEADER_BYTES] = b"\xff" * HEADER_BYTES
+            pd = session.handle("alloc_pd", {})["pd"]
+            cq = session.handle("create_cq", {"cqe": 16, "ring": 0})["cq"]
+            other_cq = session.handle("create_cq", {"cqe": 16, "ring": 9 * PAGE + 64})["cq"]
+            shape = {"pd": pd, "send_cq": cq, "recv_cq": other_cq, "max_send_wr": 4, "max_recv_wr": 4}
+            if verb == "create_qps":
+                session.handle(verb, {"shape": shape, "count": 3,
+                                      "rings": [PAGE, 2 * PAGE, 4 * PAGE, 5 * PAGE, 6 * PAGE, 7 * PAGE + 64]})
+            else:
+                session.handle(verb, {**shape, "sq_ring": 5 * PAGE, "rq_ring": 4 * PAGE})
+            # (its first QP: the engine starts after the reply, which no one sends here, so nothing reads the rings)
+            assert _pages_with_data(fd) == [4, 9]  # the written pages, no other
+            for at in (4 * PAGE, 9 * PAGE + 64):
+                assert bytes(view[at:at + HEADER_BYTES]) == bytes(HEADER_BYTES)
+            for _, qp in session.state.qps.items():  # every ring empty (reading pages in)
+                assert qp.sq is not None and qp.rq is not None
+                assert qp.sq.count() == 0 and qp.rq.count() == 0
+        finally:
+            session.close()
+
+
+def test_a_guest_has_its_first_qps_before_their_engine_starts(make_vrnic: Callable[..., AttachInfo],
+                                                             driver: VerbsDriver,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting the data path's thread took 2.6 ms of a first create_qps in the lab: it starts after the reply,
+    and then moves the guest's work as before."""
+    replied = threading.Event()
+    started_after_reply: list[bool] = []
+    real_start = SharedRingEngine.start
+
+    def start(self: SharedRingEngine) -> None:
+        started_after_reply.append(replied.wait(timeout=5))
+        real_start(self)
+
+    monkeypatch.setattr(SharedRingEngine, "start", start)
+    info = make_vrnic()
+    with Context.attach(info, ARENA) as ctx:
+        pd, cq = PD(ctx), CQ(ctx, 16)
+        assert not started_after_reply  # no QP, no engine
+        qp = QP(pd, cq, cq)
+        replied.set()
+        engine = session_of(driver, info).engine
+        assert isinstance(engine, SharedRingEngine)
+        _wait_until(lambda: engine.waits > 0)  # the thread runs, and went to sleep with nothing to do
+        assert started_after_reply == [True]
+        qp.modify("init")
+        qp.post_recv(RecvRequest(7, ()))  # no buffer: refused, in a completion the engine writes
+        [done] = cq.wait(1, timeout=5)  # the doorbell woke it: it serves the guest as before
+        assert (done.wr_id, done.status) == (7, WcStatus.LOC_QP_OP_ERR)
+
+
+def test_a_caller_that_runs_no_after_reply_starts_the_engine_with_its_next_request_or_doorbell(
+        make_vrnic: Callable[..., AttachInfo], driver: VerbsDriver) -> None:
+    info = make_vrnic()
+    for kick in ("request", "doorbell"):
+        session = driver.open_session(Attach(token=info.token or ""), guest_fds(), ME)
+        try:
+            assert isinstance(session, GuestSession)
+            session.start()
+            pd = session.handle("alloc_pd", {})["pd"]
+            cq = session.handle("create_cq", {"cqe": 16, "ring": 0})["cq"]
+            session.handle("create_qp", {"pd": pd, "send_cq": cq, "recv_cq": cq, "qp_type": "rc",
+                                         "max_send_wr": 4, "max_recv_wr": 4, "max_sge": 1,
+                                         "sq_ring": PAGE, "rq_ring": 2 * PAGE})
+            assert session.engine.stats()["alive"] is False  # due, not started: no reply went out yet
+            if kick == "request":
+                session.handle("null_rpc", {})
+            else:
+                session.ring_doorbell()
+            assert session.engine.stats()["alive"] is True
+        finally:
+            session.close()
+
+
+def _wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
