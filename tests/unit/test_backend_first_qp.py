@@ -37,26 +37,27 @@ def memory() -> Iterator[GuestMemory]:
     mem.close()
 
 
-def test_never_written_tells_holes_from_data_in_the_guests_memory_file(memory: GuestMemory) -> None:
+def test_data_extents_tell_holes_from_data_in_the_guests_memory_file(memory: GuestMemory) -> None:
     memory.view[3 * PAGE + 100] = 1  # one byte makes its page data; a page of zeros written is data too
     memory.view[6 * PAGE:7 * PAGE] = bytes(PAGE)
     memory.view[7 * PAGE + 5] = 1
-    spans = [(0, 64), (2 * PAGE, 3 * PAGE), (2 * PAGE + 10, 3 * PAGE + 1), (3 * PAGE + 4000, 4 * PAGE + 8),
-             (5 * PAGE, 6 * PAGE - 1), (6 * PAGE + 1, 6 * PAGE + 2), (9 * PAGE, 16 * PAGE), (16 * PAGE - 1, 16 * PAGE)]
-    assert memory.never_written(spans) == [True, True, False, False, True, False, True, True]
-    assert memory.never_written([]) == []
-    assert memory.never_written([(0, 16 * PAGE)]) == [False]
+    assert memory.data_extents(0, 16 * PAGE) == [(3 * PAGE, 4 * PAGE), (6 * PAGE, 8 * PAGE)]
+    assert memory.data_extents(3 * PAGE + 4000, 6 * PAGE + 2) == [(3 * PAGE + 4000, 4 * PAGE), (6 * PAGE, 6 * PAGE + 2)]
+    assert memory.data_extents(0, 64) == []
+    assert memory.data_extents(4 * PAGE, 6 * PAGE) == []
+    assert memory.data_extents(9 * PAGE, 16 * PAGE) == []  # no data up to the end of the file (ENXIO)
     assert _pages_with_data(memory.fd) == [3, 6, 7]  # asking wrote nothing
 
 
-def test_never_written_says_data_where_the_file_cannot_tell(memory: GuestMemory,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """A file system without SEEK_DATA (EINVAL), or any other failure: every span is data, so rings get reset."""
+def test_data_extents_are_all_data_where_the_file_cannot_tell(memory: GuestMemory,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system without SEEK_DATA (EINVAL), or any other failure: all of it may hold data, so rings get
+    reset."""
     def refuse(fd: int, pos: int, how: int) -> int:
         raise OSError(errno.EINVAL, "Invalid argument")
 
     monkeypatch.setattr(os, "lseek", refuse)
-    assert memory.never_written([(0, 64), (PAGE, PAGE + 64)]) == [False, False]
+    assert memory.data_extents(64, PAGE + 64) == [(64, PAGE + 64)]
 
 
 def _pages_with_data(fd: int) -> list[int]:

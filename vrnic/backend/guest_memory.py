@@ -9,7 +9,6 @@ vrnicd fault (SIGBUS) by truncating it.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import ctypes
 import errno
@@ -70,31 +69,23 @@ class GuestMemory:
             os.close(fd)
             raise
 
-    def never_written(self, spans: list[tuple[int, int]]) -> list[bool]:
-        """For each [start, end) of the file, sorted by start: whether it lies in a hole, bytes no one ever wrote
-        (nor allocated), which read as zeros. Found with lseek(SEEK_DATA/SEEK_HOLE), two calls per stretch of
-        data among the spans; a file system that cannot tell reports everything as data (never a hole)."""
-        if not spans:
-            return []
-        first, last = spans[0][0], max(end for _, end in spans)
-        data: list[tuple[int, int]] = []  # the stretches of data in [first, last), in order
-        at = first
+    def data_extents(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The stretches of [start, end) of the file that may hold data, in order; the rest are holes, bytes no
+        one ever wrote (nor allocated), which read as zeros. Found with lseek(SEEK_DATA/SEEK_HOLE), two calls
+        per stretch; a file system that cannot tell has it all as data (never a hole)."""
+        extents: list[tuple[int, int]] = []
+        at = start
         try:
-            while at < last:
-                start = os.lseek(self.fd, at, os.SEEK_DATA)
-                if start >= last:
+            while at < end:
+                data = os.lseek(self.fd, at, os.SEEK_DATA)
+                if data >= end:
                     break
-                at = os.lseek(self.fd, start, os.SEEK_HOLE)
-                data.append((start, at))
+                at = os.lseek(self.fd, data, os.SEEK_HOLE)
+                extents.append((data, min(at, end)))
         except OSError as exc:
             if exc.errno != errno.ENXIO:  # ENXIO: no data from `at` on; anything else: cannot tell
-                return [False] * len(spans)
-        starts = [start for start, _ in data]
-        out = []
-        for start, end in spans:
-            i = bisect.bisect_right(starts, start)  # the last stretch starting at or before `start`, and the next
-            out.append(not ((i > 0 and data[i - 1][1] > start) or (i < len(data) and data[i][0] < end)))
-        return out
+                return [(start, end)]
+        return extents
 
     def close(self) -> None:
         if self._map.closed:
