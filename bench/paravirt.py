@@ -342,7 +342,8 @@ def run(native_records: list[Record]) -> list[Record]:
     native = {r.name: r.value for r in native_records}
     with vrnicd(2) as infos:
         mediated = control_verbs(infos, native) + connect_and_data(infos, native) + setup_qp_pairs(infos)
-    return mediated + mediation_floor.floor_records(native)
+    floors = mediation_floor.floor_records(native)
+    return mediated + floors + mediation_floor.with_framing(floors, mediated)
 
 
 def control_only() -> list[Record]:
@@ -352,7 +353,8 @@ def control_only() -> list[Record]:
     baseline = {r.name: r.value for r in native}
     with vrnicd(2) as infos:
         mediated = control_verbs(infos, baseline) + connect_and_data(infos, baseline) + setup_qp_pairs(infos)
-    return native + mediated + mediation_floor.floor_records(baseline)
+    floors = mediation_floor.floor_records(baseline)
+    return native + mediated + floors + mediation_floor.with_framing(floors, mediated)
 
 
 if __name__ == "__main__":

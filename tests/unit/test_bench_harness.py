@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bench.harness import Record, alternating, load, median_ms, samples_ms, write
 
 
@@ -102,3 +104,19 @@ def test_the_bare_attach_floor_runs_anywhere_and_leaves_nothing_behind() -> None
     samples = bare_attach_ms(5)
     assert len(samples) == 5 and all(sample > 0 for sample in samples)
     assert set(os.listdir("/proc/self/fd")) <= before
+
+
+def test_the_derived_floors_add_one_round_trip_of_framing_per_request() -> None:
+    from bench.mediation_floor import with_framing
+
+    mediated = [Record("paravirt.null_rpc", "ms", 0.35, 0.08), Record("paravirt.bare_rpc", "ms", 0.07, 0.08)]
+    floors = [Record("paravirt.bare_reg_mr_1m", "ms", 0.40, 0.10),
+              Record("paravirt.bare_connect_qp_pair", "ms", 2.0, 1.6),
+              Record("paravirt.bare_setup_64_qp_pairs", "ms", 90.0, 100.0)]
+    derived = {r.name: r for r in with_framing(floors, mediated)}
+    assert derived["paravirt.floor_reg_mr_1m"].value == pytest.approx(0.40 + 0.28)
+    assert derived["paravirt.floor_connect_qp_pair"].value == pytest.approx(2.0 + 2 * 0.28)
+    assert derived["paravirt.floor_setup_64_qp_pairs"].value == pytest.approx(90.0 + 4 * 0.28)
+    assert derived["paravirt.floor_connect_qp_pair"].ratio == pytest.approx(2.56 / 1.6)
+    assert all(r.target is None for r in derived.values())  # floors inform the targets; they are not held to them
+    assert with_framing(floors, mediated[:1]) == []  # no round-trip floor in the run: nothing to derive
