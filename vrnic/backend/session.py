@@ -188,9 +188,10 @@ class GuestSession:
             self._engine_due = True
             self.after_reply()
 
-    def _run_engine(self) -> None:
-        """The engine is due: a verb made a QP. Its thread starts after the verb's reply (after_reply): a new
-        thread took 2.6 ms of a first create_qps in the lab, and until the guest has its QPs nothing is posted."""
+    def _engine_wanted(self) -> None:
+        """A verb made a QP: the engine is due, unless it runs. Its thread starts after the verb's reply
+        (after_reply): a new thread took 2.6 ms of a first create_qps in the lab, and until the guest has its QPs
+        it posts nothing."""
         if self._may_run and not self._engine_running:
             self._engine_due = True
 
@@ -447,7 +448,7 @@ class GuestSession:
         if handle is None:  # a restored QP keeps its rings
             self._reset_rings([qp.sq, qp.rq])
         self._open_qp(qp)
-        self._run_engine()
+        self._engine_wanted()
         return self._qp_reply(qp)
 
     def _plan_qp(self, args: verb_args.CreateQp) -> QpPlan:
@@ -838,7 +839,7 @@ class GuestSession:
             self._destroy_quietly(obj for obj, _ in made[len(entered):])
             ledger.refund(Resource.QP, len(made) - len(entered))
             raise
-        self._run_engine()
+        self._engine_wanted()
         if args.qps is not None:
             return {"qps": [self._qp_reply(qp) for qp in entered]}
         return self._qps_reply(entered)
