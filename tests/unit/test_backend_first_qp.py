@@ -1,5 +1,6 @@
-"""What a session's first QPs cost: rings on never-written guest memory stay untouched, and the data path's
-thread starts once the guest has its reply (issue 14). The real driver and channel on the fake RNIC edge."""
+"""What a session's first QPs cost: rings on never-written guest memory stay untouched (neither written at create
+nor read by the engine until the guest writes one), and the data path's thread starts once the guest has its reply
+(issue 14). The real driver and channel on the fake RNIC edge."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from vrnic.backend.drivers.paravirtual import VerbsDriver
 from vrnic.backend.engine import SharedRingEngine
 from vrnic.backend.guest_memory import REQUIRED_SEALS, GuestMemory
 from vrnic.backend.session import GuestSession
-from vrnic.core.rings import HEADER_BYTES
+from vrnic.core.rings import CQ_SLOT, HEADER_BYTES, RQ_SLOT, Ring, pack_recv, unpack_completion
 from vrnic.core.specs import AttachInfo
 from vrnic.core.verb_args import Attach
 from vrnic.frontend import CQ, PD, QP, Context, RecvRequest, WcStatus
@@ -60,6 +61,84 @@ def test_data_extents_are_all_data_where_the_file_cannot_tell(memory: GuestMemor
     assert memory.data_extents(64, PAGE + 64) == [(64, PAGE + 64)]
 
 
+def test_holds_data_tells_which_spans_touch_data_with_one_look_at_the_file(memory: GuestMemory,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    memory.view[3 * PAGE + 100] = 1
+    memory.view[7 * PAGE + 5] = 1
+    looks: list[tuple[int, int]] = []
+    extents = memory.data_extents
+    monkeypatch.setattr(memory, "data_extents", lambda start, end: looks.append((start, end)) or extents(start, end))
+    spans = [(0, 64), (3 * PAGE, 3 * PAGE + 64), (4 * PAGE - 64, 4 * PAGE), (4 * PAGE, 4 * PAGE + 64),
+             (5 * PAGE, 7 * PAGE + 1), (6 * PAGE, 7 * PAGE), (7 * PAGE + 4000, 7 * PAGE + 4064), (15 * PAGE, 16 * PAGE)]
+    assert memory.holds_data(spans) == [False, True, True, False, True, False, True, False]
+    assert looks == [(0, 16 * PAGE)]
+    assert memory.holds_data([]) == [] and len(looks) == 1
+
+
+def test_the_engine_leaves_rings_no_one_wrote_unread_until_the_guest_writes_one(
+        make_vrnic: Callable[..., AttachInfo], driver: VerbsDriver) -> None:
+    """Reading a never-written page of shared memory faults it in as a write does (20-30 us under TCG): the
+    engine's steps and a verb's drain (modify_qp, connect) look at the file instead, once for every blank QP, and
+    read a QP's rings from the moment the guest wrote one (it rings the doorbell after)."""
+    info = make_vrnic()
+    with Context.attach(info, ARENA) as ctx:
+        pd, cq = PD(ctx), CQ(ctx, 64)
+        qps = QP.create_many(pd, cq, cq, 6, max_send_wr=256, max_recv_wr=256)  # rings of two pages or more
+        session = session_of(driver, info)
+        engine = session.engine
+        assert isinstance(engine, SharedRingEngine)
+        _wait_until(lambda: engine.waits > 0)  # its thread ran its first step and sleeps
+        entries = {qp.vqpn: qp for _, qp in session.state.qps.items()}
+
+        def pages_read_or_written() -> set[int]:
+            return {ring.offset // PAGE for qp in entries.values() for ring in (qp.sq, qp.rq) if ring is not None
+                    } & set(_pages_with_data(session.memory.fd))
+
+        assert all(qp.blank for qp in entries.values())
+        assert pages_read_or_written() == set()
+        qps[0].modify("init")  # a verb's drain looks too, and reads nothing
+        assert pages_read_or_written() == set()
+
+        qps[1].modify("init")
+        qps[1].post_recv(RecvRequest(7, ()))  # no buffer: refused, in a completion the engine writes
+        [done] = cq.wait(1, timeout=5)
+        assert (done.wr_id, done.status) == (7, WcStatus.LOC_QP_OP_ERR)
+        assert not entries[qps[1].qpn].blank
+        assert [qp.blank for qp in (entries[other.qpn] for other in qps if other is not qps[1])] == [True] * 5
+        assert set(session._blank_qps) == {qp.handle for qp in entries.values() if qp.blank}
+
+        qps[2].close()  # a destroyed QP leaves the blank ones
+        assert set(session._blank_qps) == {qp.handle for qp in entries.values() if qp.blank} - {
+            entries[qps[2].qpn].handle}
+
+
+def test_a_verbs_drain_reads_a_blank_qps_ring_once_its_guest_wrote_it(make_vrnic: Callable[..., AttachInfo],
+                                                                       driver: VerbsDriver) -> None:
+    """No engine thread here (no reply went out): modify_qp's own drain must find what the guest posted before
+    it, on a QP that was blank until then, and read no other QP's ring."""
+    info = make_vrnic()
+    session = driver.open_session(Attach(token=info.token or ""), guest_fds(), ME)
+    try:
+        assert isinstance(session, GuestSession)
+        fd = session.memory.fd
+        pd = session.handle("alloc_pd", {})["pd"]
+        cq = session.handle("create_cq", {"cqe": 16, "ring": 0})["cq"]
+        shape = {"pd": pd, "send_cq": cq, "recv_cq": cq, "max_send_wr": 4, "max_recv_wr": 4}
+        made = session.handle("create_qps", {"shape": shape, "count": 2, "rings": [PAGE, 2 * PAGE, 3 * PAGE, 4 * PAGE]})
+        first, second = (session.state.qps.get(handle) for handle in made["qps"])
+        assert first.blank and second.blank and _pages_with_data(fd) == []
+        view, words = session.memory.view, session.memory.words
+        Ring(view, 2 * PAGE, 4, RQ_SLOT, words).produce(pack_recv(RecvRequest(9, ())))  # as its guest posts
+        session.handle("modify_qp", {"qp": made["qps"][0], "state": "init"})
+        assert not first.blank and second.blank
+        completions = Ring(view, 0, 16, CQ_SLOT, words)
+        assert [(c.wr_id, c.status) for c in map(unpack_completion, completions.consume(16))] == [
+            (9, WcStatus.LOC_QP_OP_ERR)]  # refused (no buffer), in the CQ's ring
+        assert _pages_with_data(fd) == [0, 1, 2]  # the CQ's ring and the first QP's two; the second's unread
+    finally:
+        session.close()
+
+
 def _pages_with_data(fd: int) -> list[int]:
     """The pages of the file that hold data (written, or allocated), by SEEK_DATA and SEEK_HOLE."""
     pages, at, size = [], 0, os.fstat(fd).st_size
@@ -78,7 +157,7 @@ def test_new_rings_on_never_written_memory_stay_unwritten_and_rings_on_written_m
         make_vrnic: Callable[..., AttachInfo], driver: VerbsDriver) -> None:
     """create_qps, create_qp and create_cq write a ring's empty header only where the guest's memory was written
     before (a ring freed and placed again leaves its indices there); elsewhere the header reads as zeros already,
-    and vrnicd faults no page in for it. (The engine, once it runs, reads every ring, and so pages them in.)"""
+    and vrnicd faults no page in for it."""
     info = make_vrnic()
     for verb in ("create_qps", "create_qp"):
         session = driver.open_session(Attach(token=info.token or ""), guest_fds(), ME)

@@ -100,6 +100,10 @@ class EngineHost(Protocol):
     def engine_failed(self) -> None:
         """The engine stopped for good: tell the guest and end its connection."""
 
+    def look_at_blank_qps(self, qps: Iterable[QpEntry] | None = None) -> None:
+        """Of the QPs whose rings no one ever wrote (QpEntry.blank), all or those among qps, mark those the
+        guest has written since."""
+
     def nic_writes(self, address: int, length: int) -> None:
         """The NIC may write this range of the guest's own memory (logged while its VM migrates)."""
 
@@ -167,6 +171,9 @@ class SharedRingEngine(DataPathEngine):
         self.recvs_posted = 0
         self.completed = 0
         self.waits = 0  # times the engine went to sleep: a cheap check that idle means idle
+        # A doorbell (or a wake, or a timeout) since the last look at the blank QPs: a guest that writes a ring
+        # rings after it, so steps woken by completions alone need not look at the file again
+        self._rung = True
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.host.vrnic_id}", daemon=True)
@@ -188,6 +195,7 @@ class SharedRingEngine(DataPathEngine):
 
     def drain_queues(self, qps: list[QpEntry] | None = None) -> int:
         before = self.posted + self.recvs_posted
+        self.host.look_at_blank_qps(qps)
         for qp in qps if qps is not None else [q for _, q in self.host.state.qps.items()]:
             self._drain_queues(qp, patient=False)  # a verb's program order: everything on the NIC when it returns
         return self.posted + self.recvs_posted - before
@@ -237,6 +245,9 @@ class SharedRingEngine(DataPathEngine):
         with host.lock:
             if host.closed:
                 return False
+            if self._rung or self.busy_poll:
+                self._rung = False
+                host.look_at_blank_qps()
             for _, qp in host.state.qps.items():
                 worked |= self._drain_queues(qp)
             completed = False
@@ -293,6 +304,8 @@ class SharedRingEngine(DataPathEngine):
             return
         if any(flags & select.POLLNVAL for _, flags in events):  # an fd closed under us: the session is going away
             return
+        if not events or any(fd not in by_fd for fd, _ in events):
+            self._rung = True
         for fd, _ in events:
             if fd in by_fd:
                 cq = by_fd[fd]
@@ -311,7 +324,7 @@ class SharedRingEngine(DataPathEngine):
         (up to PEER_WAIT_S), so that the peer's receives go first; a verb's drain is never patient."""
         worked = False
         sq, rq = qp.sq, qp.rq
-        if sq is None or rq is None or qp.held:  # not a shared-ring QP, or a migration holds it
+        if sq is None or rq is None or qp.held or qp.blank:  # not a shared-ring QP, held by a migration, or empty
             return False
         try:
             # Receives first: one the guest posted before a send must be on the NIC before that send goes out, or

@@ -9,12 +9,14 @@ vrnicd fault (SIGBUS) by truncating it.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import errno
 import fcntl
 import mmap
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from vrnic.core.guest_phys import MemoryLayout, arena_layout, vm_layout
@@ -86,6 +88,19 @@ class GuestMemory:
             if exc.errno != errno.ENXIO:  # ENXIO: no data from `at` on; anything else: cannot tell
                 return [(start, end)]
         return extents
+
+    def holds_data(self, spans: Sequence[tuple[int, int]]) -> list[bool]:
+        """For each [start, end) of the file, whether any of it may hold data; False where it lies all in a hole
+        (never written: zeros). One look at the file (`data_extents`) over the stretch that covers them all."""
+        if not spans:
+            return []
+        data = self.data_extents(min(start for start, _ in spans), max(end for _, end in spans))
+        starts = [start for start, _ in data]
+        held = []
+        for start, end in spans:
+            i = bisect.bisect_right(starts, end - 1)  # the stretches of data that start before end
+            held.append(i > 0 and data[i - 1][1] > start)  # the last of them reaches past start
+        return held
 
     def close(self) -> None:
         if self._map.closed:

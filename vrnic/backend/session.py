@@ -9,7 +9,6 @@ The session does not pick its devices, memory or engine: the driver composes it.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import logging
 import os
@@ -174,6 +173,8 @@ class GuestSession:
         # The least RC timeout (0, none, aside) vrnicd has given any QP of this session at RTS, never raised again:
         # a lower bound on every timeout the NIC holds for them, which lets a connect skip the walk of the join check
         self._least_timeout: int | None = None
+        # QPs whose rings' pages no one ever wrote, by handle: the engine reads them only once the guest writes
+        self._blank_qps: dict[int, QpEntry] = {}
         LIVE_SESSIONS.add(self)
 
     @property
@@ -446,7 +447,7 @@ class GuestSession:
                 self.device.destroy(qp.obj)
                 raise
         if handle is None:  # a restored QP keeps its rings
-            self._reset_rings([qp.sq, qp.rq])
+            self._note_blank([qp], self._reset_rings([qp.sq, qp.rq]))
         self._open_qp(qp)
         self._engine_wanted()
         return self._qp_reply(qp)
@@ -483,22 +484,51 @@ class GuestSession:
                        plan.sq, plan.rq, max_sge=caps.max_sge, max_send_wr=caps.max_send_wr,
                        max_recv_wr=caps.max_recv_wr, sq_addr=plan.sq_addr, rq_addr=plan.rq_addr, obj=obj)
 
-    def _reset_rings(self, rings: Iterable[Ring | None]) -> None:
+    def _reset_rings(self, rings: Iterable[Ring | None]) -> set[Ring]:
         """Empty new rings (a zero header), but only where the guest's memory was ever written: the rest reads
         as zeros already, and a first write there would fault a page in for vrnicd, 20-50 us each under TCG, two
-        per QP (issue 14). A batch's rings lie side by side in fresh memory: one look at the file for all."""
+        per QP (issue 14). A batch's rings lie side by side in fresh memory: one look at the file for all. The
+        rings left alone are returned: blank, empty for as long as no one writes their page."""
         placed = [ring for ring in rings if ring is not None]
-        if not placed:
-            return
-        data = self.memory.data_extents(min(ring.offset for ring in placed),
-                                        max(ring.offset for ring in placed) + HEADER_BYTES)
-        if not data:
-            return
-        starts = [start for start, _ in data]
-        for ring in placed:
-            i = bisect.bisect_right(starts, ring.offset + HEADER_BYTES - 1)  # stretches starting inside or before
-            if i and data[i - 1][1] > ring.offset:  # the last of those reaches into the header
+        written = self.memory.holds_data([(ring.offset, ring.offset + HEADER_BYTES) for ring in placed])
+        blank = set()
+        for ring, held in zip(placed, written, strict=True):
+            if held:
                 ring.reset()
+            else:
+                blank.add(ring)
+        return blank
+
+    def _note_blank(self, qps: Iterable[QpEntry], blank: set[Ring]) -> None:
+        """The QPs both of whose rings are blank: the engine leaves them unread (a read faults a page of shared
+        memory in as a write does) until a look at the file finds the guest wrote one (look_at_blank_qps)."""
+        for qp in qps:
+            if qp.sq in blank and qp.rq in blank:
+                qp.blank = True
+                self._blank_qps[qp.handle] = qp
+
+    def look_at_blank_qps(self, qps: Iterable[QpEntry] | None = None) -> None:
+        """Of the blank QPs (all of them, or those among qps), those whose guest has written a ring's page since
+        are blank no more: one look at the file for all (the caller holds the lock). Before a guest's doorbell is
+        rung its ring is written, so a look after the doorbell finds it."""
+        blank = self._blank_qps
+        if not blank:
+            return
+        if qps is None:
+            candidates = list(blank.values())
+        else:
+            candidates = [qp for qp in qps if qp.blank]
+            if not candidates:
+                return
+        spans = []
+        for qp in candidates:
+            assert qp.sq is not None and qp.rq is not None  # only a QP with both rings is ever blank
+            spans += [(qp.sq.offset, qp.sq.offset + HEADER_BYTES), (qp.rq.offset, qp.rq.offset + HEADER_BYTES)]
+        written = self.memory.holds_data(spans)
+        for n, qp in enumerate(candidates):
+            if written[2 * n] or written[2 * n + 1]:
+                qp.blank = False
+                blank.pop(qp.handle, None)
 
     def _open_qp(self, qp: QpEntry) -> None:
         """A QP just entered in the state, its rings ready, made ready for its guest."""
@@ -540,6 +570,7 @@ class GuestSession:
                                    for cq in (qp.send_cq, qp.recv_cq))
 
     def _destroy_qp(self, qp: QpEntry, publish: bool = True) -> None:
+        self._blank_qps.pop(qp.handle, None)
         if publish:
             self.registry.withdraw_qp(self.vrnic, qp.vqpn)
         self.device.destroy(qp.obj, *qp.ahs.values())
@@ -826,12 +857,13 @@ class GuestSession:
             raise
         entered: list[QpEntry] = []
         try:
-            self._reset_rings(ring for plan in plans for ring in (plan.sq, plan.rq))
+            blank = self._reset_rings(ring for plan in plans for ring in (plan.sq, plan.rq))
             for plan, one, vqpn in zip(plans, made, self.state.new_vqpns(len(plans)), strict=True):
                 qp = self._qp_entry(plan, one, vqpn)
                 self.state.add_qp(qp)
                 entered.append(qp)
                 self._open_qp(qp)
+            self._note_blank(entered, blank)
         except BaseException:
             for qp in entered:  # taking it refunds its charge
                 with contextlib.suppress(VrnicError):
