@@ -75,12 +75,26 @@ def alternating(first: Callable[[], float], second: Callable[[], float],
                 rounds: int) -> tuple[list[float], list[float]]:
     """One sample of each per round, the order swapped every round, so that drift hits both alike and neither
     always runs right after the other: (first's samples, second's samples). For measures that each set up their
-    own objects untimed (a pair to connect): a bare verb in turns would run cold (see paravirt.control_verbs)."""
+    own objects untimed (a pair to connect): a bare verb in turns would run cold (loops_in_turns is for those)."""
     samples: tuple[list[float], list[float]] = ([], [])
     measures = (first, second)
     for n in range(rounds):
         for which in (0, 1) if n % 2 == 0 else (1, 0):
             samples[which].append(measures[which]())
+    return samples
+
+
+def loops_in_turns(first: Callable[[], list[float]], second: Callable[[], list[float]],
+                   rounds: int) -> tuple[list[float], list[float]]:
+    """alternating() for whole loops: one loop of each per round (each returns its samples), the order swapped
+    every round, the samples of each side's loops together. For bare verbs, which in the lab run 1.5-5x slower
+    right after other work than in a loop of their own: each loop warms itself up as a loop on its own would,
+    and the two sides share the same minutes of a host whose speed drifts 2x between runs (issue 14)."""
+    samples: tuple[list[float], list[float]] = ([], [])
+    loops = (first, second)
+    for n in range(rounds):
+        for which in (0, 1) if n % 2 == 0 else (1, 0):
+            samples[which].extend(loops[which]())
     return samples
 
 

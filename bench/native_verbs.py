@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 import mmap
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pyverbs.enums as e
 from pyverbs.cq import CQ
@@ -18,30 +20,34 @@ from vrnic.lab.latency import native_ping_pong_us
 from vrnic.lab.native import ACCESS, RcEndpoint, connect_rc
 
 
-def control_verbs(device: str = "rxe0", repeat: int = 50) -> list[Record]:
-    records = []
-
-    def timed(name: str, op):  # type: ignore[no-untyped-def]
-        records.append(Record(f"native.{name}", "ms", median_ms(op, repeat)))
-
-    timed("open_device", lambda: Context(name=device).close)
+@contextmanager
+def control_ops(device: str = "rxe0") -> Iterator[dict[str, Callable[[], Callable[[], None]]]]:
+    """Each control verb as an operation for samples_ms (it returns its cleanup, which runs untimed), on one
+    open device with a PD and a CQ."""
     with Context(name=device) as ctx, PD(ctx) as pd, CQ(ctx, 64) as cq:
-        timed("alloc_pd", lambda: PD(ctx).close)
-        timed("create_cq", lambda: CQ(ctx, 64).close)
         init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=cq, rcq=cq,
                           cap=QPCap(max_send_wr=64, max_recv_wr=64, max_send_sge=1, max_recv_sge=1))
-        timed("create_qp", lambda: QP(pd, init).close)
         # Register existing, already touched memory, as vrnicd does with a guest's arena: MR(pd, n)
         # alone would allocate fresh pages and charge their page faults to the baseline.
         buffer = mmap.mmap(-1, 1 << 20)
         buffer.write(b"\1" * (1 << 20))
         anchor = ctypes.c_char.from_buffer(buffer)
         address = ctypes.addressof(anchor)
-        timed("reg_mr_4k", lambda: MR(pd, 4096, ACCESS, address=address).close)
-        timed("reg_mr_1m", lambda: MR(pd, 1 << 20, ACCESS, address=address).close)
-        del anchor
-        buffer.close()
-    return records
+        try:
+            yield {"open_device": lambda: Context(name=device).close,
+                   "alloc_pd": lambda: PD(ctx).close,
+                   "create_cq": lambda: CQ(ctx, 64).close,
+                   "create_qp": lambda: QP(pd, init).close,
+                   "reg_mr_4k": lambda: MR(pd, 4096, ACCESS, address=address).close,
+                   "reg_mr_1m": lambda: MR(pd, 1 << 20, ACCESS, address=address).close}
+        finally:
+            del anchor
+            buffer.close()
+
+
+def control_verbs(device: str = "rxe0", repeat: int = 50) -> list[Record]:
+    with control_ops(device) as ops:
+        return [Record(f"native.{name}", "ms", median_ms(op, repeat)) for name, op in ops.items()]
 
 
 def connect_pair_ms(pair: tuple[str, str] = ("rxe0", "rxe1")) -> float:

@@ -1,7 +1,8 @@
 """Mediated verbs through vrnicd against native pyverbs on the same device, in the same run.
 
 connect_qp_pair and setup_64_qp_pairs take native's samples in turns with their own (bench.harness.alternating),
-so that each ratio compares the two in the same moments of the lab, not minutes apart.
+and each control verb its loops in turns with native's loops (bench.harness.loops_in_turns), so that each ratio
+compares the two in the same moments of the lab, not minutes apart.
 
 vrnicd runs as its own process, as in production; the two guests share this
 process, as the native baseline's two endpoints do.
@@ -23,7 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from bench import mediation_floor, native_verbs
-from bench.harness import Record, alternating, median_ms, samples_ms
+from bench.harness import Record, alternating, loops_in_turns, median_ms, samples_ms
 from vrnic.core.framing import FrameDecoder, encode_ok, encode_request
 from vrnic.core.specs import AttachInfo
 from vrnic.frontend import CQ, MR, PD, QP, Access, Context, SendRequest, WrOpcode
@@ -37,6 +38,7 @@ CONNECT_TARGET = 1.5
 SETUP_TARGET = 1.2
 THROUGHPUT_TARGET = 0.95
 LATENCY_TARGET = 1.2
+CONTROL_ROUNDS = 4  # loops of each control verb on each side, in turns
 
 
 @contextmanager
@@ -55,42 +57,56 @@ def _ratio_record(name: str, unit: str, value: float, native: dict[str, float], 
     return Record(f"paravirt.{name}", unit, value, native[f"native.{name}"], target, better)  # type: ignore[arg-type]
 
 
-def control_verbs(infos: list[AttachInfo], native: dict[str, float], repeat: int = 50) -> list[Record]:
-    """Each verb in a loop of its own, against native's own loop earlier in the run. Not in turns with native: in
-    the lab a native verb of a few hundred microseconds runs 1.5-5x slower right after other work than in a loop
-    (measured for reg_mr, create_qp, alloc_pd and open_device, also after a 2 ms sleep or a pure-Python loop),
-    so turns would compare a cold native with a warm mediated verb."""
+def control_verbs(infos: list[AttachInfo], native: dict[str, float], repeat: int = 50,
+                  rounds: int = CONTROL_ROUNDS) -> list[Record]:
+    """Each verb in loops of its own (repeat calls each), a loop of native's and a loop of vrnicd's per round, in
+    turns (bench.harness.loops_in_turns). Not single calls in turns: in the lab a native verb of a few hundred
+    microseconds runs 1.5-5x slower right after other work than in a loop (measured for reg_mr, create_qp,
+    alloc_pd and open_device, also after a 2 ms sleep or a pure-Python loop), so they would compare a cold native
+    with a warm mediated verb. Nor loops minutes apart: native open_device took 0.64 ms in one run and 1.41 in
+    another (session 34), and the ratios followed. Every mediated loop runs on a context attached for it
+    (untimed), so its pools start empty, as a guest's do, and the mean counts that loop's refills at their
+    real weight."""
     records = []
+    turned: dict[str, float] = {}  # native's median in each verb's turns
 
-    def timed(name: str, op) -> None:  # type: ignore[no-untyped-def]
-        samples = samples_ms(op, repeat)
-        records.append(_ratio_record(name, "ms", statistics.median(samples), native, CONTROL_TARGET))
+    def timed(name: str, loop: Callable[[], list[float]]) -> None:
+        with native_verbs.control_ops(infos[0].device) as native_ops:
+            native_samples, samples = loops_in_turns(lambda: samples_ms(native_ops[name], repeat), loop, rounds)
+        turned[name] = statistics.median(native_samples)
+        records.append(Record(f"paravirt.{name}", "ms", statistics.median(samples), turned[name], CONTROL_TARGET))
         # The mean counts the creates that refill a pool (one request for several objects) at their real weight,
         # which the median of pooled handouts leaves out. Its baseline is still native's median.
-        records.append(Record(f"paravirt.{name}.mean", "ms", statistics.fmean(samples), native[f"native.{name}"],
+        records.append(Record(f"paravirt.{name}.mean", "ms", statistics.fmean(samples), turned[name],
                               CONTROL_TARGET))
 
     def attach():  # type: ignore[no-untyped-def]
         ctx = Context.attach(infos[0], ARENA)
         return ctx.close
 
-    timed("open_device", attach)
+    def on_a_new_context(verb: Callable[[Context, PD, CQ], Callable[[], None]]) -> Callable[[], list[float]]:
+        def loop() -> list[float]:
+            with Context.attach(infos[0], ARENA) as ctx, PD(ctx) as pd, CQ(ctx, 64) as cq:
+                return samples_ms(lambda: verb(ctx, pd, cq), repeat)
+        return loop
+
+    timed("open_device", lambda: samples_ms(attach, repeat))
     records.append(Record("paravirt.bare_attach", "ms", statistics.median(bare_attach_ms(repeat)),
-                          native["native.open_device"]))
-    with Context.attach(infos[0], ARENA) as ctx, PD(ctx) as pd, CQ(ctx, 64) as cq:
+                          turned["open_device"]))
+    timed("alloc_pd", on_a_new_context(lambda ctx, pd, cq: PD(ctx).close))
+    timed("create_cq", on_a_new_context(lambda ctx, pd, cq: CQ(ctx, 64).close))
+    timed("create_qp", on_a_new_context(lambda ctx, pd, cq: QP(pd, cq, cq, "rc", 64, 64).close))
+    timed("reg_mr_4k", on_a_new_context(lambda ctx, pd, cq: MR(pd, 4096, ALL).close))
+    timed("reg_mr_1m", on_a_new_context(lambda ctx, pd, cq: MR(pd, 1 << 20, ALL).close))
+    baseline = {**native, "native.alloc_pd": turned["alloc_pd"]}
+    with Context.attach(infos[0], ARENA) as ctx:
         # The floor: an empty request through the whole dispatch. Native has no such thing; the ratio is against
         # native alloc_pd, the cheapest native verb, to show how much of a verb's budget the round trip eats.
-        records.append(Record("paravirt.null_rpc", "ms", median_ms(ctx.null_rpc, repeat),
-                              native["native.alloc_pd"]))
-        records.append(Record("paravirt.bare_rpc", "ms", bare_round_trip_ms(repeat * 4), native["native.alloc_pd"]))
+        records.append(Record("paravirt.null_rpc", "ms", median_ms(ctx.null_rpc, repeat), turned["alloc_pd"]))
+        records.append(Record("paravirt.bare_rpc", "ms", bare_round_trip_ms(repeat * 4), turned["alloc_pd"]))
         records += codec_in_and_out_of_a_round_trip(repeat * 4)
-        records += wire_versions(ctx, infos[1], native, repeat * 4)
-        records += polled_and_asleep(ctx, native, repeat * 4)
-        timed("alloc_pd", lambda: PD(ctx).close)
-        timed("create_cq", lambda: CQ(ctx, 64).close)
-        timed("create_qp", lambda: QP(pd, cq, cq, "rc", 64, 64).close)
-        timed("reg_mr_4k", lambda: MR(pd, 4096, ALL).close)
-        timed("reg_mr_1m", lambda: MR(pd, 1 << 20, ALL).close)
+        records += wire_versions(ctx, infos[1], baseline, repeat * 4)
+        records += polled_and_asleep(ctx, baseline, repeat * 4)
     return records
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.harness import Record, alternating, load, median_ms, samples_ms, write
+from bench.harness import Record, alternating, load, loops_in_turns, median_ms, samples_ms, write
 
 
 def test_within_is_a_tolerance_on_both_sides_of_one() -> None:
@@ -91,6 +91,17 @@ def test_alternating_takes_one_sample_of_each_per_round_and_swaps_who_goes_first
     firsts, seconds = alternating(measure("native", 1.0), measure("mediated", 2.0), rounds=4)
     assert firsts == [1.0] * 4 and seconds == [2.0] * 4
     assert calls == ["native", "mediated", "mediated", "native", "native", "mediated", "mediated", "native"]
+
+
+def test_loops_in_turns_runs_one_loop_of_each_per_round_and_keeps_every_sample() -> None:
+    calls: list[str] = []
+
+    def loop(name: str, values: list[float]):  # type: ignore[no-untyped-def]
+        return lambda: (calls.append(name), list(values))[1]
+
+    natives, mediated = loops_in_turns(loop("native", [1.0, 1.5]), loop("mediated", [2.0, 3.0, 4.0]), rounds=3)
+    assert natives == [1.0, 1.5] * 3 and mediated == [2.0, 3.0, 4.0] * 3
+    assert calls == ["native", "mediated", "mediated", "native", "native", "mediated"]
 
 
 def test_the_bare_attach_floor_runs_anywhere_and_leaves_nothing_behind() -> None:
