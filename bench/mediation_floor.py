@@ -153,7 +153,7 @@ def bare_mediator(pair: tuple[str, str]) -> Iterator[BareMediator]:
 
 
 def floor_records(native: dict[str, float], pair: tuple[str, str] = ("rxe0", "rxe1"), repeat: int = 50,
-                  pair_rounds: int = 20, setup_rounds: int = 5, count: int = 64) -> list[Record]:
+                  pair_rounds: int = 20, setup_rounds: int = 11, count: int = 64) -> list[Record]:
     """paravirt.bare_*: reg_mr_1m in a loop (against native's loop, as paravirt.reg_mr_1m), connect_qp_pair and
     setup_64_qp_pairs in turns with native's own samples (as theirs)."""
     records = []
