@@ -104,6 +104,9 @@ class EngineHost(Protocol):
         """Of the QPs whose rings no one ever wrote (QpEntry.blank), all or those among qps, mark those the
         guest has written since."""
 
+    def read_blank_qps(self) -> None:
+        """The guest rang (or the engine's idle timeout passed): no QP is blank any more."""
+
     def nic_writes(self, address: int, length: int) -> None:
         """The NIC may write this range of the guest's own memory (logged while its VM migrates)."""
 
@@ -171,9 +174,10 @@ class SharedRingEngine(DataPathEngine):
         self.recvs_posted = 0
         self.completed = 0
         self.waits = 0  # times the engine went to sleep: a cheap check that idle means idle
-        # A doorbell (or a wake, or a timeout) since the last look at the blank QPs: a guest that writes a ring
-        # rings after it, so steps woken by completions alone need not look at the file again
-        self._rung = True
+        # The guest's doorbell (or an idle timeout) since the blank QPs were last made readable: a guest rings
+        # after it writes a ring, so steps woken by completions, wakes or short timeouts leave them be (a doorbell
+        # rung before the thread started is still readable at its first wait)
+        self._rung = False
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.host.vrnic_id}", daemon=True)
@@ -247,7 +251,7 @@ class SharedRingEngine(DataPathEngine):
                 return False
             if self._rung or self.busy_poll:
                 self._rung = False
-                host.look_at_blank_qps()
+                host.read_blank_qps()
             for _, qp in host.state.qps.items():
                 worked |= self._drain_queues(qp)
             completed = False
@@ -304,7 +308,7 @@ class SharedRingEngine(DataPathEngine):
             return
         if any(flags & select.POLLNVAL for _, flags in events):  # an fd closed under us: the session is going away
             return
-        if not events or any(fd not in by_fd for fd, _ in events):
+        if any(fd == host.doorbell_fd for fd, _ in events) or (not events and timeout >= IDLE_WAIT_S):
             self._rung = True
         for fd, _ in events:
             if fd in by_fd:

@@ -509,8 +509,8 @@ class GuestSession:
 
     def look_at_blank_qps(self, qps: Iterable[QpEntry] | None = None) -> None:
         """Of the blank QPs (all of them, or those among qps), those whose guest has written a ring's page since
-        are blank no more: one look at the file for all (the caller holds the lock). Before a guest's doorbell is
-        rung its ring is written, so a look after the doorbell finds it."""
+        are blank no more: one look at the file for all (the caller holds the lock). A verb's drain looks before
+        it reads, so that connecting a batch of fresh QPs pages none of their rings in."""
         blank = self._blank_qps
         if not blank:
             return
@@ -529,6 +529,19 @@ class GuestSession:
             if written[2 * n] or written[2 * n + 1]:
                 qp.blank = False
                 blank.pop(qp.handle, None)
+
+    def read_blank_qps(self) -> None:
+        """The guest rang its doorbell (or the engine's idle timeout passed, for a guest that never rings): the
+        engine reads every QP's rings from now on, the blank ones' too (those never written fault their pages in
+        once, then). Looking at the file for which ones were written, at every doorbell, cost 47-125 us a look under
+        TCG for as long as any QP stayed blank, and a pool's spares may stay blank for the session's life: a fifth
+        more on a shared-ring SEND's latency (issue 14). So a blank QP is left unread only until the guest's next
+        doorbell: through its create and connect, which is what a setup of many QPs does."""
+        blank = self._blank_qps
+        if blank:
+            for qp in blank.values():
+                qp.blank = False
+            blank.clear()
 
     def _open_qp(self, qp: QpEntry) -> None:
         """A QP just entered in the state, its rings ready, made ready for its guest."""

@@ -87,7 +87,8 @@ class QpEntry:
     recv_fifo: deque[Any] = field(default_factory=deque, repr=False)  # posted receives (guest WRs) in order
     held: bool = False  # a migration holds this QP: the engine leaves its rings alone
     # No one ever wrote either ring's page (each reads as zeros: nothing posted). The engine leaves the rings
-    # unread until the guest writes one, since a first read faults a page of shared memory in (issue 14).
+    # unread until the guest's next doorbell, and a verb's drain until a look at the file finds one written: a
+    # first read faults a page of shared memory in (issue 14).
     blank: bool = False
     link: dict[str, int] = field(default_factory=dict, repr=False)  # RTR/RTS parameters, to reconnect alike
     dest_qpn: int | None = None  # the physical QPN an RC QP is connected to (what QoS classifies it by)
