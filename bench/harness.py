@@ -76,12 +76,7 @@ def alternating(first: Callable[[], float], second: Callable[[], float],
     """One sample of each per round, the order swapped every round, so that drift hits both alike and neither
     always runs right after the other: (first's samples, second's samples). For measures that each set up their
     own objects untimed (a pair to connect): a bare verb in turns would run cold (loops_in_turns is for those)."""
-    samples: tuple[list[float], list[float]] = ([], [])
-    measures = (first, second)
-    for n in range(rounds):
-        for which in (0, 1) if n % 2 == 0 else (1, 0):
-            samples[which].append(measures[which]())
-    return samples
+    return loops_in_turns(lambda: [first()], lambda: [second()], rounds)
 
 
 def loops_in_turns(first: Callable[[], list[float]], second: Callable[[], list[float]],
