@@ -173,7 +173,8 @@ class GuestSession:
         # The least RC timeout (0, none, aside) vrnicd has given any QP of this session at RTS, never raised again:
         # a lower bound on every timeout the NIC holds for them, which lets a connect skip the walk of the join check
         self._least_timeout: int | None = None
-        # QPs whose rings' pages no one ever wrote, by handle: the engine reads them only once the guest writes
+        # QPs whose rings' pages no one ever wrote, by handle: unread until the guest's next doorbell, or until a
+        # verb's look at the file finds one written
         self._blank_qps: dict[int, QpEntry] = {}
         LIVE_SESSIONS.add(self)
 
@@ -501,7 +502,8 @@ class GuestSession:
 
     def _note_blank(self, qps: Iterable[QpEntry], blank: set[Ring]) -> None:
         """The QPs both of whose rings are blank: the engine leaves them unread (a read faults a page of shared
-        memory in as a write does) until a look at the file finds the guest wrote one (look_at_blank_qps)."""
+        memory in as a write does) until the guest's next doorbell (read_blank_qps), or until a verb's look at the
+        file finds the guest wrote one (look_at_blank_qps)."""
         for qp in qps:
             if qp.sq in blank and qp.rq in blank:
                 qp.blank = True
