@@ -71,8 +71,7 @@ def control_verbs(infos: list[AttachInfo], native: dict[str, float], repeat: int
     turned: dict[str, float] = {}  # native's median in each verb's turns
 
     def timed(name: str, loop: Callable[[], list[float]]) -> None:
-        with native_verbs.control_ops(infos[0].device) as native_ops:
-            native_samples, samples = loops_in_turns(lambda: samples_ms(native_ops[name], repeat), loop, rounds)
+        native_samples, samples = loops_in_turns(lambda: samples_ms(native_ops[name], repeat), loop, rounds)
         turned[name] = statistics.median(native_samples)
         records.append(Record(f"paravirt.{name}", "ms", statistics.median(samples), turned[name], CONTROL_TARGET))
         # The mean counts the creates that refill a pool (one request for several objects) at their real weight,
@@ -90,14 +89,15 @@ def control_verbs(infos: list[AttachInfo], native: dict[str, float], repeat: int
                 return samples_ms(lambda: verb(ctx, pd, cq), repeat)
         return loop
 
-    timed("open_device", lambda: samples_ms(attach, repeat))
-    records.append(Record("paravirt.bare_attach", "ms", statistics.median(bare_attach_ms(repeat)),
-                          turned["open_device"]))
-    timed("alloc_pd", on_a_new_context(lambda ctx, pd, cq: PD(ctx).close))
-    timed("create_cq", on_a_new_context(lambda ctx, pd, cq: CQ(ctx, 64).close))
-    timed("create_qp", on_a_new_context(lambda ctx, pd, cq: QP(pd, cq, cq, "rc", 64, 64).close))
-    timed("reg_mr_4k", on_a_new_context(lambda ctx, pd, cq: MR(pd, 4096, ALL).close))
-    timed("reg_mr_1m", on_a_new_context(lambda ctx, pd, cq: MR(pd, 1 << 20, ALL).close))
+    with native_verbs.control_ops(infos[0].device) as native_ops:
+        timed("open_device", lambda: samples_ms(attach, repeat))
+        records.append(Record("paravirt.bare_attach", "ms", statistics.median(bare_attach_ms(repeat)),
+                              turned["open_device"]))
+        timed("alloc_pd", on_a_new_context(lambda ctx, pd, cq: PD(ctx).close))
+        timed("create_cq", on_a_new_context(lambda ctx, pd, cq: CQ(ctx, 64).close))
+        timed("create_qp", on_a_new_context(lambda ctx, pd, cq: QP(pd, cq, cq, "rc", 64, 64).close))
+        timed("reg_mr_4k", on_a_new_context(lambda ctx, pd, cq: MR(pd, 4096, ALL).close))
+        timed("reg_mr_1m", on_a_new_context(lambda ctx, pd, cq: MR(pd, 1 << 20, ALL).close))
     baseline = {**native, "native.alloc_pd": turned["alloc_pd"]}
     with Context.attach(infos[0], ARENA) as ctx:
         # The floor: an empty request through the whole dispatch. Native has no such thing; the ratio is against
