@@ -745,6 +745,62 @@ def test_reg_mrs_checks_every_item_and_undoes_what_it_made(make_vrnic: Callable[
             ctx.call("dereg_mr", mr=handle)
 
 
+def test_reg_mrs_checks_every_address_before_the_nic_registers_any(make_vrnic: Callable[..., AttachInfo],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """An address outside the arena, last in the batch: refused before the first MR is made, so nothing is made
+    and undone on the NIC (issue 14: one pass for the batch)."""
+    with Context.attach(make_vrnic(), ARENA) as ctx:
+        pd = PD(ctx)
+        bufs = [ctx.alloc(4096) for _ in range(3)]
+        log: list[str] = []
+        _recording(monkeypatch, log, FakeContext, "reg_mr")
+        with pytest.raises(InvalidArgument, match="MR"):
+            ctx.call("reg_mrs", pd=pd.handle, addrs=[b.addr for b in bufs] + [ARENA], length=4096, access=int(ALL))
+        assert log == [] and _used(ctx) == (0, 0)
+
+
+@pytest.mark.parametrize(("where", "fail_at"), [("reg_mr", 1), ("reg_mr", 3), ("add_mr", 2)])
+def test_reg_mrs_failing_part_way_leaves_nothing_behind(
+        make_vrnic: Callable[..., AttachInfo], edge: FakeEdge, monkeypatch: pytest.MonkeyPatch, where: str,
+        fail_at: int) -> None:
+    """A failure on the NIC or in the bookkeeping part way through a batch of four: every MR made is deregistered,
+    the batch's whole quota charge is refunded, no key stays published, and the next batch gets all four."""
+    with Context.attach(make_vrnic(max_mrs=4, max_pinned_bytes=4 * 4096), ARENA) as ctx:
+        pd = PD(ctx)
+        bufs = [ctx.alloc(4096) for _ in range(4)]
+        live = len(edge.live)
+        log: list[str] = []
+        _recording(monkeypatch, log, FakeContext if where == "reg_mr" else SessionState, where, fail_at=fail_at)
+        with pytest.raises(DeviceError, match="injected"):
+            ctx.call("reg_mrs", pd=pd.handle, addrs=[b.addr for b in bufs], length=4096, access=int(ALL))
+        assert log.count(where) == fail_at
+        monkeypatch.undo()
+        assert len(edge.live) == live and _used(ctx) == (0, 0)
+        made = ctx.call("reg_mrs", pd=pd.handle, addrs=[b.addr for b in bufs], length=4096, access=int(ALL))
+        assert len(made["mrs"]) == 4 and _used(ctx) == (4, 4 * 4096)
+        assert ctx.call("dereg_mrs", mrs=made["mrs"]) == {"deregistered": 4}
+        assert _used(ctx) == (0, 0) and len(edge.live) == live
+
+
+def test_reg_mrs_takes_what_the_quota_leaves_and_publishes_every_key(
+        make_vrnic: Callable[..., AttachInfo], driver: Any) -> None:
+    """Room for three MRs by pinned bytes (the MR count would allow five): three are made in one request, each
+    key published for peers; dereg_mrs withdraws them all."""
+    info = make_vrnic(max_mrs=5, max_pinned_bytes=3 * 4096)
+    with Context.attach(info, ARENA) as ctx:
+        pd = PD(ctx)
+        bufs = [ctx.alloc(4096) for _ in range(4)]
+        made = ctx.call("reg_mrs", pd=pd.handle, addrs=[b.addr for b in bufs], length=4096, access=int(ALL))
+        assert len(made["mrs"]) == len(set(made["keys"])) == 3 and _used(ctx) == (3, 3 * 4096)
+        published = driver.registry._published[info.vrnic_id].mrs
+        assert set(made["keys"]) <= set(published)
+        assert [published[k].offset for k in made["keys"]] == [b.addr for b in bufs[:3]]
+        with pytest.raises(QuotaExceeded, match="max_pinned_bytes"):  # none fits: the first's error, nothing made
+            ctx.call("reg_mrs", pd=pd.handle, addrs=[bufs[3].addr], length=4096, access=int(ALL))
+        ctx.call("dereg_mrs", mrs=made["mrs"])
+        assert not set(made["keys"]) & set(published) and _used(ctx) == (0, 0)
+
+
 def test_spare_mrs_give_their_arena_back_when_the_caller_needs_it(make_vrnic: Callable[..., AttachInfo]) -> None:
     with Context.attach(make_vrnic(), 1 << 20) as ctx:
         pd = PD(ctx)

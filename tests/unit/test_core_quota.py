@@ -159,3 +159,25 @@ def test_concurrent_charges_never_exceed_the_limit() -> None:
         t.join()
     assert ledger.used()["mr"] == 500
     assert len(refused) == 300
+
+
+def test_charge_up_to_charges_as_many_items_as_every_limit_has_room_for() -> None:
+    ledger = QuotaLedger(SMALL)  # 5 MRs, 1000 pinned bytes
+    ledger.charge(Resource.MR)
+    assert ledger.charge_up_to(10, (Resource.MR, 1), (Resource.PINNED_BYTES, 300)) == 3  # the bytes bind first
+    assert ledger.used()["mr"] == 4 and ledger.used()["pinned_bytes"] == 900
+    assert ledger.charge_up_to(1, (Resource.MR, 1), (Resource.PINNED_BYTES, 100)) == 1  # and count caps
+    assert ledger.used()["mr"] == 5 and ledger.used()["pinned_bytes"] == 1000
+
+
+def test_charge_up_to_refuses_when_not_one_item_fits_and_charges_nothing() -> None:
+    ledger = QuotaLedger(SMALL)
+    ledger.charge(Resource.PINNED_BYTES, 900)
+    with pytest.raises(QuotaExceeded) as info:
+        ledger.charge_up_to(4, (Resource.MR, 1), (Resource.PINNED_BYTES, 200))
+    assert (info.value.limit, info.value.requested) == ("max_pinned_bytes", 1100)
+    assert ledger.used()["mr"] == 0 and ledger.used()["pinned_bytes"] == 900
+    for count, each in ((0, ((Resource.MR, 1),)), (2, ((Resource.MR, -1),))):
+        with pytest.raises(InvalidArgument):
+            ledger.charge_up_to(count, *each)
+    assert ledger.used()["mr"] == 0

@@ -423,16 +423,23 @@ class Registry:
                 self._by_phys.pop((vrnic.phys_gid, phys_qpn), None)
 
     def publish_mr(self, vrnic: VirtualRnic, window: MrWindow) -> None:
+        self.publish_mrs(vrnic, (window,))
+
+    def publish_mrs(self, vrnic: VirtualRnic, windows: Iterable[MrWindow]) -> None:
         with self._lock:
             published = self._published.get(vrnic.spec.id)
             if published is not None:
-                published.mrs[window.vkey] = window
+                published.mrs.update((window.vkey, window) for window in windows)
 
     def withdraw_mr(self, vrnic: VirtualRnic, vkey: int) -> None:
+        self.withdraw_mrs(vrnic, (vkey,))
+
+    def withdraw_mrs(self, vrnic: VirtualRnic, vkeys: Iterable[int]) -> None:
         with self._lock:
             published = self._published.get(vrnic.spec.id)
             if published is not None:
-                published.mrs.pop(vkey, None)
+                for vkey in vkeys:
+                    published.mrs.pop(vkey, None)
             others = [o for o in self._key_cachers.values() if o is not vrnic]
         if not others:
             return
