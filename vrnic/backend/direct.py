@@ -173,8 +173,14 @@ class DirectSession(GuestSession):
     def _placed(self, plan: QpPlan, sq_addr: int | None, rq_addr: int | None) -> QpPlan:
         return plan  # no rings: the guest posts to the NIC's own queues
 
+    def _placed_many(self, plan: QpPlan, rings: list[int] | None, count: int) -> list[QpPlan]:
+        return [plan] * count  # no rings, as _placed
+
     def _open_qp(self, qp: QpEntry) -> None:
         self.registry.publish_qp(self.vrnic, qp.vqpn, qp.phys_qpn)
+
+    def _open_qps(self, qps: list[QpEntry]) -> None:
+        self.registry.publish_qps(self.vrnic, [(qp.vqpn, qp.phys_qpn) for qp in qps])
 
     def _qp_reply(self, qp: QpEntry) -> dict[str, Any]:
         return {"qp": qp.handle, "qpn": qp.vqpn, **_queues(qp.obj)}

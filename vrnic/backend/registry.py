@@ -409,11 +409,17 @@ class Registry:
 
     # ----- what a session publishes --------------------------------------------------------------
     def publish_qp(self, vrnic: VirtualRnic, vqpn: int, phys_qpn: int) -> None:
+        self.publish_qps(vrnic, ((vqpn, phys_qpn),))
+
+    def publish_qps(self, vrnic: VirtualRnic, qpns: Iterable[tuple[int, int]]) -> None:
+        """Each (virtual QPN, physical QPN) of the vRNIC's, for peers to find."""
         with self._lock:
             published = self._published.get(vrnic.spec.id)
             if published is not None:
-                published.qpn_by_vqpn[vqpn] = phys_qpn
-                self._by_phys[(vrnic.phys_gid, phys_qpn)] = (vrnic.spec.id, vqpn)
+                vrnic_id, phys_gid = vrnic.spec.id, vrnic.phys_gid
+                for vqpn, phys_qpn in qpns:
+                    published.qpn_by_vqpn[vqpn] = phys_qpn
+                    self._by_phys[(phys_gid, phys_qpn)] = (vrnic_id, vqpn)
 
     def withdraw_qp(self, vrnic: VirtualRnic, vqpn: int) -> None:
         with self._lock:

@@ -498,6 +498,22 @@ class GuestSession:
                       self._ring(rq_addr, caps.max_recv_wr, RQ_SLOT.size, RQ_SLOT, "RQ ring"),
                       sq_addr or 0, rq_addr or 0)
 
+    def _placed_many(self, plan: QpPlan, rings: list[int] | None, count: int) -> list[QpPlan]:
+        """_placed for count QPs of one shape, their rings at rings (each QP's send ring, then its receive ring),
+        with what the shape decides worked out once: a create_qps of 32 QPs placed 64 rings one call chain each,
+        a fifth of vrnicd's Python for the batch (issue 14)."""
+        if rings is None:
+            raise InvalidArgument("the shared-ring engine needs the address of the SQ ring")
+        caps, locate, view, words = plan.caps, self.state.locate, self.memory.view, self.memory.words
+        sq_bytes = Ring.bytes_needed(caps.max_send_wr, SQ_SLOT.size)
+        rq_bytes = Ring.bytes_needed(caps.max_recv_wr, RQ_SLOT.size)
+        sq_addrs, rq_addrs = rings[0:2 * count:2], rings[1:2 * count:2]
+        sqs = [Ring(view, locate(addr, sq_bytes, "SQ ring"), caps.max_send_wr, SQ_SLOT, words) for addr in sq_addrs]
+        rqs = [Ring(view, locate(addr, rq_bytes, "RQ ring"), caps.max_recv_wr, RQ_SLOT, words) for addr in rq_addrs]
+        pd, send_cq, recv_cq, qp_type = plan.pd, plan.send_cq, plan.recv_cq, plan.qp_type
+        return [QpPlan(pd, send_cq, recv_cq, qp_type, caps, sq, rq, sq_addr, rq_addr)
+                for sq, rq, sq_addr, rq_addr in zip(sqs, rqs, sq_addrs, rq_addrs, strict=True)]
+
     def _make_qp(self, plan: QpPlan) -> tuple[Any, int]:
         """The NIC's QP and its physical QPN."""
         return self.device.create_qp(plan.pd.obj, plan.send_cq.obj, plan.recv_cq.obj, plan.qp_type, plan.caps)
@@ -575,6 +591,14 @@ class GuestSession:
             self._classify(qp, None)
         if not self.staged:
             self.registry.publish_qp(self.vrnic, qp.vqpn, qp.phys_qpn)
+
+    def _open_qps(self, qps: list[QpEntry]) -> None:
+        """_open_qp of each, their QPNs published at once."""
+        for qp in qps:
+            if qp.qp_type == "ud":
+                self._classify(qp, None)
+        if not self.staged:
+            self.registry.publish_qps(self.vrnic, [(qp.vqpn, qp.phys_qpn) for qp in qps])
 
     def _qp_reply(self, qp: QpEntry) -> dict[str, Any]:
         return {"qp": qp.handle, "qpn": qp.vqpn}
@@ -881,9 +905,7 @@ class GuestSession:
             plans = [self._plan_qp(item) for item in args.qps]
         else:
             assert args.shape is not None and args.count is not None  # the schema holds one form or the other
-            shape = self._plan_shape(args.shape)
-            rings: list[int | None] = [*args.rings] if args.rings is not None else [None] * (2 * args.count)
-            plans = [self._placed(shape, rings[i], rings[i + 1]) for i in range(0, 2 * args.count, 2)]
+            plans = self._placed_many(self._plan_shape(args.shape), args.rings, args.count)
         ledger = self.state.ledger
         ledger.charge(Resource.QP, len(plans))
         made: list[tuple[Any, int]] = []
@@ -897,11 +919,12 @@ class GuestSession:
         entered: list[QpEntry] = []
         try:
             blank = self._reset_rings(ring for plan in plans for ring in (plan.sq, plan.rq))
+            add_qp = self.state.add_qp
             for plan, one, vqpn in zip(plans, made, self.state.new_vqpns(len(plans)), strict=True):
                 qp = self._qp_entry(plan, one, vqpn)
-                self.state.add_qp(qp)
+                add_qp(qp)
                 entered.append(qp)
-                self._open_qp(qp)
+            self._open_qps(entered)
             self._note_blank(entered, blank)
         except BaseException:
             for qp in entered:  # taking it refunds its charge

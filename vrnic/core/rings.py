@@ -45,6 +45,9 @@ def index_words(buf: memoryview | bytearray) -> memoryview:
 
 
 class Ring:
+    # Slots: a batch of 32 QPs makes 64 rings on each side of the channel, and under TCG every step counts (issue 14)
+    __slots__ = ("buf", "offset", "entries", "slot", "words", "modulus", "_producer_word", "_consumer_word")
+
     def __init__(self, buf: memoryview, offset: int, entries: int, slot: struct.Struct,
                  words: memoryview | None = None) -> None:
         if entries < 1:
