@@ -49,14 +49,16 @@ _REATTACH = ("; every object of this attachment is gone (vrnicd restarted or sto
              "same token and rebuild them")
 
 
-def wire_version(version: int | None = None) -> int:
-    """The version a channel sends in: the one given, else $VRNIC_WIRE_VERSION's, else the newest this end
-    speaks (3 with msgpack, 2 without)."""
-    spoken = ", ".join(map(str, VERSIONS[:-1])) + f" or {VERSIONS[-1]}"
+def wire_version(version: int | None = None, setting: str | None = None) -> int:
+    """The version a channel sends in: the one given, else $VRNIC_WIRE_VERSION's (or setting's), else the newest
+    this end speaks (3 with msgpack, 2 without)."""
     if version is None:
-        setting = _wire_setting()
+        if setting is None:
+            setting = _wire_setting()
         if not setting:
             return DEFAULT_WIRE_VERSION
+    spoken = ", ".join(map(str, VERSIONS[:-1])) + f" or {VERSIONS[-1]}"
+    if version is None:
         if setting not in map(str, VERSIONS):
             raise InvalidArgument(f"{WIRE_VERSION_ENV} is {spoken}, not {setting[:20]!r}")
         return int(setting)
@@ -96,14 +98,15 @@ def reply_poll_seconds(setting: str | None = None, cpus: int | None = None) -> f
 
 class Channel(ABC):
     def __init__(self, version: int | None = None) -> None:
-        self.version = wire_version(version)
+        setting = _wire_setting() if version is None else ""  # the environment read once, at every attach
+        self.version = wire_version(version, setting)
         # Chosen by default (neither given nor set): a vrnicd that refuses it at the first request is older, and
         # the request goes again in the next older version, so a guest library can be upgraded before vrnicd is.
-        self._may_step_down = version is None and not _wire_setting()
+        self._may_step_down = version is None and not setting
         self._decoder = FrameDecoder()
         # A VM's port outlives the guest programs that open it: a reply meant for a program that died may
         # still arrive, so ids start somewhere new and replies to other ids are skipped.
-        self._ids = itertools.count(random.randrange(1, 1 << 40))
+        self._ids = itertools.count(random.getrandbits(40) or 1)
         self._lock = threading.Lock()
         self.received_fds: list[int] = []  # descriptors vrnicd sent (the direct engine's uverbs fd)
 
