@@ -454,6 +454,10 @@ def test_the_frontend_sends_version_3_unless_told(monkeypatch: pytest.MonkeyPatc
             wire_version()
     with pytest.raises(InvalidArgument, match="protocol version is 1, 2 or 3, not 7"):
         wire_version(7)
+    # A setting already read (a channel reads the environment once) stands for the environment's
+    assert wire_version(None, "2") == BINARY_VERSION and wire_version(None, "") == MSGPACK_VERSION
+    with pytest.raises(InvalidArgument, match=f"{WIRE_VERSION_ENV} is 1, 2 or 3, not '9'"):
+        wire_version(None, "9")
 
 
 def test_a_vm_port_channel_steps_down_once_for_an_older_vrnicd(monkeypatch: pytest.MonkeyPatch) -> None:

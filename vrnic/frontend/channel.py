@@ -52,19 +52,21 @@ _REATTACH = ("; every object of this attachment is gone (vrnicd restarted or sto
 def wire_version(version: int | None = None, setting: str | None = None) -> int:
     """The version a channel sends in: the one given, else $VRNIC_WIRE_VERSION's (or setting's), else the newest
     this end speaks (3 with msgpack, 2 without)."""
-    if version is None:
-        if setting is None:
-            setting = _wire_setting()
-        if not setting:
-            return DEFAULT_WIRE_VERSION
-    spoken = ", ".join(map(str, VERSIONS[:-1])) + f" or {VERSIONS[-1]}"
-    if version is None:
-        if setting not in map(str, VERSIONS):
-            raise InvalidArgument(f"{WIRE_VERSION_ENV} is {spoken}, not {setting[:20]!r}")
-        return int(setting)
-    if version not in VERSIONS:
-        raise InvalidArgument(f"the protocol version is {spoken}, not {version!r}")
-    return version
+    if version is not None:
+        if version not in VERSIONS:
+            raise InvalidArgument(f"the protocol version is {_spoken()}, not {version!r}")
+        return version
+    if setting is None:
+        setting = _wire_setting()
+    if not setting:
+        return DEFAULT_WIRE_VERSION
+    if setting not in map(str, VERSIONS):
+        raise InvalidArgument(f"{WIRE_VERSION_ENV} is {_spoken()}, not {setting[:20]!r}")
+    return int(setting)
+
+
+def _spoken() -> str:
+    return ", ".join(map(str, VERSIONS[:-1])) + f" or {VERSIONS[-1]}"
 
 
 def _wire_setting() -> str:
