@@ -492,11 +492,11 @@ class GuestSession:
 
     def _placed(self, plan: QpPlan, sq_addr: int | None, rq_addr: int | None) -> QpPlan:
         """The plan with the guest's rings at those addresses, checked to lie in its memory."""
-        caps = plan.caps
-        return QpPlan(plan.pd, plan.send_cq, plan.recv_cq, plan.qp_type, caps,
-                      self._ring(sq_addr, caps.max_send_wr, SQ_SLOT.size, SQ_SLOT, "SQ ring"),
-                      self._ring(rq_addr, caps.max_recv_wr, RQ_SLOT.size, RQ_SLOT, "RQ ring"),
-                      sq_addr or 0, rq_addr or 0)
+        for address, what in ((sq_addr, "SQ ring"), (rq_addr, "RQ ring")):
+            if address is None:
+                raise InvalidArgument(f"the shared-ring engine needs the address of the {what}")
+        assert sq_addr is not None and rq_addr is not None
+        return self._placed_many(plan, [sq_addr, rq_addr], 1)[0]
 
     def _placed_many(self, plan: QpPlan, rings: list[int] | None, count: int) -> list[QpPlan]:
         """_placed for count QPs of one shape, their rings at rings (each QP's send ring, then its receive ring),
