@@ -176,9 +176,6 @@ class DirectSession(GuestSession):
     def _placed_many(self, plan: QpPlan, rings: list[int] | None, count: int) -> list[QpPlan]:
         return [plan] * count  # no rings, as _placed
 
-    def _open_qp(self, qp: QpEntry) -> None:
-        self.registry.publish_qp(self.vrnic, qp.vqpn, qp.phys_qpn)
-
     def _open_qps(self, qps: list[QpEntry]) -> None:
         self.registry.publish_qps(self.vrnic, [(qp.vqpn, qp.phys_qpn) for qp in qps])
 

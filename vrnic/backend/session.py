@@ -350,21 +350,27 @@ class GuestSession:
         at = self.state.locate(addr, length, "MR")
         if access_bits & _REMOTE_WRITES and not access_bits & _LOCAL_WRITE:
             raise InvalidArgument("remote write or atomic access needs LOCAL_WRITE too")
-        # WRs name the MR by guest address; base turns such an address into vrnicd's (one contiguous piece).
-        base = self.memory.base + at - addr
         with self.state.ledger.reserve((Resource.MR, 1), (Resource.PINNED_BYTES, length)):
-            obj, lkey, rkey = self.device.reg_mr(pd.obj, base + addr, length, access_bits)
-            window = MrWindow(vkey=vkey or self.state.new_vkey(), offset=addr, length=length,
-                              access=Access(access_bits), phys_lkey=lkey, phys_rkey=rkey, base=base)
-            mr = MrEntry(window, pd, obj)
-            try:
-                self.state.add_mr(mr, handle)
-            except BaseException:
-                self.device.destroy(obj)
-                raise
+            mr = self._enter_mr(pd, addr, at, length, access_bits, Access(access_bits), handle, vkey)
+        window = mr.window
         if not self.staged:
             self.registry.publish_mr(self.vrnic, window)
         return {"mr": mr.handle, "lkey": window.vkey, "rkey": window.vkey, "addr": addr, "length": length}
+
+    def _enter_mr(self, pd: PdEntry, addr: int, at: int, length: int, access_bits: int, access: Access,
+                  handle: int | None = None, vkey: int | None = None) -> MrEntry:
+        """The NIC's MR of the guest's [addr, +length) (at `at` in its memory file), entered in the state; the
+        NIC's MR is destroyed again if it cannot be entered. The caller has charged the quota."""
+        base = self.memory.base + at - addr  # WRs name the MR by guest address; base turns one into vrnicd's
+        obj, lkey, rkey = self.device.reg_mr(pd.obj, base + addr, length, access_bits)
+        mr = MrEntry(MrWindow(vkey=vkey or self.state.new_vkey(), offset=addr, length=length, access=access,
+                              phys_lkey=lkey, phys_rkey=rkey, base=base), pd, obj)
+        try:
+            self.state.add_mr(mr, handle)
+        except BaseException:
+            self.device.destroy(obj)
+            raise
+        return mr
 
     def op_reg_mrs(self, args: verb_args.RegMrs) -> dict[str, Any]:
         """An MR at each of args.addrs, up to the quota (at least one, else the quota error of the first): the
@@ -381,23 +387,15 @@ class GuestSession:
         located = [(addr, self.state.locate(addr, length, "MR")) for addr in args.addrs]
         ledger = self.state.ledger
         count = ledger.charge_up_to(len(located), (Resource.MR, 1), (Resource.PINNED_BYTES, length))
-        access, base, device, state = Access(access_bits), self.memory.base, self.device, self.state
+        access, enter = Access(access_bits), self._enter_mr
         made: list[MrEntry] = []
         try:
             for addr, at in located[:count]:
-                obj, lkey, rkey = device.reg_mr(pd.obj, base + at, length, access_bits)
-                mr = MrEntry(MrWindow(vkey=state.new_vkey(), offset=addr, length=length, access=access,
-                                      phys_lkey=lkey, phys_rkey=rkey, base=base + at - addr), pd, obj)
-                try:
-                    state.add_mr(mr)
-                except BaseException:
-                    device.destroy(obj)
-                    raise
-                made.append(mr)
+                made.append(enter(pd, addr, at, length, access_bits, access))
         except BaseException:
             for mr in made:
-                state.take_mr(mr.handle)  # refunds its own charge
-                device.destroy(mr.obj)
+                self.state.take_mr(mr.handle)  # refunds its own charge
+                self.device.destroy(mr.obj)
             unmade = count - len(made)
             ledger.refund(Resource.MR, unmade)
             ledger.refund(Resource.PINNED_BYTES, unmade * length)
@@ -586,16 +584,13 @@ class GuestSession:
             blank.clear()
 
     def _open_qp(self, qp: QpEntry) -> None:
-        """A QP just entered in the state, its rings ready, made ready for its guest."""
-        if qp.qp_type == "ud":  # a UD QP sends with the port it was created with, to anyone
-            self._classify(qp, None)
-        if not self.staged:
-            self.registry.publish_qp(self.vrnic, qp.vqpn, qp.phys_qpn)
+        self._open_qps([qp])
 
     def _open_qps(self, qps: list[QpEntry]) -> None:
-        """_open_qp of each, their QPNs published at once."""
+        """QPs just entered in the state, their rings ready, made ready for their guest: their QPNs published at
+        once."""
         for qp in qps:
-            if qp.qp_type == "ud":
+            if qp.qp_type == "ud":  # a UD QP sends with the port it was created with, to anyone
                 self._classify(qp, None)
         if not self.staged:
             self.registry.publish_qps(self.vrnic, [(qp.vqpn, qp.phys_qpn) for qp in qps])
