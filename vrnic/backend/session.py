@@ -361,15 +361,21 @@ class GuestSession:
                   handle: int | None = None, vkey: int | None = None) -> MrEntry:
         """The NIC's MR of the guest's [addr, +length) (at `at` in its memory file), entered in the state; the
         NIC's MR is destroyed again if it cannot be entered. The caller has charged the quota."""
+        registered = self.device.reg_mr(pd.obj, self.memory.base + at, length, access_bits)
+        try:
+            return self._mr_entry(pd, addr, at, length, access, registered, handle, vkey)
+        except BaseException:
+            self.device.destroy(registered[0])
+            raise
+
+    def _mr_entry(self, pd: PdEntry, addr: int, at: int, length: int, access: Access,
+                  registered: tuple[Any, int, int], handle: int | None = None, vkey: int | None = None) -> MrEntry:
+        """A registration of the guest's [addr, +length), entered in the state."""
+        obj, lkey, rkey = registered
         base = self.memory.base + at - addr  # WRs name the MR by guest address; base turns one into vrnicd's
-        obj, lkey, rkey = self.device.reg_mr(pd.obj, base + addr, length, access_bits)
         mr = MrEntry(MrWindow(vkey=vkey or self.state.new_vkey(), offset=addr, length=length, access=access,
                               phys_lkey=lkey, phys_rkey=rkey, base=base), pd, obj)
-        try:
-            self.state.add_mr(mr, handle)
-        except BaseException:
-            self.device.destroy(obj)
-            raise
+        self.state.add_mr(mr, handle)
         return mr
 
     def op_reg_mrs(self, args: verb_args.RegMrs) -> dict[str, Any]:
@@ -387,15 +393,21 @@ class GuestSession:
         located = [(addr, self.state.locate(addr, length, "MR")) for addr in args.addrs]
         ledger = self.state.ledger
         count = ledger.charge_up_to(len(located), (Resource.MR, 1), (Resource.PINNED_BYTES, length))
-        access, enter = Access(access_bits), self._enter_mr
+        # The NIC's registrations back to back, then the tables, as create_qps does: under TCG a registration runs
+        # slower with vrnicd's Python between it and the next (lab, a 32-MR reg_mrs in turns: 9.8 -> 8.5 ms; issue 14)
+        reg_mr, base = self.device.reg_mr, self.memory.base
+        registered: list[tuple[Any, int, int]] = []
         made: list[MrEntry] = []
         try:
-            for addr, at in located[:count]:
-                made.append(enter(pd, addr, at, length, access_bits, access))
+            for _addr, at in located[:count]:
+                registered.append(reg_mr(pd.obj, base + at, length, access_bits))
+            access, entry = Access(access_bits), self._mr_entry
+            for (addr, at), one in zip(located[:count], registered, strict=True):
+                made.append(entry(pd, addr, at, length, access, one))
         except BaseException:
             for mr in made:
                 self.state.take_mr(mr.handle)  # refunds its own charge
-                self.device.destroy(mr.obj)
+            self._destroy_quietly(obj for obj, _lkey, _rkey in registered)
             unmade = count - len(made)
             ledger.refund(Resource.MR, unmade)
             ledger.refund(Resource.PINNED_BYTES, unmade * length)
