@@ -29,6 +29,7 @@ from vrnic.frontend.guest_library import (
     QP_POOL,
     QP_POOL_MAX,
     MrShape,
+    mr_pool_refills,
 )
 
 ARENA = 4 << 20
@@ -670,6 +671,7 @@ def test_each_refill_of_an_mr_pool_asks_for_twice_as_many_up_to_a_cap(make_vrnic
         sizes = _reg_mrs_sizes(ctx)
         mrs = [MR(pd, length, ALL) for _ in range(sum(refills[:-1]) + 1)]
         assert sizes == refills
+        assert mr_pool_refills(length, len(mrs)) == refills  # what bench.mediation_floor replays
         assert _used(ctx) == (sum(refills), sum(refills) * length)  # registered: the handouts and the spares
         for mr in mrs:
             mr.close()

@@ -236,9 +236,10 @@ class Context(_Resource):
         offset = self._with_room(lambda: self.allocator.alloc(length, align), spare)
         return Buffer(self, offset, self.arena.wire(offset), length)
 
-    def alloc_many(self, lengths: list[int], align: int = 64) -> list[Buffer]:
-        """Buffers side by side, in one search of the arena (spare MRs given back first if it is short)."""
-        offsets = self._with_room(lambda: self.allocator.alloc_many(lengths, align))
+    def alloc_many(self, lengths: list[int], align: int = 64, spare: bool = False) -> list[Buffer]:
+        """Buffers side by side, in one search of the arena (spare MRs given back first if it is short, unless the
+        buffers are themselves a pool's spares)."""
+        offsets = self._with_room(lambda: self.allocator.alloc_many(lengths, align), spare)
         wire = self.arena.wire
         return [Buffer(self, offset, wire(offset), length) for offset, length in zip(offsets, lengths, strict=True)]
 
@@ -415,7 +416,7 @@ def _reg_mrs(ctx: Context, shape: MrShape) -> list[SpareMr]:
     many at each later one (up to MR_POOL_MAX, and MR_POOL * MR_POOL_BYTES bytes), as many as the arena and the
     quota allow (at least one). When the quota refuses, the spare MRs of every shape are given back and the
     request is made once more. A refill that got fewer than it asked for makes the next one MR_POOL again."""
-    want = min(ctx.mr_refill.get(shape, MR_POOL), MR_POOL * MR_POOL_BYTES // shape.length)
+    want = _mr_pool_want(ctx.mr_refill.get(shape, MR_POOL), shape.length)
     buffers = _pool_buffers(ctx, shape.length, want)
     refused = False
     try:
@@ -440,9 +441,28 @@ def _reg_mrs(ctx: Context, shape: MrShape) -> list[SpareMr]:
     return made
 
 
+def _mr_pool_want(refill: int, length: int) -> int:
+    """How many MRs of length a refill asks for: refill, and no more than MR_POOL of the largest pooled MRs' bytes."""
+    return min(refill, MR_POOL * MR_POOL_BYTES // length)
+
+
+def mr_pool_refills(length: int, count: int) -> list[int]:
+    """The reg_mrs sizes that serve count MR()s of length one after another on a new context, none refused: what
+    a guest's loop of small MRs costs vrnicd (bench.mediation_floor replays it on a bare mediator)."""
+    sizes: list[int] = []
+    refill = MR_POOL
+    while sum(sizes) < count:
+        sizes.append(_mr_pool_want(refill, length))
+        refill = min(2 * sizes[-1], MR_POOL_MAX)
+    return sizes
+
+
 def _pool_buffers(ctx: Context, size: int, count: int) -> list[Buffer]:
-    """Buffers of size for a pool: the first one, or the arena's error; then up to count in all, as many as the
-    arena has room for (a spare is not made rather than make room for it)."""
+    """Buffers of size for a pool: count side by side if the arena has them in one piece (one search, not one per
+    buffer: a 50-MR loop's four refills spent 1.4-3.2 ms in the arena in the lab, issue 14); else the first one,
+    or the arena's error, then as many as the arena has room for (a spare is not made rather than make room)."""
+    with contextlib.suppress(VrnicError):
+        return ctx.alloc_many([size] * count, spare=True)
     buffers = [ctx.alloc(size)]
     while len(buffers) < count:
         try:
