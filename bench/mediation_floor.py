@@ -12,6 +12,7 @@ what vrnicd and the guest library may spend (issue 14).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import mmap
 import os
 import socket
@@ -24,7 +25,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from bench import native_verbs
-from bench.harness import Record, alternating, samples_ms
+from bench.harness import Record, alternating, loops_in_turns, samples_ms
+from vrnic.frontend.guest_library import mr_pool_refills
 
 # Requests: one byte of kind, then the kind's struct; replies are one struct each.
 _CREATE = b"P"  # make count RC QPs on one side's device ("<BH") -> "<H"
@@ -32,7 +34,15 @@ _CONNECT = b"C"  # connect side's QPs to the other side's ("<B"): INIT, RTR, RTS
 _CLOSE = b"X"  # close every QP -> "<B"
 _REG = b"M"  # register (offset, length) of the arena ("<QQ") -> "<II" lkey, rkey
 _DEREG = b"D"  # close that MR -> "<B"
+_REG_MANY = b"N"  # register count MRs of length side by side from offset ("<QQH"), kept -> "<H"
+_DEREG_MANY = b"Y"  # close every MR _REG_MANY made -> "<B"
 _ARENA_SIZE = 8 << 20
+# The pooled 4 KiB loops register fresh pages, as a new context's pool does: each loop its own region past the
+# first MiB (reg_mr_1m's), so that no page is registered twice until the regions come round again.
+_SMALL_MR = 4096
+_POOL_REGION = 256 << 10
+_POOL_REGIONS = (_ARENA_SIZE - (1 << 20)) // _POOL_REGION
+LOOP = 50  # MR()s per loop, as bench.paravirt's control loops
 
 SERVER = ("import sys\n"
           "from bench.mediation_floor import serve\n"
@@ -58,6 +68,7 @@ def serve(fd: int, first: str, second: str) -> None:
     base = ctypes.addressof(anchor)
     sock.sendall(b"k")
     mr = None
+    pool: list[MR] = []
     buffer = bytearray(64)
     while True:
         got = sock.recv_into(buffer)
@@ -78,6 +89,15 @@ def serve(fd: int, first: str, second: str) -> None:
             if mr is not None:
                 mr.close()
                 mr = None
+            sock.sendall(b"k")
+        elif kind == _REG_MANY:
+            offset, length, count = struct.unpack_from("<QQH", buffer, 1)
+            pool += [MR(ends[0].pd, length, ACCESS, address=base + offset + n * length) for n in range(count)]
+            sock.sendall(struct.pack("<H", count))
+        elif kind == _DEREG_MANY:
+            for each in pool:
+                each.close()
+            pool.clear()
             sock.sendall(b"k")
         elif kind == _CREATE:
             side, count = struct.unpack_from("<BH", buffer, 1)
@@ -127,6 +147,12 @@ class BareMediator:
     def dereg(self) -> None:
         self.call(_DEREG)
 
+    def reg_many(self, offset: int, length: int, count: int) -> None:
+        self.call(_REG_MANY + struct.pack("<QQH", offset, length, count))
+
+    def dereg_many(self) -> None:
+        self.call(_DEREG_MANY)
+
 
 @contextmanager
 def bare_mediator(pair: tuple[str, str]) -> Iterator[BareMediator]:
@@ -153,14 +179,16 @@ def bare_mediator(pair: tuple[str, str]) -> Iterator[BareMediator]:
 
 
 def floor_records(native: dict[str, float], pair: tuple[str, str] = ("rxe0", "rxe1"), repeat: int = 50,
-                  pair_rounds: int = 20, setup_rounds: int = 11, count: int = 64) -> list[Record]:
-    """paravirt.bare_*: reg_mr_1m in a loop (against native's loop, as paravirt.reg_mr_1m), connect_qp_pair and
-    setup_64_qp_pairs in turns with native's own samples (as theirs)."""
+                  pair_rounds: int = 20, setup_rounds: int = 11, count: int = 64, loop_rounds: int = 4) -> list[Record]:
+    """paravirt.bare_*: reg_mr_1m in a loop (against native's loop, as paravirt.reg_mr_1m), reg_mr_4k.mean in
+    loops in turns with native's (as paravirt's), connect_qp_pair and setup_64_qp_pairs in turns with native's own
+    samples (as theirs)."""
     records = []
     with bare_mediator(pair) as bare:
         samples = samples_ms(lambda: bare.reg(0, 1 << 20), repeat)
         records.append(Record("paravirt.bare_reg_mr_1m", "ms", statistics.median(samples),
                               native["native.reg_mr_1m"]))
+        records.append(pooled_small_mrs(bare, pair[0], loop_rounds))
 
         def connect_pair_ms() -> float:
             bare.create(0, 1)
@@ -194,11 +222,44 @@ def floor_records(native: dict[str, float], pair: tuple[str, str] = ("rxe0", "rx
     return records
 
 
-def _requests(verb: str) -> int | None:
-    """Requests the mediated record sends (bench.paravirt): a connected pair is one connect per side, a setup of
-    N pairs a create and a connect per side; None for a record with no floor."""
+def pooled_small_mrs(bare: BareMediator, device: str, rounds: int) -> Record:
+    """paravirt.bare_reg_mr_4k.mean: LOOP MR()s of 4 KiB on a new context as the guest library makes them, with a
+    bare mediator for vrnicd and nothing for the guest's handouts: whenever the pool is empty, one request
+    registers the next refill (mr_pool_refills, the frontend's own schedule) on fresh pages side by side. What
+    is left is what the pool's design costs: its round trips, and pyverbs' registration of a fresh page per MR
+    (and of the spares), where native's loop registers one hot page again and again. In loops in turns with
+    native's, its baseline native's median, as paravirt.reg_mr_4k.mean."""
+    loops = itertools.count()
+
+    def loop() -> list[float]:
+        offset = (1 << 20) + next(loops) % _POOL_REGIONS * _POOL_REGION
+        refills = iter(mr_pool_refills(_SMALL_MR, LOOP))
+        held = 0
+        samples = []
+        for _ in range(LOOP):
+            started = time.perf_counter()
+            if not held:
+                held = next(refills)
+                bare.reg_many(offset, _SMALL_MR, held)
+                offset += held * _SMALL_MR
+            held -= 1
+            samples.append((time.perf_counter() - started) * 1e3)
+        bare.dereg_many()  # untimed, as the guest's closes are
+        return samples
+
+    with native_verbs.control_ops(device) as ops:
+        native_samples, samples = loops_in_turns(lambda: samples_ms(ops["reg_mr_4k"], LOOP), loop, rounds)
+    return Record("paravirt.bare_reg_mr_4k.mean", "ms", statistics.fmean(samples), statistics.median(native_samples))
+
+
+def _requests(verb: str) -> float | None:
+    """Requests the mediated record sends per sample (bench.paravirt): a connected pair is one connect per side, a
+    setup of N pairs a create and a connect per side, a loop of small MRs a reg_mrs per refill; None for a record
+    with no floor."""
     if verb == "reg_mr_1m":
         return 1
+    if verb == "reg_mr_4k.mean":
+        return len(mr_pool_refills(_SMALL_MR, LOOP)) / LOOP
     if verb == "connect_qp_pair":
         return 2
     if verb.startswith("setup_") and verb.endswith("_qp_pairs"):

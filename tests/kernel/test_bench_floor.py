@@ -40,6 +40,12 @@ def test_the_bare_mediator_connects_real_qps_registers_real_memory_and_leaves_no
         assert _count("mr") == mrs + 1
         dereg()
         assert _count("mr") == mrs
+        bare.reg_many(1 << 20, 4096, 8)  # a pool's refill: eight MRs on pages side by side
+        assert _count("mr") == mrs + 8
+        bare.reg_many((1 << 20) + 8 * 4096, 4096, 16)
+        assert _count("mr") == mrs + 24
+        bare.dereg_many()
+        assert _count("mr") == mrs
         bare.close_qps()
         assert _qp_states(bare.pid) == ["RESET"] * 2
     assert wait_for_baseline(baseline) == baseline, "the bare mediator left kernel objects"

@@ -123,11 +123,25 @@ def test_the_derived_floors_add_one_round_trip_of_framing_per_request() -> None:
     mediated = [Record("paravirt.null_rpc", "ms", 0.35, 0.08), Record("paravirt.bare_rpc", "ms", 0.07, 0.08)]
     floors = [Record("paravirt.bare_reg_mr_1m", "ms", 0.40, 0.10),
               Record("paravirt.bare_connect_qp_pair", "ms", 2.0, 1.6),
-              Record("paravirt.bare_setup_64_qp_pairs", "ms", 90.0, 100.0)]
+              Record("paravirt.bare_setup_64_qp_pairs", "ms", 90.0, 100.0),
+              Record("paravirt.bare_reg_mr_4k.mean", "ms", 0.20, 0.08)]
     derived = {r.name: r for r in with_framing(floors, mediated)}
+    # a loop of 50 small MRs sends four reg_mrs (refills of 4, 8, 16 and 32): four round trips' framing over 50
+    assert derived["paravirt.floor_reg_mr_4k.mean"].value == pytest.approx(0.20 + 4 * 0.28 / 50)
     assert derived["paravirt.floor_reg_mr_1m"].value == pytest.approx(0.40 + 0.28)
     assert derived["paravirt.floor_connect_qp_pair"].value == pytest.approx(2.0 + 2 * 0.28)
     assert derived["paravirt.floor_setup_64_qp_pairs"].value == pytest.approx(90.0 + 4 * 0.28)
     assert derived["paravirt.floor_connect_qp_pair"].ratio == pytest.approx(2.56 / 1.6)
     assert all(r.target is None for r in derived.values())  # floors inform the targets; they are not held to them
     assert with_framing(floors, mediated[:1]) == []  # no round-trip floor in the run: nothing to derive
+
+
+def test_each_pooled_loop_of_the_mr_floor_registers_pages_of_its_own() -> None:
+    """The bare mediator's loops of small MRs replay the frontend's refills on fresh pages: a loop's region holds
+    all of them, and the regions lie past reg_mr_1m's megabyte, inside the arena."""
+    from bench import mediation_floor as floor
+    from vrnic.frontend.guest_library import mr_pool_refills
+
+    assert sum(mr_pool_refills(floor._SMALL_MR, floor.LOOP)) * floor._SMALL_MR <= floor._POOL_REGION
+    assert (1 << 20) + floor._POOL_REGIONS * floor._POOL_REGION <= floor._ARENA_SIZE
+    assert floor._POOL_REGIONS >= 4  # a bench run's loops (CONTROL_ROUNDS) never register a page twice
