@@ -35,7 +35,8 @@ _CLOSE = b"X"  # close every QP -> "<B"
 _REG = b"M"  # register (offset, length) of the arena ("<QQ") -> "<II" lkey, rkey
 _DEREG = b"D"  # close that MR -> "<B"
 _REG_MANY = b"N"  # register count MRs of length side by side from offset ("<QQH"), kept -> "<H"
-_DEREG_MANY = b"Y"  # close every MR _REG_MANY made -> "<B"
+_DEREG_MANY = b"Y"  # close every MR _REG_MANY made and left -> "<B"
+_DEREG_FIRST = b"F"  # close the first MR _REG_MANY made and left (a handed-out MR's close) -> "<B"
 _ARENA_SIZE = 8 << 20
 # The pooled 4 KiB loops register fresh pages, as a new context's pool does: each loop its own region past the
 # first MiB (reg_mr_1m's), so that no page is registered twice until the regions come round again.
@@ -99,6 +100,9 @@ def serve(fd: int, first: str, second: str) -> None:
                 each.close()
             pool.clear()
             sock.sendall(b"k")
+        elif kind == _DEREG_FIRST:
+            pool.pop(0).close()
+            sock.sendall(b"k")
         elif kind == _CREATE:
             side, count = struct.unpack_from("<BH", buffer, 1)
             qps[side] += [QP(ends[side].pd, inits[side]) for _ in range(count)]
@@ -152,6 +156,9 @@ class BareMediator:
 
     def dereg_many(self) -> None:
         self.call(_DEREG_MANY)
+
+    def dereg_first(self) -> None:
+        self.call(_DEREG_FIRST)
 
 
 @contextmanager
@@ -225,7 +232,8 @@ def floor_records(native: dict[str, float], pair: tuple[str, str] = ("rxe0", "rx
 def pooled_small_mrs(bare: BareMediator, device: str, rounds: int) -> Record:
     """paravirt.bare_reg_mr_4k.mean: LOOP MR()s of 4 KiB on a new context as the guest library makes them, with a
     bare mediator for vrnicd and nothing for the guest's handouts: whenever the pool is empty, one request
-    registers the next refill (mr_pool_refills, the frontend's own schedule) on fresh pages side by side. What
+    registers the next refill (mr_pool_refills, the frontend's own schedule) on fresh pages side by side; after
+    each MR() one untimed request closes it, as the guest's loop closes each MR between its samples. What
     is left is what the pool's design costs: its round trips, and pyverbs' registration of a fresh page per MR
     (and of the spares), where native's loop registers one hot page again and again. In loops in turns with
     native's, its baseline native's median, as paravirt.reg_mr_4k.mean."""
@@ -244,7 +252,8 @@ def pooled_small_mrs(bare: BareMediator, device: str, rounds: int) -> Record:
                 offset += held * _SMALL_MR
             held -= 1
             samples.append((time.perf_counter() - started) * 1e3)
-        bare.dereg_many()  # untimed, as the guest's closes are
+            bare.dereg_first()  # the MR's close, untimed as in the guest's loop (and native's)
+        bare.dereg_many()  # the spares the loop left
         return samples
 
     with native_verbs.control_ops(device) as ops:

@@ -44,6 +44,8 @@ def test_the_bare_mediator_connects_real_qps_registers_real_memory_and_leaves_no
         assert _count("mr") == mrs + 8
         bare.reg_many((1 << 20) + 8 * 4096, 4096, 16)
         assert _count("mr") == mrs + 24
+        bare.dereg_first()  # a handed-out MR's close
+        assert _count("mr") == mrs + 23
         bare.dereg_many()
         assert _count("mr") == mrs
         bare.close_qps()
