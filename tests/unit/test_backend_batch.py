@@ -761,7 +761,7 @@ def test_reg_mrs_checks_every_address_before_the_nic_registers_any(make_vrnic: C
         assert log == [] and _used(ctx) == (0, 0)
 
 
-@pytest.mark.parametrize(("where", "fail_at"), [("reg_mr", 1), ("reg_mr", 3), ("add_mr", 2)])
+@pytest.mark.parametrize(("where", "fail_at"), [("reg_mr", 1), ("reg_mr", 3), ("add_mrs", 1)])
 def test_reg_mrs_failing_part_way_leaves_nothing_behind(
         make_vrnic: Callable[..., AttachInfo], edge: FakeEdge, monkeypatch: pytest.MonkeyPatch, where: str,
         fail_at: int) -> None:

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from vrnic.core.handles import HandleTable, random_word
+from vrnic.core.handles import HandleTable, random_word, random_words
 from vrnic.errors import InvalidArgument, NotFound
 
 
@@ -157,3 +157,27 @@ def test_a_forked_child_does_not_repeat_its_parents_random_words() -> None:
     os.close(read)
     os.waitpid(pid, 0)
     assert child != random_word()  # the parent's next word, which the child would have repeated
+
+
+def test_a_batch_of_handles_is_added_and_popped_at_once() -> None:
+    table: HandleTable[int] = HandleTable("mr", bits=8)  # a small space: draws collide and are drawn again
+    first = table.add_many(list(range(100)))
+    assert len(set(first)) == 100 and all(0 < h < 256 for h in first)
+    assert [table.get(h) for h in first] == list(range(100))
+    more = table.add_many([7, 8])
+    assert not set(more) & set(first) and len(table) == 102
+    assert table.add_many([]) == []
+    with pytest.raises(NotFound):
+        table.pop_many([first[0], 999])  # unknown: nothing is taken
+    with pytest.raises(NotFound):
+        table.pop_many([first[0], first[0]])
+    with pytest.raises(InvalidArgument):
+        table.pop_many([first[0], "1"])  # type: ignore[list-item]
+    assert len(table) == 102
+    assert table.pop_many(first[:3]) == [0, 1, 2] and len(table) == 99 and first[0] not in table
+
+
+def test_random_words_come_in_batches_of_any_size() -> None:
+    assert random_words(0) == []
+    words = random_words(300)  # more than one block
+    assert len(words) == 300 and len(set(words)) == 300 and all(0 <= w < 1 << 64 for w in words)

@@ -117,3 +117,29 @@ def test_a_batch_of_virtual_qpns_is_distinct_new_and_in_range(monkeypatch: pytes
     monkeypatch.undo()
     many = state.new_vqpns(128)
     assert len(set(many)) == 128 and qp.vqpn not in many and all(2 <= v < 1 << 24 for v in many)
+
+
+def test_a_batch_of_mrs_enters_and_leaves_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """add_mrs / take_mrs (reg_mrs, dereg_mrs): new keys drawn at once skip a session's key and one drawn twice,
+    and more are drawn until the batch is full; taking is all or none, and refunds every MR and its pinned bytes."""
+    state, pd, _, mr, _ = populated()
+    state.ledger.restore({"pd": 1, "cq": 1, "mr": 4, "qp": 1, "pinned_bytes": 4096 + 3 * 8192})
+    taken = mr.window.vkey
+    draws = iter([[taken << 32, 7 << 32, 7 << 32], [9 << 32, 11 << 32]])
+    monkeypatch.setattr("vrnic.core.session_state.random_words", lambda n: next(draws))
+    keys = state.new_vkeys(3)
+    monkeypatch.undo()
+    assert keys == [7, 9, 11]
+    mrs = [MrEntry(MrWindow(vkey=key, offset=16384 + n * 8192, length=8192, access=Access.LOCAL_WRITE,
+                            phys_lkey=n, phys_rkey=n, base=0), pd) for n, key in enumerate(keys)]
+    state.add_mrs(mrs)
+    assert len({m.handle for m in mrs}) == 3 and all(state.mrs.get(m.handle) is m for m in mrs)
+    assert pd.users == 2 + 3 and all(state.mr_by_vkey[m.window.vkey] is m.window for m in mrs)
+    with pytest.raises(NotFound):
+        state.take_mrs([mrs[0].handle, 12345])  # one unknown: nothing is taken
+    with pytest.raises(NotFound):
+        state.take_mrs([mrs[0].handle, mrs[0].handle])  # one named twice: nothing is taken
+    assert len(state.mrs) == 4 and pd.users == 5
+    assert state.take_mrs([m.handle for m in mrs]) == mrs
+    assert len(state.mrs) == 1 and pd.users == 2 and set(state.mr_by_vkey) == {taken}
+    assert state.ledger.used()["mr"] == 1 and state.ledger.used()["pinned_bytes"] == 4096

@@ -363,20 +363,20 @@ class GuestSession:
         NIC's MR is destroyed again if it cannot be entered. The caller has charged the quota."""
         registered = self.device.reg_mr(pd.obj, self.memory.base + at, length, access_bits)
         try:
-            return self._mr_entry(pd, addr, at, length, access, registered, handle, vkey)
+            mr = self._new_mr(pd, addr, at, length, access, registered, vkey or self.state.new_vkey())
+            self.state.add_mr(mr, handle)
         except BaseException:
             self.device.destroy(registered[0])
             raise
+        return mr
 
-    def _mr_entry(self, pd: PdEntry, addr: int, at: int, length: int, access: Access,
-                  registered: tuple[Any, int, int], handle: int | None = None, vkey: int | None = None) -> MrEntry:
-        """A registration of the guest's [addr, +length), entered in the state."""
+    def _new_mr(self, pd: PdEntry, addr: int, at: int, length: int, access: Access,
+                registered: tuple[Any, int, int], vkey: int) -> MrEntry:
+        """The entry of a registration of the guest's [addr, +length), not yet in the state."""
         obj, lkey, rkey = registered
         base = self.memory.base + at - addr  # WRs name the MR by guest address; base turns one into vrnicd's
-        mr = MrEntry(MrWindow(vkey=vkey or self.state.new_vkey(), offset=addr, length=length, access=access,
-                              phys_lkey=lkey, phys_rkey=rkey, base=base), pd, obj)
-        self.state.add_mr(mr, handle)
-        return mr
+        return MrEntry(MrWindow(vkey=vkey, offset=addr, length=length, access=access, phys_lkey=lkey,
+                                phys_rkey=rkey, base=base), pd, obj)
 
     def op_reg_mrs(self, args: verb_args.RegMrs) -> dict[str, Any]:
         """An MR at each of args.addrs, up to the quota (at least one, else the quota error of the first): the
@@ -397,20 +397,18 @@ class GuestSession:
         # slower with vrnicd's Python between it and the next (lab, a 32-MR reg_mrs in turns: 9.8 -> 8.5 ms; issue 14)
         reg_mr, base = self.device.reg_mr, self.memory.base
         registered: list[tuple[Any, int, int]] = []
-        made: list[MrEntry] = []
         try:
             for _addr, at in located[:count]:
                 registered.append(reg_mr(pd.obj, base + at, length, access_bits))
-            access, entry = Access(access_bits), self._mr_entry
-            for (addr, at), one in zip(located[:count], registered, strict=True):
-                made.append(entry(pd, addr, at, length, access, one))
+            access, new = Access(access_bits), self._new_mr
+            made = [new(pd, addr, at, length, access, one, vkey)
+                    for (addr, at), one, vkey in zip(located[:count], registered, self.state.new_vkeys(count),
+                                                     strict=True)]
+            self.state.add_mrs(made)  # all or none
         except BaseException:
-            for mr in made:
-                self.state.take_mr(mr.handle)  # refunds its own charge
             self._destroy_quietly(obj for obj, _lkey, _rkey in registered)
-            unmade = count - len(made)
-            ledger.refund(Resource.MR, unmade)
-            ledger.refund(Resource.PINNED_BYTES, unmade * length)
+            ledger.refund(Resource.MR, count)
+            ledger.refund(Resource.PINNED_BYTES, count * length)
             raise
         if not self.staged:
             self.registry.publish_mrs(self.vrnic, [mr.window for mr in made])
@@ -430,9 +428,7 @@ class GuestSession:
         NIC refuses one of them (as dereg_mr's does); the first such error is raised once all were tried. The
         windows are withdrawn at once, before the NIC lets go of any MR, as dereg_mr's is."""
         _distinct(args.mrs, "dereg_mrs", "an MR")
-        for handle in args.mrs:
-            self.state.mrs.get(handle)
-        taken = [self.state.take_mr(handle) for handle in args.mrs]
+        taken = self.state.take_mrs(args.mrs)  # all known, or none taken
         self.registry.withdraw_mrs(self.vrnic, [mr.window.vkey for mr in taken])
         _each_then_first_error(self.device.destroy, [mr.obj for mr in taken])
         return {"deregistered": len(args.mrs)}

@@ -39,6 +39,16 @@ class _RandomWords:
                 self._words = list(struct.unpack(f"<{_DRAW}Q", secrets.token_bytes(8 * _DRAW)))
             return self._words.pop()
 
+    def take(self, count: int) -> list[int]:
+        """count words at once (a batch's objects)."""
+        with self._lock:
+            if len(self._words) < count:
+                fresh = max(_DRAW, count - len(self._words))
+                self._words += struct.unpack(f"<{fresh}Q", secrets.token_bytes(8 * fresh))
+            taken = self._words[-count:] if count else []
+            del self._words[len(self._words) - count:]
+            return taken
+
 
 _random_words = _RandomWords()
 
@@ -46,6 +56,11 @@ _random_words = _RandomWords()
 def random_word() -> int:
     """64 random bits (CSPRNG), for names a guest must not guess: handles, virtual memory keys."""
     return _random_words.next()
+
+
+def random_words(count: int) -> list[int]:
+    """count words of random_word's kind at once."""
+    return _random_words.take(count)
 
 
 class HandleTable(Generic[T]):
@@ -64,6 +79,19 @@ class HandleTable(Generic[T]):
                 if handle not in self._objects:
                     self._objects[handle] = obj
                     return handle
+
+    def add_many(self, objs: list[T]) -> list[int]:
+        """add() of each, under one lock and one draw of randomness (a batch's objects)."""
+        shift = 64 - self._bits
+        with self._lock:
+            handles: list[int] = []
+            while len(handles) < len(objs):
+                for word in random_words(len(objs) - len(handles)):
+                    handle = word >> shift or 1
+                    if handle not in self._objects:
+                        self._objects[handle] = objs[len(handles)]
+                        handles.append(handle)
+            return handles
 
     def put(self, handle: int, obj: T) -> None:
         """Insert under a known handle (a session restored from a snapshot keeps its guest's handles)."""
@@ -89,6 +117,15 @@ class HandleTable(Generic[T]):
             if handle not in self._objects:
                 raise NotFound(f"unknown {self.kind} handle {handle}")
             return self._objects.pop(handle)
+
+    def pop_many(self, handles: list[int]) -> list[T]:
+        """pop() of each, all or none: every handle is known (and named once) or nothing is taken."""
+        for handle in handles:
+            self.get(handle)  # type check and NotFound
+        with self._lock:
+            if len(set(handles)) != len(handles) or any(h not in self._objects for h in handles):
+                raise NotFound(f"unknown or repeated {self.kind} handle among {len(handles)}")
+            return [self._objects.pop(handle) for handle in handles]
 
     def __contains__(self, handle: object) -> bool:
         # True == 1: a bool names no handle here, as in get().

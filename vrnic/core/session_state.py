@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from vrnic.core.guest_phys import MemoryLayout
-from vrnic.core.handles import HandleTable, random_word
+from vrnic.core.handles import HandleTable, random_word, random_words
 from vrnic.core.quota import QuotaLedger, Resource
 from vrnic.core.rings import Ring
 from vrnic.core.specs import Quota
@@ -185,6 +185,16 @@ class SessionState:
             if key not in self.mr_by_vkey:
                 return key
 
+    def new_vkeys(self, count: int) -> list[int]:
+        """count distinct virtual MR keys that no MR of the session has, from one draw of randomness."""
+        out: list[int] = []
+        while len(out) < count:
+            for word in random_words(count - len(out)):
+                key = word >> 32 or 1
+                if key not in self.mr_by_vkey and key not in out:
+                    out.append(key)
+        return out
+
     def new_vqpn(self) -> int:
         return self.new_vqpns(1)[0]
 
@@ -221,6 +231,24 @@ class SessionState:
         mr.pd.users += 1
         self.mr_by_vkey[mr.window.vkey] = mr.window
         return mr.handle
+
+    def add_mrs(self, mrs: list[MrEntry]) -> None:
+        """add_mr() of each, new handles drawn at once (a batch's MRs): all of them, or none."""
+        for mr, handle in zip(mrs, self.mrs.add_many(mrs), strict=True):
+            mr.handle = handle
+            mr.pd.users += 1
+            self.mr_by_vkey[mr.window.vkey] = mr.window
+
+    def take_mrs(self, handles: list[int]) -> list[MrEntry]:
+        """take_mr() of each, all or none (every handle known and named once), refunded in one charge each."""
+        mrs = self.mrs.pop_many(handles)
+        by_vkey = self.mr_by_vkey
+        for mr in mrs:
+            by_vkey.pop(mr.window.vkey, None)
+            mr.pd.users -= 1
+        self.ledger.refund(Resource.MR, len(mrs))
+        self.ledger.refund(Resource.PINNED_BYTES, sum(mr.window.length for mr in mrs))
+        return mrs
 
     def take_mr(self, handle: object) -> MrEntry:
         mr = self.mrs.pop(handle)
