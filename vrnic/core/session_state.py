@@ -188,10 +188,12 @@ class SessionState:
     def new_vkeys(self, count: int) -> list[int]:
         """count distinct virtual MR keys that no MR of the session has, from one draw of randomness."""
         out: list[int] = []
+        drawn: set[int] = set()
         while len(out) < count:
             for word in random_words(count - len(out)):
                 key = word >> 32 or 1
-                if key not in self.mr_by_vkey and key not in out:
+                if key not in self.mr_by_vkey and key not in drawn:
+                    drawn.add(key)
                     out.append(key)
         return out
 
