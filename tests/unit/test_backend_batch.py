@@ -276,26 +276,26 @@ def test_create_qps_makes_the_nics_qps_back_to_back_then_enters_them(
         pd, cq = PD(ctx), CQ(ctx, 16)
         log: list[str] = []
         _recording(monkeypatch, log, FakeContext, "create_qp")
-        _recording(monkeypatch, log, SessionState, "add_qp")
+        _recording(monkeypatch, log, SessionState, "add_qps")
         qps = QP.create_many(pd, cq, cq, 4)
-        assert log == ["create_qp"] * 4 + ["add_qp"] * 4
+        assert log == ["create_qp"] * 4 + ["add_qps"]  # entered at once, after the last
         assert len({qp.qpn for qp in qps}) == 4 and ctx.call("query_device")["quota_used"]["qp"] == 4
         monkeypatch.undo()
         for qp in qps:
             qp.close()
 
 
-@pytest.mark.parametrize(("where", "fail_at"), [("create_qp", 3), ("add_qp", 1), ("add_qp", 3)])
+@pytest.mark.parametrize(("where", "fail_at"), [("create_qp", 3), ("add_qps", 1), ("publish_qps", 1)])
 def test_create_qps_failing_part_way_leaves_nothing_behind(
         make_vrnic: Callable[..., AttachInfo], edge: FakeEdge, monkeypatch: pytest.MonkeyPatch, where: str,
         fail_at: int) -> None:
-    """A failure on the NIC (the third QP) or in the bookkeeping (the first or third QP entered): the QPs made are
-    destroyed, the entered ones taken out again, the charge refunded, and the next batch works."""
+    """A failure on the NIC (the third QP), in entering the batch, or in publishing its QPNs (all entered): the QPs
+    made are destroyed, the entered ones taken out again, the charge refunded, and the next batch works."""
     with Context.attach(make_vrnic(max_qps=4), ARENA) as ctx:
         pd, cq = PD(ctx), CQ(ctx, 16)
         live, in_use = len(edge.live), ctx.allocator.in_use()
         log: list[str] = []
-        cls = FakeContext if where == "create_qp" else SessionState
+        cls = {"create_qp": FakeContext, "add_qps": SessionState, "publish_qps": Registry}[where]
         _recording(monkeypatch, log, cls, where, fail_at=fail_at)
         with pytest.raises(DeviceError, match="injected"):
             QP.create_many(pd, cq, cq, 4)

@@ -143,3 +143,16 @@ def test_a_batch_of_mrs_enters_and_leaves_at_once(monkeypatch: pytest.MonkeyPatc
     assert state.take_mrs([m.handle for m in mrs]) == mrs
     assert len(state.mrs) == 1 and pd.users == 2 and set(state.mr_by_vkey) == {taken}
     assert state.ledger.used()["mr"] == 1 and state.ledger.used()["pinned_bytes"] == 4096
+
+
+def test_a_batch_of_qps_enters_at_once() -> None:
+    state, pd, cq, _, qp = populated()
+    qps = [QpEntry(vqpn, "rc", 5000 + n, pd, cq, cq, ring(40960 + n * 4096, 4, SQ_SLOT),
+                   ring(40960 + n * 4096 + 2048, 4, RQ_SLOT)) for n, vqpn in enumerate(state.new_vqpns(3))]
+    state.add_qps(qps)
+    assert len({q.handle for q in qps} | {qp.handle}) == 4 and all(state.qps.get(q.handle) is q for q in qps)
+    assert (pd.users, cq.users) == (2 + 3, 2 + 6)
+    assert all(state.qp_by_vqpn[q.vqpn] is q and state.qp_by_phys[q.phys_qpn] is q for q in qps)
+    for q in qps:
+        state.take_qp(q.handle)
+    assert (pd.users, cq.users) == (2, 2) and set(state.qp_by_phys) == {4242}

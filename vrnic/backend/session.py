@@ -922,11 +922,10 @@ class GuestSession:
         entered: list[QpEntry] = []
         try:
             blank = self._reset_rings(ring for plan in plans for ring in (plan.sq, plan.rq))
-            add_qp = self.state.add_qp
-            for plan, one, vqpn in zip(plans, made, self.state.new_vqpns(len(plans)), strict=True):
-                qp = self._qp_entry(plan, one, vqpn)
-                add_qp(qp)
-                entered.append(qp)
+            qps = [self._qp_entry(plan, one, vqpn)
+                   for plan, one, vqpn in zip(plans, made, self.state.new_vqpns(len(plans)), strict=True)]
+            self.state.add_qps(qps)  # all or none
+            entered = qps
             self._open_qps(entered)
             self._note_blank(entered, blank)
         except BaseException:

@@ -286,6 +286,16 @@ class SessionState:
         self.qp_by_phys[qp.phys_qpn] = qp
         return qp.handle
 
+    def add_qps(self, qps: list[QpEntry]) -> None:
+        """add_qp() of each, new handles drawn at once (a batch's QPs): all of them, or none."""
+        for qp, handle in zip(qps, self.qps.add_many(qps), strict=True):
+            qp.handle = handle
+            qp.pd.users += 1
+            qp.send_cq.users += 1
+            qp.recv_cq.users += 1
+            self.qp_by_vqpn[qp.vqpn] = qp
+            self.qp_by_phys[qp.phys_qpn] = qp
+
     def take_qp(self, handle: object) -> QpEntry:
         qp = self.qps.pop(handle)
         self._forget_qp(qp)
