@@ -230,16 +230,18 @@ class SessionState:
     # ----- MRs -----------------------------------------------------------------------------------
     def add_mr(self, mr: MrEntry, handle: int | None = None) -> int:
         mr.handle = self._insert(self.mrs, mr, handle)
-        mr.pd.users += 1
-        self.mr_by_vkey[mr.window.vkey] = mr.window
+        self._remember_mr(mr)
         return mr.handle
 
     def add_mrs(self, mrs: list[MrEntry]) -> None:
         """add_mr() of each, new handles drawn at once (a batch's MRs): all of them, or none."""
         for mr, handle in zip(mrs, self.mrs.add_many(mrs), strict=True):
             mr.handle = handle
-            mr.pd.users += 1
-            self.mr_by_vkey[mr.window.vkey] = mr.window
+            self._remember_mr(mr)
+
+    def _remember_mr(self, mr: MrEntry) -> None:
+        mr.pd.users += 1
+        self.mr_by_vkey[mr.window.vkey] = mr.window
 
     def take_mrs(self, handles: list[int]) -> list[MrEntry]:
         """take_mr() of each, all or none (every handle known and named once), refunded in one charge each."""
@@ -279,22 +281,21 @@ class SessionState:
     # ----- QPs -----------------------------------------------------------------------------------
     def add_qp(self, qp: QpEntry, handle: int | None = None) -> int:
         qp.handle = self._insert(self.qps, qp, handle)
-        qp.pd.users += 1
-        qp.send_cq.users += 1
-        qp.recv_cq.users += 1
-        self.qp_by_vqpn[qp.vqpn] = qp
-        self.qp_by_phys[qp.phys_qpn] = qp
+        self._remember_qp(qp)
         return qp.handle
 
     def add_qps(self, qps: list[QpEntry]) -> None:
         """add_qp() of each, new handles drawn at once (a batch's QPs): all of them, or none."""
         for qp, handle in zip(qps, self.qps.add_many(qps), strict=True):
             qp.handle = handle
-            qp.pd.users += 1
-            qp.send_cq.users += 1
-            qp.recv_cq.users += 1
-            self.qp_by_vqpn[qp.vqpn] = qp
-            self.qp_by_phys[qp.phys_qpn] = qp
+            self._remember_qp(qp)
+
+    def _remember_qp(self, qp: QpEntry) -> None:
+        qp.pd.users += 1
+        qp.send_cq.users += 1
+        qp.recv_cq.users += 1
+        self.qp_by_vqpn[qp.vqpn] = qp
+        self.qp_by_phys[qp.phys_qpn] = qp
 
     def take_qp(self, handle: object) -> QpEntry:
         qp = self.qps.pop(handle)
