@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import secrets
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -235,9 +236,7 @@ class SessionState:
 
     def add_mrs(self, mrs: list[MrEntry]) -> None:
         """add_mr() of each, new handles drawn at once (a batch's MRs): all of them, or none."""
-        for mr, handle in zip(mrs, self.mrs.add_many(mrs), strict=True):
-            mr.handle = handle
-            self._remember_mr(mr)
+        self._insert_many(self.mrs, mrs, self._remember_mr)
 
     def _remember_mr(self, mr: MrEntry) -> None:
         mr.pd.users += 1
@@ -246,10 +245,8 @@ class SessionState:
     def take_mrs(self, handles: list[int]) -> list[MrEntry]:
         """take_mr() of each, all or none (every handle known and named once), refunded in one charge each."""
         mrs = self.mrs.pop_many(handles)
-        by_vkey = self.mr_by_vkey
         for mr in mrs:
-            by_vkey.pop(mr.window.vkey, None)
-            mr.pd.users -= 1
+            self._forget_mr(mr)
         self.ledger.refund(Resource.MR, len(mrs))
         self.ledger.refund(Resource.PINNED_BYTES, sum(mr.window.length for mr in mrs))
         return mrs
@@ -257,13 +254,14 @@ class SessionState:
     def take_mr(self, handle: object) -> MrEntry:
         mr = self.mrs.pop(handle)
         self._forget_mr(mr)
+        self.ledger.refund(Resource.MR)
+        self.ledger.refund(Resource.PINNED_BYTES, mr.window.length)
         return mr
 
     def _forget_mr(self, mr: MrEntry) -> None:
+        """_remember_mr undone (the caller refunds)."""
         self.mr_by_vkey.pop(mr.window.vkey, None)
         mr.pd.users -= 1
-        self.ledger.refund(Resource.MR)
-        self.ledger.refund(Resource.PINNED_BYTES, mr.window.length)
 
     # ----- CQs -----------------------------------------------------------------------------------
     def add_cq(self, cq: CqEntry, handle: int | None = None) -> int:
@@ -286,9 +284,7 @@ class SessionState:
 
     def add_qps(self, qps: list[QpEntry]) -> None:
         """add_qp() of each, new handles drawn at once (a batch's QPs): all of them, or none."""
-        for qp, handle in zip(qps, self.qps.add_many(qps), strict=True):
-            qp.handle = handle
-            self._remember_qp(qp)
+        self._insert_many(self.qps, qps, self._remember_qp)
 
     def _remember_qp(self, qp: QpEntry) -> None:
         qp.pd.users += 1
@@ -331,6 +327,13 @@ class SessionState:
                                q.peer_gid, q.peer_vqpn)
                       for h, q in self.qps.items()),
             used=self.ledger.used())
+
+    @staticmethod
+    def _insert_many(table: HandleTable[Any], entries: list[Any], remember: Callable[[Any], None]) -> None:
+        """entries under new handles drawn at once (HandleTable.add_many), each then remembered."""
+        for entry, handle in zip(entries, table.add_many(entries), strict=True):
+            entry.handle = handle
+            remember(entry)
 
     @staticmethod
     def _insert(table: HandleTable[Any], entry: Any, handle: int | None) -> int:
