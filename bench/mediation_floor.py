@@ -26,12 +26,13 @@ from contextlib import contextmanager
 
 from bench import native_verbs
 from bench.harness import Record, alternating, loops_in_turns, samples_ms
-from vrnic.frontend.guest_library import mr_pool_refills
+from vrnic.frontend.guest_library import mr_pool_refills, qp_pool_refills
 
 # Requests: one byte of kind, then the kind's struct; replies are one struct each.
 _CREATE = b"P"  # make count RC QPs on one side's device ("<BH") -> "<H"
 _CONNECT = b"C"  # connect side's QPs to the other side's ("<B"): INIT, RTR, RTS each -> "<B"
 _CLOSE = b"X"  # close every QP -> "<B"
+_CLOSE_FIRST = b"Q"  # close the first QP one side made and left (a handed-out QP's close) ("<B") -> "<B"
 _REG = b"M"  # register (offset, length) of the arena ("<QQ") -> "<II" lkey, rkey
 _DEREG = b"D"  # close that MR -> "<B"
 _REG_MANY = b"N"  # register count MRs of length side by side from offset ("<QQH"), kept -> "<H"
@@ -43,7 +44,7 @@ _ARENA_SIZE = 8 << 20
 _SMALL_MR = 4096
 _POOL_REGION = 256 << 10
 _POOL_REGIONS = (_ARENA_SIZE - (1 << 20)) // _POOL_REGION
-LOOP = 50  # MR()s per loop, as bench.paravirt's control loops
+LOOP = 50  # MR()s or QP()s per loop, as bench.paravirt's control loops
 
 SERVER = ("import sys\n"
           "from bench.mediation_floor import serve\n"
@@ -107,6 +108,9 @@ def serve(fd: int, first: str, second: str) -> None:
             side, count = struct.unpack_from("<BH", buffer, 1)
             qps[side] += [QP(ends[side].pd, inits[side]) for _ in range(count)]
             sock.sendall(struct.pack("<H", count))
+        elif kind == _CLOSE_FIRST:
+            qps[buffer[1]].pop(0).close()
+            sock.sendall(b"k")
         elif kind == _CLOSE:
             for side in qps:
                 for qp in side:
@@ -143,6 +147,9 @@ class BareMediator:
 
     def close_qps(self) -> None:
         self.call(_CLOSE)
+
+    def close_first(self, side: int) -> None:
+        self.call(_CLOSE_FIRST + bytes([side]))
 
     def reg(self, offset: int, length: int) -> Callable[[], None]:
         self.call(_REG + struct.pack("<QQ", offset, length))
@@ -196,6 +203,7 @@ def floor_records(native: dict[str, float], pair: tuple[str, str] = ("rxe0", "rx
         records.append(Record("paravirt.bare_reg_mr_1m", "ms", statistics.median(samples),
                               native["native.reg_mr_1m"]))
         records.append(pooled_small_mrs(bare, pair[0], loop_rounds))
+        records.append(pooled_qps(bare, pair[0], loop_rounds))
 
         def connect_pair_ms() -> float:
             bare.create(0, 1)
@@ -229,46 +237,75 @@ def floor_records(native: dict[str, float], pair: tuple[str, str] = ("rxe0", "rx
     return records
 
 
+def _pool_loop(refills: list[int], refill: Callable[[int], None], close_one: Callable[[], None],
+               close_spares: Callable[[], None]) -> list[float]:
+    """LOOP samples of a guest's pooled creates with a bare mediator for vrnicd and nothing for the guest's
+    handouts: a sample that finds the pool empty sends the next refill (refills, the frontend's own schedule), the
+    others are free. After each sample one untimed request closes the object, as the guest's loop closes each
+    between its samples; the spares the loop left go at its end."""
+    sizes = iter(refills)
+    held = 0
+    samples = []
+    for _ in range(LOOP):
+        started = time.perf_counter()
+        if not held:
+            held = next(sizes)
+            refill(held)
+        held -= 1
+        samples.append((time.perf_counter() - started) * 1e3)
+        close_one()
+    close_spares()
+    return samples
+
+
 def pooled_small_mrs(bare: BareMediator, device: str, rounds: int) -> Record:
-    """paravirt.bare_reg_mr_4k.mean: LOOP MR()s of 4 KiB on a new context as the guest library makes them, with a
-    bare mediator for vrnicd and nothing for the guest's handouts: whenever the pool is empty, one request
-    registers the next refill (mr_pool_refills, the frontend's own schedule) on fresh pages side by side; after
-    each MR() one untimed request closes it, as the guest's loop closes each MR between its samples. What
-    is left is what the pool's design costs: its round trips, and pyverbs' registration of a fresh page per MR
-    (and of the spares), where native's loop registers one hot page again and again. In loops in turns with
-    native's, its baseline native's median, as paravirt.reg_mr_4k.mean."""
+    """paravirt.bare_reg_mr_4k.mean: LOOP MR()s of 4 KiB on a new context as the guest library makes them
+    (_pool_loop), each refill registering fresh pages side by side. What is left is what the pool's design costs:
+    its round trips, and pyverbs' registration of a fresh page per MR (and of the spares), where native's loop
+    registers one hot page again and again. In loops in turns with native's, its baseline native's median, as
+    paravirt.reg_mr_4k.mean."""
     loops = itertools.count()
 
     def loop() -> list[float]:
         offset = (1 << 20) + next(loops) % _POOL_REGIONS * _POOL_REGION
-        refills = iter(mr_pool_refills(_SMALL_MR, LOOP))
-        held = 0
-        samples = []
-        for _ in range(LOOP):
-            started = time.perf_counter()
-            if not held:
-                held = next(refills)
-                bare.reg_many(offset, _SMALL_MR, held)
-                offset += held * _SMALL_MR
-            held -= 1
-            samples.append((time.perf_counter() - started) * 1e3)
-            bare.dereg_first()  # the MR's close, untimed as in the guest's loop (and native's)
-        bare.dereg_many()  # the spares the loop left
-        return samples
+
+        def refill(count: int) -> None:
+            nonlocal offset
+            bare.reg_many(offset, _SMALL_MR, count)
+            offset += count * _SMALL_MR
+
+        return _pool_loop(mr_pool_refills(_SMALL_MR, LOOP), refill, bare.dereg_first, bare.dereg_many)
 
     with native_verbs.control_ops(device) as ops:
         native_samples, samples = loops_in_turns(lambda: samples_ms(ops["reg_mr_4k"], LOOP), loop, rounds)
     return Record("paravirt.bare_reg_mr_4k.mean", "ms", statistics.fmean(samples), statistics.median(native_samples))
 
 
+def pooled_qps(bare: BareMediator, device: str, rounds: int) -> Record:
+    """paravirt.bare_create_qp.mean: LOOP QP()s of one shape (RC, 64 WRs each way) on a new context as the guest
+    library makes them (_pool_loop: refills of qp_pool_refills, each that many QPs made one after another). What is
+    left is what the pool's design costs: its round trips, and distinct live QPs on the NIC (a refill's and its
+    spares), where native's loop makes one QP and closes it again. In loops in turns with native's, its baseline
+    native's median, as paravirt.create_qp.mean."""
+    def loop() -> list[float]:
+        return _pool_loop(qp_pool_refills(LOOP), lambda count: bare.create(0, count), lambda: bare.close_first(0),
+                          bare.close_qps)
+
+    with native_verbs.control_ops(device) as ops:
+        native_samples, samples = loops_in_turns(lambda: samples_ms(ops["create_qp"], LOOP), loop, rounds)
+    return Record("paravirt.bare_create_qp.mean", "ms", statistics.fmean(samples), statistics.median(native_samples))
+
+
 def _requests(verb: str) -> float | None:
     """Requests the mediated record sends per sample (bench.paravirt): a connected pair is one connect per side, a
-    setup of N pairs a create and a connect per side, a loop of small MRs a reg_mrs per refill; None for a record
-    with no floor."""
+    setup of N pairs a create and a connect per side, a loop of small MRs a reg_mrs per refill, a loop of QPs a
+    create_qps per refill; None for a record with no floor."""
     if verb == "reg_mr_1m":
         return 1
     if verb == "reg_mr_4k.mean":
         return len(mr_pool_refills(_SMALL_MR, LOOP)) / LOOP
+    if verb == "create_qp.mean":
+        return len(qp_pool_refills(LOOP)) / LOOP
     if verb == "connect_qp_pair":
         return 2
     if verb.startswith("setup_") and verb.endswith("_qp_pairs"):

@@ -50,4 +50,10 @@ def test_the_bare_mediator_connects_real_qps_registers_real_memory_and_leaves_no
         assert _count("mr") == mrs
         bare.close_qps()
         assert _qp_states(bare.pid) == ["RESET"] * 2
+        bare.create(0, 4)  # a pool's refill of QPs, then a handed-out QP's close
+        assert _qp_states(bare.pid) == ["RESET"] * 6
+        bare.close_first(0)
+        assert _qp_states(bare.pid) == ["RESET"] * 5
+        bare.close_qps()
+        assert _qp_states(bare.pid) == ["RESET"] * 2
     assert wait_for_baseline(baseline) == baseline, "the bare mediator left kernel objects"

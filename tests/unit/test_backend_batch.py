@@ -30,6 +30,7 @@ from vrnic.frontend.guest_library import (
     QP_POOL_MAX,
     MrShape,
     mr_pool_refills,
+    qp_pool_refills,
 )
 
 ARENA = 4 << 20
@@ -551,6 +552,8 @@ def test_each_refill_of_a_qp_pool_asks_for_twice_as_many_up_to_a_cap(make_vrnic:
             qps.append(QP(pd, cq, cq))
             used.append(ctx.call("query_device")["quota_used"]["qp"])
         assert requests == [QP_POOL, 8, 16, QP_POOL_MAX, QP_POOL_MAX, QP_POOL_MAX]
+        assert qp_pool_refills(len(qps)) == requests  # what bench.mediation_floor replays
+        assert qp_pool_refills(QP_POOL) == [QP_POOL]
         assert all(u <= 2 * len(qps[:i + 1]) + QP_POOL for i, u in enumerate(used))
         for qp in qps:
             qp.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -124,10 +125,12 @@ def test_the_derived_floors_add_one_round_trip_of_framing_per_request() -> None:
     floors = [Record("paravirt.bare_reg_mr_1m", "ms", 0.40, 0.10),
               Record("paravirt.bare_connect_qp_pair", "ms", 2.0, 1.6),
               Record("paravirt.bare_setup_64_qp_pairs", "ms", 90.0, 100.0),
-              Record("paravirt.bare_reg_mr_4k.mean", "ms", 0.20, 0.08)]
+              Record("paravirt.bare_reg_mr_4k.mean", "ms", 0.20, 0.08),
+              Record("paravirt.bare_create_qp.mean", "ms", 0.60, 0.30)]
     derived = {r.name: r for r in with_framing(floors, mediated)}
     # a loop of 50 small MRs sends four reg_mrs (refills of 4, 8, 16 and 32): four round trips' framing over 50
     assert derived["paravirt.floor_reg_mr_4k.mean"].value == pytest.approx(0.20 + 4 * 0.28 / 50)
+    assert derived["paravirt.floor_create_qp.mean"].value == pytest.approx(0.60 + 4 * 0.28 / 50)  # so do QPs'
     assert derived["paravirt.floor_reg_mr_1m"].value == pytest.approx(0.40 + 0.28)
     assert derived["paravirt.floor_connect_qp_pair"].value == pytest.approx(2.0 + 2 * 0.28)
     assert derived["paravirt.floor_setup_64_qp_pairs"].value == pytest.approx(90.0 + 4 * 0.28)
@@ -145,3 +148,26 @@ def test_each_pooled_loop_of_the_mr_floor_registers_pages_of_its_own() -> None:
     assert sum(mr_pool_refills(floor._SMALL_MR, floor.LOOP)) * floor._SMALL_MR <= floor._POOL_REGION
     assert (1 << 20) + floor._POOL_REGIONS * floor._POOL_REGION <= floor._ARENA_SIZE
     assert floor._POOL_REGIONS >= 4  # a bench run's loops (CONTROL_ROUNDS) never register a page twice
+
+
+def test_a_pooled_loop_of_the_floor_refills_when_empty_and_closes_each_object_untimed() -> None:
+    """What the bare mediator's pooled loops send, in order: a refill whenever the pool is empty (the frontend's
+    schedule), one close after each sample, the spares at the end; a sample with a refill is the one that waits."""
+    from bench import mediation_floor as floor
+    from vrnic.frontend.guest_library import qp_pool_refills
+
+    sent: list[str] = []
+
+    def refill(count: int) -> None:
+        sent.append(f"refill {count}")
+        time.sleep(0.002)
+
+    samples = floor._pool_loop(qp_pool_refills(floor.LOOP), refill, lambda: sent.append("close"),
+                               lambda: sent.append("spares"))
+    assert len(samples) == floor.LOOP
+    refills = [entry for entry in sent if entry.startswith("refill")]
+    assert refills == ["refill 4", "refill 8", "refill 16", "refill 32"]
+    assert sent.count("close") == floor.LOOP and sent[-1] == "spares"
+    assert sent[:3] == ["refill 4", "close", "close"] and sent[5:7] == ["refill 8", "close"]
+    slow = [index for index, sample in enumerate(samples) if sample >= 2.0]
+    assert slow == [0, 4, 12, 28]  # the samples that found the pool empty

@@ -716,7 +716,7 @@ def _pooled_qp(ctx: Context, shape: QpShape) -> SpareQp:
         want = ctx.qp_refill.get(shape, QP_POOL)
         try:
             made = _create_qps(ctx, shape, want, fewer=True)
-            ctx.qp_refill[shape] = min(2 * want, QP_POOL_MAX)
+            ctx.qp_refill[shape] = _next_qp_refill(want)
         except QuotaExceeded as exc:
             if exc.limit != "max_qps":
                 raise
@@ -725,6 +725,19 @@ def _pooled_qp(ctx: Context, shape: QpShape) -> SpareQp:
             made = _create_qps(ctx, shape, 1)
         spares += made[::-1]
     return spares.pop()
+
+
+def _next_qp_refill(refill: int) -> int:
+    return min(2 * refill, QP_POOL_MAX)
+
+
+def qp_pool_refills(count: int) -> list[int]:
+    """The create_qps sizes that serve count QP()s of one shape one after another on a new context, none refused:
+    what a guest's loop of QPs costs vrnicd (bench.mediation_floor replays it on a bare mediator)."""
+    sizes = [QP_POOL]
+    while sum(sizes) < count:
+        sizes.append(_next_qp_refill(sizes[-1]))
+    return sizes
 
 
 def _give_back_spare_qps(ctx: Context, on_cq: int | None = None) -> None:
