@@ -437,7 +437,7 @@ def _reg_mrs(ctx: Context, shape: MrShape) -> list[SpareMr]:
     made = [SpareMr(int(h), int(k), b) for h, k, b in zip(handles, reply["keys"], buffers[:len(handles)], strict=True)]
     for buffer in buffers[len(made):]:
         ctx.free(buffer)
-    ctx.mr_refill[shape] = MR_POOL if refused or len(made) < want else min(2 * want, MR_POOL_MAX)
+    ctx.mr_refill[shape] = MR_POOL if refused or len(made) < want else _doubled(want, MR_POOL_MAX)
     return made
 
 
@@ -449,11 +449,20 @@ def _mr_pool_want(refill: int, length: int) -> int:
 def mr_pool_refills(length: int, count: int) -> list[int]:
     """The reg_mrs sizes that serve count MR()s of length one after another on a new context, none refused: what
     a guest's loop of small MRs costs vrnicd (bench.mediation_floor replays it on a bare mediator)."""
-    sizes: list[int] = []
-    refill = MR_POOL
+    return _refills(count, _mr_pool_want(MR_POOL, length),
+                    lambda last: _mr_pool_want(_doubled(last, MR_POOL_MAX), length))
+
+
+def _doubled(refill: int, cap: int) -> int:
+    """A pool's next refill after one of refill: twice as many, up to cap."""
+    return min(2 * refill, cap)
+
+
+def _refills(count: int, first: int, after: Callable[[int], int]) -> list[int]:
+    """The refill sizes, first then after(last) each time, that serve count handouts of one shape on a new context."""
+    sizes = [first]
     while sum(sizes) < count:
-        sizes.append(_mr_pool_want(refill, length))
-        refill = min(2 * sizes[-1], MR_POOL_MAX)
+        sizes.append(after(sizes[-1]))
     return sizes
 
 
@@ -716,7 +725,7 @@ def _pooled_qp(ctx: Context, shape: QpShape) -> SpareQp:
         want = ctx.qp_refill.get(shape, QP_POOL)
         try:
             made = _create_qps(ctx, shape, want, fewer=True)
-            ctx.qp_refill[shape] = _next_qp_refill(want)
+            ctx.qp_refill[shape] = _doubled(want, QP_POOL_MAX)
         except QuotaExceeded as exc:
             if exc.limit != "max_qps":
                 raise
@@ -727,17 +736,10 @@ def _pooled_qp(ctx: Context, shape: QpShape) -> SpareQp:
     return spares.pop()
 
 
-def _next_qp_refill(refill: int) -> int:
-    return min(2 * refill, QP_POOL_MAX)
-
-
 def qp_pool_refills(count: int) -> list[int]:
     """The create_qps sizes that serve count QP()s of one shape one after another on a new context, none refused:
     what a guest's loop of QPs costs vrnicd (bench.mediation_floor replays it on a bare mediator)."""
-    sizes = [QP_POOL]
-    while sum(sizes) < count:
-        sizes.append(_next_qp_refill(sizes[-1]))
-    return sizes
+    return _refills(count, QP_POOL, lambda last: _doubled(last, QP_POOL_MAX))
 
 
 def _give_back_spare_qps(ctx: Context, on_cq: int | None = None) -> None:
