@@ -241,7 +241,8 @@ def test_virsh_migrate_cancelled_then_done_under_rdma_traffic(
         peer.close()
         peer = None
         left = once_moved(baseline, vm_row)
-        back = eventually(lambda: resource_counts() == left, timeout=30)
+        # 120 s: on a loaded CI machine this stage ran 1.8x slower than on an idle one, and a leak stays anyway
+        back = eventually(lambda: resource_counts() == left, timeout=120)
         assert back, (resource_counts(), left)  # a keeps nothing of the VM
     finally:
         (SHARED.parent / "virsh-migrate.json").write_text(json.dumps(timings, indent=2, default=str))
