@@ -18,7 +18,8 @@ lint:
 # running_on_ci), where CI's log tail is all that is left of a lab run. Not on the host tiers: hypothesis takes
 # its derandomized ci profile from the same variable.
 LAB_PYTEST = env CI=1 pytest
-LAB_PYTEST_BARE = env CI=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest
+# the two-hosts stage's pytest: its plugins named, none loaded by entry point
+TWO_HOSTS_PYTEST = env CI=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest -m two_hosts -p no:cacheprovider -p pytest_timeout
 
 # unit, api and libvirt tiers run on the host.
 # Two workers (pytest-xdist): the host tiers take 3.3 min instead of 5 on two cores.
@@ -40,20 +41,20 @@ test-kernel:
 # longer on CI's, where 2100 s once cut off its last test after 15 had passed: 2700.
 test-two-hosts:
 	$(BIN)/vrnic lab run --topology two-hosts --rerun-on-guest-loss --timeout 2700 -- \
-		python -m vrnic.lab.two_hosts --smoke -- $(LAB_PYTEST_BARE) -m two_hosts -p no:cacheprovider -p pytest_timeout \
+		python -m vrnic.lab.two_hosts --smoke -- $(TWO_HOSTS_PYTEST) \
 		--durations=15 tests/two_hosts
 
 # Only the QoS test of the stage above (a cap and a live PATCH across the hosts, tc and the QP's RC timeout read
 # back). On a heavily loaded machine its stream cannot reach the 16 Mbit/s cap (README, QoS).
 test-qos-two-hosts:
 	$(BIN)/vrnic lab run --topology two-hosts --timeout 540 -- \
-		python -m vrnic.lab.two_hosts -- $(LAB_PYTEST_BARE) -m two_hosts -p no:cacheprovider -p pytest_timeout tests/two_hosts/test_qos.py
+		python -m vrnic.lab.two_hosts -- $(TWO_HOSTS_PYTEST) tests/two_hosts/test_qos.py
 
 # A VM under RDMA traffic live-migrated from host a to host b with its vRNIC handed over between the agents (issue
 # 11 across hosts), alone (test-two-hosts runs it too): about 4.5 min with nested KVM on an idle machine.
 test-migrate-two-hosts:
 	$(BIN)/vrnic lab run --topology two-hosts --timeout 1900 -- \
-		python -m vrnic.lab.two_hosts -- $(LAB_PYTEST_BARE) -m two_hosts -p no:cacheprovider -p pytest_timeout -o timeout=1800 -s \
+		python -m vrnic.lab.two_hosts -- $(TWO_HOSTS_PYTEST) -o timeout=1800 -s \
 		tests/two_hosts/test_vm_handover_rxe.py
 
 # The same move the way operators drive it: libvirtd on both hosts with vrnic's hook, and `virsh migrate --live
@@ -61,7 +62,7 @@ test-migrate-two-hosts:
 # runs it too).
 test-virsh-migrate-two-hosts:
 	$(BIN)/vrnic lab run --topology two-hosts --timeout 1900 -- \
-		python -m vrnic.lab.two_hosts -- $(LAB_PYTEST_BARE) -m two_hosts -p no:cacheprovider -p pytest_timeout -o timeout=1800 -s \
+		python -m vrnic.lab.two_hosts -- $(TWO_HOSTS_PYTEST) -o timeout=1800 -s \
 		tests/two_hosts/test_virsh_migrate.py
 
 # Real SR-IOV VFs (PCI functions with netdevs) on an emulated igb NIC; runs QEMU 10 (see make setup).
