@@ -733,6 +733,7 @@ def test_reg_mrs_checks_every_item_and_undoes_what_it_made(make_vrnic: Callable[
     with Context.attach(make_vrnic(), ARENA) as ctx:
         pd = PD(ctx)
         buf = ctx.alloc(4096)
+        ctx.provision([buf])
         with pytest.raises(InvalidArgument, match="reg_mrs: addrs"):
             ctx.call("reg_mrs", pd=pd.handle, addrs=[], length=4096, access=int(ALL))
         with pytest.raises(InvalidArgument, match="reg_mrs: addrs"):
@@ -773,6 +774,7 @@ def test_reg_mrs_failing_part_way_leaves_nothing_behind(
     with Context.attach(make_vrnic(max_mrs=4, max_pinned_bytes=4 * 4096), ARENA) as ctx:
         pd = PD(ctx)
         bufs = [ctx.alloc(4096) for _ in range(4)]
+        ctx.provision(bufs)
         live = len(edge.live)
         log: list[str] = []
         _recording(monkeypatch, log, FakeContext if where == "reg_mr" else SessionState, where, fail_at=fail_at)
@@ -795,6 +797,7 @@ def test_reg_mrs_takes_what_the_quota_leaves_and_publishes_every_key(
     with Context.attach(info, ARENA) as ctx:
         pd = PD(ctx)
         bufs = [ctx.alloc(4096) for _ in range(4)]
+        ctx.provision(bufs)
         made = ctx.call("reg_mrs", pd=pd.handle, addrs=[b.addr for b in bufs], length=4096, access=int(ALL))
         assert len(made["mrs"]) == len(set(made["keys"])) == 3 and _used(ctx) == (3, 3 * 4096)
         published = driver.registry._published[info.vrnic_id].mrs

@@ -24,6 +24,9 @@ from vrnic.core.rings import index_words
 from vrnic.errors import DeviceError, InvalidArgument, NotFound
 
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+_RESIDENT_BIT = bytes(i & 1 for i in range(256))  # mincore: bit 0 of each page's byte, the others reserved
 
 
 class GuestMemory:
@@ -44,6 +47,9 @@ class GuestMemory:
             raise InvalidArgument(f"the guest's memory layout needs {layout.file_bytes} bytes, the file has {size}")
         self.fd = fd
         self.size = size
+        # A container's memfd: its pages are the guest's to allocate (see unallocated_page); a VM's RAM file is
+        # QEMU's
+        self.guest_allocates = sealed
         self.layout = layout or arena_layout(size)
         self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         anchor = ctypes.c_char.from_buffer(self._map)
@@ -101,6 +107,39 @@ class GuestMemory:
             i = bisect.bisect_right(starts, end - 1)  # the stretches of data that start before end
             held.append(i > 0 and data[i - 1][1] > start)  # the last of them reaches past start
         return held
+
+    def unallocated_page(self, spans: Sequence[tuple[int, int]]) -> int | None:
+        """The file offset of the first page under the [start, end) spans that no one has allocated, or None.
+
+        A shmem page is charged to the memory cgroup of the task that allocates it (mm/shmem.c). A page the guest
+        never wrote (nor fallocated) would be allocated by vrnicd's registration, through vrnicd's mapping, and
+        charged to vrnicd: memory the guest's own limit never sees. One mincore() over the stretch that covers
+        the spans tells the pages in the page cache (written or fallocated); one it does not list may be swapped
+        out, which lseek(SEEK_DATA) counts as data (it was charged when it was allocated)."""
+        if not spans:
+            return None
+        page_size = mmap.PAGESIZE
+        first = min(start for start, _ in spans) // page_size * page_size
+        pages = -(-(max(end for _, end in spans) - first) // page_size)
+        vector = (ctypes.c_ubyte * pages)()
+        if _libc.mincore(ctypes.c_void_p(self.base + first), ctypes.c_size_t(pages * page_size), vector):
+            err = ctypes.get_errno()
+            raise DeviceError(f"mincore of the guest's memory failed: {os.strerror(err)}", err)
+        wanted = bytes(vector).translate(_RESIDENT_BIT)
+        if 0 not in wanted:  # the common case: every page of the stretch is in memory
+            return None
+        missing = sorted({first + i * page_size for start, end in spans
+                          for i in range((start - first) // page_size, -(-(end - first) // page_size))
+                          if not wanted[i]})
+        if not missing:
+            return None
+        data = self.data_extents(missing[0], missing[-1] + page_size)
+        starts = [lo for lo, _ in data]
+        for page in missing:
+            i = bisect.bisect_right(starts, page)
+            if i == 0 or data[i - 1][1] <= page:
+                return page
+        return None
 
     def close(self) -> None:
         if self._map.closed:

@@ -343,6 +343,18 @@ class GuestSession:
     def op_reg_mr(self, args: verb_args.RegMr, handle: int | None = None, vkey: int | None = None) -> dict[str, Any]:
         return self._reg_mr(args.pd, args.addr, args.length, args.access, handle, vkey)
 
+    def _require_allocated(self, offsets: list[int], length: int) -> None:
+        """Refuse to register a container guest's pages it has not allocated: vrnicd's registration would allocate
+        them, charged to vrnicd's memory cgroup, not the guest's (GuestMemory.unallocated_page). The frontend
+        faults a buffer's pages in before it registers it (Context.provision). A VM's RAM is QEMU's: not checked."""
+        if not self.memory.guest_allocates:
+            return
+        page = self.memory.unallocated_page([(at, at + length) for at in offsets])
+        if page is not None:
+            raise InvalidArgument(f"the MR covers arena pages the guest never allocated (offset {page:#x}): "
+                                  "write its pages (or madvise MADV_POPULATE_WRITE) before registering it, so that "
+                                  "they count against the guest's own memory limit")
+
     def _reg_mr(self, pd_handle: int, addr: int, length: int, access_bits: int, handle: int | None = None,
                 vkey: int | None = None) -> dict[str, Any]:
         """reg_mr of fields its schema (RegMr, or RegMrs for each of a pool's MRs) has checked."""
@@ -350,6 +362,8 @@ class GuestSession:
         at = self.state.locate(addr, length, "MR")
         if access_bits & _REMOTE_WRITES and not access_bits & _LOCAL_WRITE:
             raise InvalidArgument("remote write or atomic access needs LOCAL_WRITE too")
+        if handle is None:  # the guest's request (a restore re-registers what was registered before)
+            self._require_allocated([at], length)
         with self.state.ledger.reserve((Resource.MR, 1), (Resource.PINNED_BYTES, length)):
             mr = self._enter_mr(pd, addr, at, length, access_bits, Access(access_bits), handle, vkey)
         window = mr.window
@@ -391,6 +405,7 @@ class GuestSession:
         if access_bits & _REMOTE_WRITES and not access_bits & _LOCAL_WRITE:
             raise InvalidArgument("remote write or atomic access needs LOCAL_WRITE too")
         located = [(addr, self.state.locate(addr, length, "MR")) for addr in args.addrs]
+        self._require_allocated([at for _addr, at in located], length)
         ledger = self.state.ledger
         count = ledger.charge_up_to(len(located), (Resource.MR, 1), (Resource.PINNED_BYTES, length))
         # The NIC's registrations back to back, then the tables, as create_qps does: under TCG a registration runs

@@ -31,7 +31,7 @@ from vrnic.core.rings import (
 from vrnic.errors import Conflict, DeviceError, InvalidArgument, QuotaExceeded, VrnicError
 from vrnic.frontend.channel import DEFAULT_PORT, Channel, PortChannel, UnixChannel
 from vrnic.frontend.direct import DirectCq, DirectDevice, DirectQp
-from vrnic.frontend.memory import Arena, MemfdArena, VmArena
+from vrnic.frontend.memory import PAGE, Arena, MemfdArena, VmArena
 
 if TYPE_CHECKING:  # pydantic: not imported in a VM guest
     from vrnic.core.specs import AttachInfo
@@ -252,6 +252,19 @@ class Context(_Resource):
                 raise
             return take()
 
+    def provision(self, buffers: list[Buffer]) -> None:
+        """The arena's pages under buffers about to be registered, allocated by this process (MemfdArena.provision:
+        vrnicd registers no page of a container's arena the guest did not allocate): one call per run of buffers
+        side by side, as a pool's are."""
+        runs: list[list[int]] = []
+        for b in sorted(buffers, key=lambda b: b.offset):
+            if runs and b.offset <= runs[-1][1] + PAGE:
+                runs[-1][1] = max(runs[-1][1], b.offset + b.length)
+            else:
+                runs.append([b.offset, b.offset + b.length])
+        for start, end in runs:
+            self.arena.provision(start, end - start)
+
     def free(self, buffer: Buffer) -> None:
         self.allocator.free(buffer.offset)
 
@@ -333,6 +346,7 @@ class MR(_Resource):
             return
         self.buffer = ctx.alloc(buffer) if isinstance(buffer, int) else buffer
         try:
+            ctx.provision([self.buffer])
             reply = ctx.call("reg_mr", pd=pd.handle, addr=self.buffer.addr, length=self.buffer.length,
                              access=int(access))
         except BaseException:
@@ -420,6 +434,7 @@ def _reg_mrs(ctx: Context, shape: MrShape) -> list[SpareMr]:
     buffers = _pool_buffers(ctx, shape.length, want)
     refused = False
     try:
+        ctx.provision(buffers)
         request = {"pd": shape.pd, "addrs": [b.addr for b in buffers], "length": shape.length,
                    "access": shape.access}
         try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import fcntl
 import mmap
 import os
@@ -24,9 +25,10 @@ from typing import Protocol
 
 from vrnic.core.arena import ArenaAllocator, SegmentedAllocator, contiguous_runs
 from vrnic.core.rings import index_words
-from vrnic.errors import InvalidArgument, NotSupported
+from vrnic.errors import DeviceError, InvalidArgument, NotSupported
 
 PAGE = mmap.PAGESIZE
+MADV_POPULATE_WRITE = 23  # linux/mman-common.h, Linux 5.14; Python 3.11's mmap does not name it
 HUGEPAGE = 2 << 20
 _PFN_MASK = (1 << 55) - 1
 _PRESENT = 1 << 63
@@ -50,6 +52,9 @@ class Arena:
 
     def wire(self, offset: int) -> int:
         raise NotImplementedError
+
+    def provision(self, offset: int, length: int) -> None:
+        """Have the pages under [offset, +length) allocated by this process (nothing to do if they always are)."""
 
     def close(self) -> None:
         raise NotImplementedError
@@ -77,6 +82,23 @@ class MemfdArena(Arena):
 
     def wire(self, offset: int) -> int:
         return offset
+
+    def provision(self, offset: int, length: int) -> None:
+        """Fault the memfd's pages under [offset, +length) in here, writable, before vrnicd registers them. A shmem
+        page is charged to the memory cgroup of whoever allocates it (mm/shmem.c): pages the guest never touched
+        would be allocated by vrnicd's registration, through vrnicd's mapping, and charged to vrnicd instead of
+        the guest, and vrnicd refuses to register them (GuestMemory.unallocated_page). Not fallocate: it leaves a
+        shmem page !uptodate, which mincore and SEEK_DATA report as absent."""
+        start = offset - offset % PAGE
+        end = min(self.size, -(-(offset + length) // PAGE) * PAGE)
+        try:
+            self._map.madvise(MADV_POPULATE_WRITE, start, end - start)
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # ENOMEM: the guest's own memory cgroup is at its limit
+                raise DeviceError(f"cannot allocate {end - start} bytes of the arena: {e.strerror}",
+                                  e.errno or 0) from None
+            for page in range(start, end, PAGE):  # a kernel before 5.14: a read fault allocates a shmem page too
+                self.view[page]
 
     def close(self) -> None:
         self.words.release()

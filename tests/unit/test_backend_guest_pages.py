@@ -1,0 +1,140 @@
+"""vrnicd registers no page of a container's arena that the guest has not allocated: a shmem page is charged to
+the memory cgroup of whoever allocates it, so a registration over pages the guest never touched would charge
+vrnicd for the guest's memory. The frontend faults a buffer's pages in before it registers it. (The charge
+itself is proven in the lab: tests/kernel/test_guest_memory_charge.py.)"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from vrnic.backend.guest_memory import REQUIRED_SEALS, GuestMemory
+from vrnic.core.specs import AttachInfo
+from vrnic.errors import InvalidArgument
+from vrnic.frontend import MR, PD, Access, Context
+from vrnic.frontend.memory import MADV_POPULATE_WRITE, MemfdArena
+
+pytestmark = pytest.mark.unit
+
+PAGE = mmap.PAGESIZE
+ARENA = 1 << 20
+
+
+@pytest.fixture
+def memory() -> Iterator[GuestMemory]:
+    fd = os.memfd_create("guest", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    os.ftruncate(fd, 16 * PAGE)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS)
+    mem = GuestMemory(fd)
+    yield mem
+    mem.close()
+
+
+def _guest_mapping(memory: GuestMemory) -> mmap.mmap:
+    """The guest's own mapping of the same file (vrnicd's is memory.view)."""
+    return mmap.mmap(memory.fd, memory.size)
+
+
+def test_pages_written_or_populated_by_the_guest_count_and_untouched_or_fallocated_ones_do_not(
+        memory: GuestMemory) -> None:
+    guest = _guest_mapping(memory)
+    try:
+        assert memory.unallocated_page([(0, 16 * PAGE)]) == 0
+        guest[2 * PAGE + 7] = 1  # written
+        guest.madvise(MADV_POPULATE_WRITE, 3 * PAGE, 2 * PAGE)  # faulted in, not written: the frontend's way
+        os.posix_fallocate(memory.fd, 6 * PAGE, PAGE)  # allocated but not uptodate: mincore and SEEK_DATA miss it
+        assert memory.unallocated_page([(2 * PAGE, 5 * PAGE)]) is None
+        assert memory.unallocated_page([(2 * PAGE + 100, 2 * PAGE + 200), (4 * PAGE, 5 * PAGE - 1)]) is None
+        assert memory.unallocated_page([(2 * PAGE, 6 * PAGE)]) == 5 * PAGE
+        assert memory.unallocated_page([(6 * PAGE, 7 * PAGE)]) == 6 * PAGE
+        # only the spans' pages are looked at, not the gap between them
+        assert memory.unallocated_page([(2 * PAGE, 3 * PAGE), (4 * PAGE, 5 * PAGE)]) is None
+        assert memory.unallocated_page([(2 * PAGE, 3 * PAGE), (9 * PAGE + 5, 9 * PAGE + 6)]) == 9 * PAGE
+        assert memory.unallocated_page([]) is None
+    finally:
+        guest.close()
+
+
+def test_a_page_mincore_misses_but_seek_data_finds_counts(memory: GuestMemory,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A swapped-out shmem page is not in the page cache (mincore 0) but is data to lseek: it was charged when
+    it was allocated. Swap cannot be arranged here, so mincore is made to miss a written page."""
+    import vrnic.backend.guest_memory as guest_memory
+
+    memory.view[4 * PAGE] = 1
+
+    class Missing:
+        @staticmethod
+        def mincore(_addr: object, _length: object, _vector: object) -> int:
+            return 0  # every page "not resident"
+
+    monkeypatch.setattr(guest_memory, "_libc", Missing)
+    assert memory.unallocated_page([(4 * PAGE, 5 * PAGE)]) is None
+    assert memory.unallocated_page([(4 * PAGE, 6 * PAGE)]) == 5 * PAGE
+
+
+def test_vrnicd_refuses_an_mr_over_pages_the_guest_never_touched(make_vrnic: Callable[..., AttachInfo]) -> None:
+    with Context.attach(make_vrnic(), ARENA) as ctx:
+        pd = PD(ctx)
+        buf = ctx.alloc(8 * PAGE, align=PAGE)
+        with pytest.raises(InvalidArgument, match="never allocated"):
+            ctx.call("reg_mr", pd=pd.handle, addr=buf.addr, length=buf.length, access=int(Access.LOCAL_WRITE))
+        with pytest.raises(InvalidArgument, match="never allocated"):
+            ctx.call("reg_mrs", pd=pd.handle, addrs=[buf.addr], length=PAGE, access=int(Access.LOCAL_WRITE))
+        assert ctx.call("query_device")["quota_used"]["mr"] == 0  # refused before anything was charged
+        ctx.arena.view[buf.offset:buf.offset + buf.length] = b"\1" * buf.length  # written by the guest: fine
+        made = ctx.call("reg_mr", pd=pd.handle, addr=buf.addr, length=buf.length, access=int(Access.LOCAL_WRITE))
+        ctx.call("dereg_mr", mr=made["mr"])
+        # the frontend faults pages in itself: an MR of its own buffer, a pooled one, one of a caller's buffer
+        big, small = MR(pd, 64 * PAGE), MR(pd, 512)
+        given = ctx.alloc(4 * PAGE, align=PAGE)
+        mine = MR(pd, given)
+        assert {mr.buffer.length for mr in (big, small, mine)} == {64 * PAGE, 512, 4 * PAGE}
+        for mr in (big, small, mine):
+            mr.close()
+
+
+def test_the_frontend_populates_each_run_of_side_by_side_buffers_once(make_vrnic: Callable[..., AttachInfo],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    with Context.attach(make_vrnic(), ARENA) as ctx:
+        calls: list[tuple[int, int]] = []
+        assert isinstance(ctx.arena, MemfdArena)
+        monkeypatch.setattr(ctx.arena, "provision", lambda offset, length: calls.append((offset, length)))
+        side_by_side = ctx.alloc_many([1000] * 4, align=64)
+        apart = ctx.alloc(100, align=PAGE)
+        ctx.alloc(8 * PAGE)  # a gap of pages between apart and far
+        far = ctx.alloc(100, align=PAGE)
+        ctx.provision([*side_by_side[::-1], apart, far])
+        start = side_by_side[0].offset
+        runs = sorted(calls)
+        assert runs[0][0] == start and runs[0][1] >= side_by_side[-1].offset + 1000 - start
+        assert runs[-1] == (far.offset, 100)
+        assert len(runs) <= 3
+
+
+def test_on_a_kernel_without_populate_the_frontend_reads_each_page_in() -> None:
+    """MADV_POPULATE_WRITE came with Linux 5.14 (EINVAL before): a read fault allocates a shmem page too."""
+    arena = MemfdArena(16 * PAGE)
+    real = arena._map
+
+    class OldKernel:
+        def madvise(self, *_: int) -> None:
+            raise OSError(22, "Invalid argument")
+
+        def close(self) -> None:
+            real.close()
+
+    arena._map = OldKernel()  # type: ignore[assignment]
+    memory = GuestMemory(os.dup(arena.fd))  # vrnicd's view (close() closes the fd)
+    try:
+        arena.provision(3 * PAGE + 10, 2 * PAGE)
+        assert memory.unallocated_page([(3 * PAGE, 6 * PAGE)]) is None
+        assert memory.unallocated_page([(0, 16 * PAGE)]) == 0
+        assert memory.unallocated_page([(6 * PAGE, 7 * PAGE)]) == 6 * PAGE
+    finally:
+        memory.close()
+        arena.close()
