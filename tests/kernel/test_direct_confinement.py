@@ -11,13 +11,8 @@ from __future__ import annotations
 
 import errno
 import itertools
-import json
 import os
 import resource
-import select
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,14 +28,14 @@ from vrnic.core.verb_args import Attach
 from vrnic.errors import Conflict
 from vrnic.frontend import CQ, MR, PD, QP, Access, Context
 
-from .cgroup_root import cgroup2_root_with_rdma
+from .cgroup_root import cgroup2_root_with_rdma, rmdir_when_free
 from .conftest import wait_for_baseline
+from .scripted_guest import ScriptedGuest
 
 pytestmark = pytest.mark.kernel
 
 PINNED = 48 << 20  # the direct vRNIC's quota.max_pinned_bytes: not a memlock limit anyone has by chance
 PAYLOAD = b"confined but working " * 16
-IO_TIMEOUT = 60.0
 
 # The guest: attaches a direct vRNIC, RDMA-WRITEs to its peer, tries the bypass, detaches, on command.
 GUEST = r"""
@@ -120,27 +115,13 @@ class Cgroups:
         return parse_rdma_file(path.read_text()).get(device) if path.exists() else None
 
 
-def _rmdir(d: Path) -> None:
-    for _ in range(100):  # an exited guest may linger a moment
-        try:
-            d.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError as e:
-            if e.errno != errno.EBUSY:
-                raise
-            time.sleep(0.05)
-    raise AssertionError(f"{d} stays busy: {(d / 'cgroup.procs').read_text()!r}")
-
-
 @pytest.fixture
 def cgroups(device_pair: tuple[str, str]) -> Iterator[Cgroups]:
     device = device_pair[0]
     if not (Path("/sys/class/infiniband") / device / "parent").is_file():
         pytest.skip(f"{device} is not a soft-RoCE (rxe) device: the direct engine maps rxe's queues")
     hierarchy = cgroup2_root_with_rdma()
-    root, own, root_enabled_rdma = hierarchy.root, hierarchy.own, hierarchy.rdma_was_enabled
+    root, own, root_enabled_rdma = hierarchy.root, hierarchy.own, hierarchy.was_enabled
 
     top = root / f"vrnic-confinement-{os.getpid()}"
     daemon, guest = top / "daemon", top / "guest"
@@ -153,7 +134,7 @@ def cgroups(device_pair: tuple[str, str]) -> Iterator[Cgroups]:
     finally:
         (root / own.lstrip("/") / "cgroup.procs").write_text("0")
         for d in (guest, daemon, top):
-            _rmdir(d)
+            rmdir_when_free(d)
         if not root_enabled_rdma and "rdma" in (root / "cgroup.subtree_control").read_text().split():
             (root / "cgroup.subtree_control").write_text("-rdma")
 
@@ -184,42 +165,6 @@ def new_vrnic(drv: Any, device: str, engine: DataEngine, **quota: int) -> Attach
 
 # --- the guest process ----------------------------------------------------------------------------------
 
-class GuestProcess:
-    def __init__(self, stderr: Path) -> None:
-        self.stderr_path = stderr
-        self._stderr = stderr.open("wb")
-        self.proc = subprocess.Popen([sys.executable, "-c", GUEST], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._stderr, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.pid = self.proc.pid
-
-    def hear(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], IO_TIMEOUT)
-        line = self.proc.stdout.readline() if ready else b""
-        if not line:
-            self.kill()
-            raise AssertionError(f"the guest said nothing (exit {self.proc.returncode}); stderr:\n"
-                                 f"{self.stderr_path.read_text()}")
-        message: dict[str, Any] = json.loads(line)
-        return message
-
-    def say(self, **message: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(message).encode() + b"\n")
-        self.proc.stdin.flush()
-
-    def finish(self) -> None:
-        self.say(exit=True)
-        assert self.proc.wait(IO_TIMEOUT) == 0, self.stderr_path.read_text()
-        self._stderr.close()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self._stderr.close()
-
-
 def memlock_of(pid: int) -> tuple[str, str]:
     """The soft and hard 'Max locked memory' of a process, as /proc/<pid>/limits reads."""
     for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
@@ -247,7 +192,7 @@ def test_a_guest_in_its_own_cgroup_is_confined_while_attached_and_still_moves_da
     peer_cq = CQ(peer, 64)
     peer_mr = MR(peer_pd, 65536, Access.LOCAL_WRITE | Access.REMOTE_WRITE)
     peer_qp = QP(peer_pd, peer_cq, peer_cq)
-    guest = GuestProcess(tmp_path / "guest.stderr")
+    guest = ScriptedGuest(GUEST, tmp_path / "guest.stderr")
     try:
         assert guest.hear() == {"ready": True}
         (cgroups.guest / "cgroup.procs").write_text(str(guest.pid))  # as a container runtime would

@@ -16,34 +16,26 @@ raw reg_mr over 32 MiB the guest never touched is refused.
 from __future__ import annotations
 
 import ctypes
-import errno
-import json
 import mmap
 import os
-import select
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from vrnic.backend.rdma_tool import resource_counts
-from vrnic.core.containment import pick_cgroup2_mount, unified_cgroup_path
 from vrnic.core.specs import Quota, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
-from vrnic.errors import Conflict
 
+from .cgroup_root import cgroup2_root_with, rmdir_when_free
 from .conftest import wait_for_baseline
+from .scripted_guest import ScriptedGuest
 
 pytestmark = pytest.mark.kernel
 
 MiB = 1 << 20
 SIZE = 32 * MiB  # far above what either process allocates by itself while it is measured
-IO_TIMEOUT = 120.0
 
 GUEST = r"""
 import json, sys
@@ -94,32 +86,10 @@ def current(cgroup: Path) -> int:
     return int((cgroup / "memory.current").read_text())
 
 
-def _rmdir(d: Path) -> None:
-    for _ in range(100):  # an exited guest may linger a moment
-        try:
-            d.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError as e:
-            if e.errno != errno.EBUSY:
-                raise
-            time.sleep(0.05)
-    raise AssertionError(f"{d} stays busy: {(d / 'cgroup.procs').read_text()!r}")
-
-
 @pytest.fixture
 def cgroups(device_pair: tuple[str, str]) -> Iterator[Cgroups]:
-    if os.geteuid() != 0:
-        pytest.skip("needs root: it creates cgroups")
-    own = unified_cgroup_path(Path("/proc/self/cgroup").read_text())
-    try:
-        root = Path(pick_cgroup2_mount(Path("/proc/self/mountinfo").read_text(), "/").directory("/"))
-    except Conflict as e:
-        pytest.skip(f"no cgroup2 mount: {e}")
-    if "memory" not in (root / "cgroup.controllers").read_text().split():
-        pytest.skip("the cgroup2 hierarchy has no memory controller")
-    had_memory = "memory" in (root / "cgroup.subtree_control").read_text().split()
+    hierarchy = cgroup2_root_with("memory", "it creates cgroups")
+    root = hierarchy.root
     (root / "cgroup.subtree_control").write_text("+memory")
     top = root / f"vrnic-memcharge-{os.getpid()}"
     daemon, guest = top / "daemon", top / "guest"
@@ -131,10 +101,10 @@ def cgroups(device_pair: tuple[str, str]) -> Iterator[Cgroups]:
     try:
         yield Cgroups(daemon, guest)
     finally:
-        (root / own.lstrip("/") / "cgroup.procs").write_text("0")
+        (root / hierarchy.own.lstrip("/") / "cgroup.procs").write_text("0")
         for d in (guest, daemon, top):
-            _rmdir(d)
-        if not had_memory:
+            rmdir_when_free(d)
+        if not hierarchy.was_enabled:
             (root / "cgroup.subtree_control").write_text("-memory")
 
 
@@ -164,44 +134,13 @@ def test_a_native_registration_over_untouched_shmem_charges_the_registering_cgro
         os.close(fd)
 
 
-class GuestProcess:
-    def __init__(self, stderr: Path) -> None:
-        self.stderr_path = stderr
-        self._stderr = stderr.open("wb")
-        self.proc = subprocess.Popen([sys.executable, "-c", GUEST], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._stderr, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.pid = self.proc.pid
-
-    def hear(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], IO_TIMEOUT)
-        line = self.proc.stdout.readline() if ready else b""
-        if not line:
-            self.kill()
-            raise AssertionError(f"the guest said nothing (exit {self.proc.returncode}); stderr:\n"
-                                 f"{self.stderr_path.read_text()}")
-        message: dict[str, Any] = json.loads(line)
-        return message
-
-    def say(self, **message: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(message).encode() + b"\n")
-        self.proc.stdin.flush()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self._stderr.close()
-
-
 def test_a_guests_mr_is_charged_to_the_guest_and_untouched_pages_are_refused(
         cgroups: Cgroups, device_pair: tuple[str, str], tmp_path: Path) -> None:
     from vrnic.backend.drivers.paravirtual import VerbsDriver
 
     baseline = resource_counts()
     drv = VerbsDriver(socket_path=tmp_path / "vrnicd.sock")
-    guest = GuestProcess(tmp_path / "guest.stderr")
+    guest = ScriptedGuest(GUEST, tmp_path / "guest.stderr", timeout=120)
     try:
         spec = VrnicSpec(id="m1", tenant="t1", vpc_id=1, quota=Quota(max_pinned_bytes=4 * SIZE),
                          virtual_gid=make_virtual_gid(1, 1))
@@ -226,7 +165,7 @@ def test_a_guests_mr_is_charged_to_the_guest_and_untouched_pages_are_refused(
         guest.say(go=True)
         assert guest.hear() == {"closed": True}
         guest.say(go=True)
-        assert guest.proc.wait(IO_TIMEOUT) == 0, guest.stderr_path.read_text()
+        assert guest.proc.wait(120) == 0, guest.stderr_path.read_text()
     finally:
         guest.kill()
         drv.close()

@@ -246,7 +246,7 @@ def lab() -> Iterator[Lab]:
     if uverbs is None or not uverbs.exists():
         pytest.skip(f"no uverbs character device for {DEVICE}")
     hierarchy = cgroup2_root_with_rdma()
-    root, own, root_enabled_rdma = hierarchy.root, hierarchy.own, hierarchy.rdma_was_enabled
+    root, own, root_enabled_rdma = hierarchy.root, hierarchy.own, hierarchy.was_enabled
 
     baseline = resource_counts()
     top = root / f"vrnic-test-{os.getpid()}"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import itertools
+import mmap
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -10,6 +13,7 @@ import pytest
 
 from vrnic.backend.drivers.paravirtual import VerbsDriver
 from vrnic.backend.fake_edge import FakeEdge
+from vrnic.backend.guest_memory import REQUIRED_SEALS, GuestMemory
 from vrnic.core.specs import AttachInfo, Quota, VrnicSpec
 from vrnic.core.vaddr import make_virtual_gid
 
@@ -39,3 +43,14 @@ def make_vrnic(driver: VerbsDriver) -> Callable[..., AttachInfo]:
         return driver.create_vrnic(spec, device)
 
     return make
+
+
+@pytest.fixture
+def memory() -> Iterator[GuestMemory]:
+    """vrnicd's view of a guest's sealed memfd of 16 pages, none written."""
+    fd = os.memfd_create("guest", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    os.ftruncate(fd, 16 * mmap.PAGESIZE)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS)
+    mem = GuestMemory(fd)
+    yield mem
+    mem.close()

@@ -5,19 +5,18 @@ nor read by the engine until the guest writes one), and the data path's thread s
 from __future__ import annotations
 
 import errno
-import fcntl
 import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
 from tests.unit.test_backend_session import ME, guest_fds, session_of
 from vrnic.backend.drivers.paravirtual import VerbsDriver
 from vrnic.backend.engine import SharedRingEngine
-from vrnic.backend.guest_memory import REQUIRED_SEALS, GuestMemory
+from vrnic.backend.guest_memory import GuestMemory
 from vrnic.backend.session import GuestSession
 from vrnic.core.rings import CQ_SLOT, HEADER_BYTES, RQ_SLOT, Ring, pack_recv, unpack_completion
 from vrnic.core.specs import AttachInfo
@@ -26,16 +25,6 @@ from vrnic.frontend import CQ, PD, QP, Context, RecvRequest, WcStatus
 
 ARENA = 1 << 20
 PAGE = mmap.PAGESIZE
-
-
-@pytest.fixture
-def memory() -> Iterator[GuestMemory]:
-    fd = os.memfd_create("guest", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
-    os.ftruncate(fd, 16 * PAGE)
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS)
-    mem = GuestMemory(fd)
-    yield mem
-    mem.close()
 
 
 def test_data_extents_tell_holes_from_data_in_the_guests_memory_file(memory: GuestMemory) -> None:

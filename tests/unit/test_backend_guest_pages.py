@@ -5,14 +5,13 @@ itself is proven in the lab: tests/kernel/test_guest_memory_charge.py.)"""
 
 from __future__ import annotations
 
-import fcntl
 import mmap
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
-from vrnic.backend.guest_memory import REQUIRED_SEALS, GuestMemory
+from vrnic.backend.guest_memory import GuestMemory
 from vrnic.core.specs import AttachInfo
 from vrnic.errors import InvalidArgument
 from vrnic.frontend import MR, PD, Access, Context
@@ -22,16 +21,6 @@ pytestmark = pytest.mark.unit
 
 PAGE = mmap.PAGESIZE
 ARENA = 1 << 20
-
-
-@pytest.fixture
-def memory() -> Iterator[GuestMemory]:
-    fd = os.memfd_create("guest", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
-    os.ftruncate(fd, 16 * PAGE)
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS)
-    mem = GuestMemory(fd)
-    yield mem
-    mem.close()
 
 
 def _guest_mapping(memory: GuestMemory) -> mmap.mmap:
