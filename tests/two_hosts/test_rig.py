@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from vrnic.lab.two_hosts.agent import health
+from vrnic.lab.health import health
 from vrnic.lab.two_hosts.rig import Rig
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 from vrnic.errors import LabError
+from vrnic.lab.health import health
 
 PROJECT = Path(__file__).resolve().parents[2]
 KILL_POINTS = ("allocate", "attach", "create_qp", "connect", "release", "reissue", "sriov", "num_vfs", "idle")
@@ -135,8 +136,9 @@ class KillStorm:
         self.result = StormResult()
 
     # ----- the daemon --------------------------------------------------------------------------
-    def start_daemon(self, timeout: float = 600) -> float:
-        """Start `vrnic daemon`; the monotonic time it first answered."""
+    def start_daemon(self, timeout: float = 400) -> float:
+        """Start `vrnic daemon`; the monotonic time it first answered. The timeout stays under the lab's hang
+        watch (10 min without progress), so a daemon that never answers fails the test with its log."""
         log = (self.workdir / "daemon.log").open("ab")
         self.daemon = subprocess.Popen([sys.executable, "-m", "vrnic.cli.main", "daemon"], env=self.env,
                                        stdout=log, stderr=subprocess.STDOUT)
@@ -146,14 +148,13 @@ class KillStorm:
                 raise LabError(f"vrnic daemon exited ({self.daemon.returncode}): "
                                f"{(self.workdir / 'daemon.log').read_text()[-3000:]}")
             if time.monotonic() > deadline:
-                raise LabError(f"vrnic daemon did not answer within {timeout:.0f} s")
+                raise LabError(f"vrnic daemon did not answer within {timeout:.0f} s: "
+                               f"{(self.workdir / 'daemon.log').read_text()[-3000:]}")
             time.sleep(0.05)
         return time.monotonic()
 
     def healthy(self) -> bool:
-        with contextlib.suppress(httpx.HTTPError):
-            return httpx.get(f"{self.url}/api/v1/health", timeout=2).status_code == 200
-        return False
+        return health(self.url) is not None
 
     def kill(self) -> float:
         assert self.daemon is not None

@@ -9,7 +9,6 @@ Inside the lab only: it mounts over /etc/libvirt and /var/lib/libvirt (VmHost).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
@@ -23,6 +22,7 @@ from typing import Any
 import httpx
 
 from vrnic.errors import LabError
+from vrnic.lab.health import health
 from vrnic.lab.vm_guest import BOOT_STEPS, MARK, ControlPort, peer_domain
 from vrnic.lab.vm_host import (
     URI,
@@ -105,9 +105,8 @@ class VmLab:
             if self.daemon.poll() is not None:
                 raise LabError(f"vrnic daemon exited ({self.daemon.returncode}); "
                                f"{(self.workdir / 'daemon.log').read_text()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/api/v1/health", timeout=2).status_code == 200:
-                    return
+            if health(self.url) is not None:
+                return
             if time.monotonic() > deadline:
                 raise LabError(f"vrnic daemon did not answer within {timeout:.0f} s")
             time.sleep(0.2)

@@ -9,14 +9,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vrnic.errors import LabError
+from vrnic.lab.health import health
 
 AGENT_PORT = 8470
 
@@ -56,15 +55,6 @@ class AgentConfig:
             "VRNIC_PARAVIRTUAL_DRIVER_OPTIONS": json.dumps({"socket_path": str(self.state_dir / "vrnicd.sock")}),
             **self.env,
         }
-
-
-def health(url: str, timeout: float = 2.0) -> dict[str, Any] | None:
-    """GET /api/v1/health, or None while nothing answers (urllib: no client library to import)."""
-    try:
-        with urllib.request.urlopen(f"{url}/api/v1/health", timeout=timeout) as response:
-            return json.loads(response.read()) if response.status == 200 else None
-    except (OSError, urllib.error.URLError, ValueError):
-        return None
 
 
 class AgentProcess:
