@@ -127,3 +127,27 @@ def test_on_a_kernel_without_populate_the_frontend_reads_each_page_in() -> None:
     finally:
         memory.close()
         arena.close()
+
+
+def test_the_frontend_populates_a_page_once() -> None:
+    """Pages stay allocated once faulted in (the arena is never punched): the populate walk is not made again."""
+    arena = MemfdArena(16 * PAGE)
+    real = arena._map
+    calls: list[tuple[int, int]] = []
+
+    class Counting:
+        def madvise(self, option: int, start: int, length: int) -> None:
+            calls.append((start, length))
+            real.madvise(option, start, length)
+
+        def close(self) -> None:
+            real.close()
+
+    arena._map = Counting()  # type: ignore[assignment]
+    try:
+        arena.provision(2 * PAGE + 5, PAGE)  # two pages
+        arena.provision(2 * PAGE, 2 * PAGE)  # the same two: nothing to do
+        arena.provision(3 * PAGE, 2 * PAGE)  # one of them and a new one: both, in one call
+        assert calls == [(2 * PAGE, 2 * PAGE), (3 * PAGE, 2 * PAGE)]
+    finally:
+        arena.close()

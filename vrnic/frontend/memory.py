@@ -79,6 +79,7 @@ class MemfdArena(Arena):
         self.view = memoryview(self._map)
         self.words = index_words(self.view)
         self.allocator = ArenaAllocator(size)
+        self._provisioned = bytearray(size // PAGE)  # 1: this process faulted the page in (it stays allocated)
 
     def wire(self, offset: int) -> int:
         return offset
@@ -91,6 +92,9 @@ class MemfdArena(Arena):
         shmem page !uptodate, which mincore and SEEK_DATA report as absent."""
         start = offset - offset % PAGE
         end = min(self.size, -(-(offset + length) // PAGE) * PAGE)
+        first, last = start // PAGE, end // PAGE
+        if self._provisioned.find(0, first, last) < 0:  # done before (each time: a 1 MiB MR loop ran 1.4x slower)
+            return
         try:
             self._map.madvise(MADV_POPULATE_WRITE, start, end - start)
         except OSError as e:
@@ -99,6 +103,7 @@ class MemfdArena(Arena):
                                   e.errno or 0) from None
             for page in range(start, end, PAGE):  # a kernel before 5.14: a read fault allocates a shmem page too
                 self.view[page]
+        self._provisioned[first:last] = b"\1" * (last - first)
 
     def close(self) -> None:
         self.words.release()
