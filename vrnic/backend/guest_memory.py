@@ -112,9 +112,9 @@ class GuestMemory:
         """The file offset of the first page under the [start, end) spans that no one has allocated, or None.
 
         A shmem page is charged to the memory cgroup of the task that allocates it (mm/shmem.c). A page the guest
-        never wrote (nor fallocated) would be allocated by vrnicd's registration, through vrnicd's mapping, and
+        never wrote (nor populated) would be allocated by vrnicd's registration, through vrnicd's mapping, and
         charged to vrnicd: memory the guest's own limit never sees. One mincore() over the stretch that covers
-        the spans tells the pages in the page cache (written or fallocated); one it does not list may be swapped
+        the spans tells the pages in the page cache (written or populated); one it does not list may be swapped
         out, which lseek(SEEK_DATA) counts as data (it was charged when it was allocated)."""
         if not spans:
             return None
@@ -131,15 +131,8 @@ class GuestMemory:
         missing = sorted({first + i * page_size for start, end in spans
                           for i in range((start - first) // page_size, -(-(end - first) // page_size))
                           if not wanted[i]})
-        if not missing:
-            return None
-        data = self.data_extents(missing[0], missing[-1] + page_size)
-        starts = [lo for lo, _ in data]
-        for page in missing:
-            i = bisect.bisect_right(starts, page)
-            if i == 0 or data[i - 1][1] <= page:
-                return page
-        return None
+        held = self.holds_data([(page, page + page_size) for page in missing])
+        return next((page for page, data in zip(missing, held, strict=True) if not data), None)
 
     def close(self) -> None:
         if self._map.closed:
