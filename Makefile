@@ -16,10 +16,12 @@ lint:
 
 # pytest in the lab with CI set: its short summary then keeps each failure's message whole (pytest's
 # running_on_ci), where CI's log tail is all that is left of a lab run. Not on the host tiers: hypothesis takes
-# its derandomized ci profile from the same variable.
-LAB_PYTEST = env CI=1 pytest
-# the two-hosts stage's pytest: its plugins named, none loaded by entry point
-TWO_HOSTS_PYTEST = env CI=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest -m two_hosts -p no:cacheprovider -p pytest_timeout
+# its derandomized ci profile from the same variable. Its plugins are named, none loaded by entry point: the lab
+# tests use none of hypothesis, schemathesis, anyio or xdist, whose imports cost each lab session a second on the
+# host, tens of seconds under TCG.
+LAB_PYTEST = env CI=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 pytest -p pytest_timeout
+# the two-hosts stage's pytest
+TWO_HOSTS_PYTEST = $(LAB_PYTEST) -m two_hosts -p no:cacheprovider
 
 # The lab guests' Python would otherwise compile the project and pytest rewrite each test module it collects, under
 # TCG: minutes of every lab stage (5.5 min of the kernel tier's collection once). The lab mounts this tree, so

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from vrnic.errors import InvalidArgument
+from vrnic.lab.qemu import TCG_CPU
 from vrnic.lab.qemu_vm import MigrationStats, QemuVmSpec, migration_stats, qemu_argv
 from vrnic.lab.vm_guest import GUEST_PREFIX, guest_python_files, migratable_vm_spec, parse_ldd
 
@@ -41,7 +42,7 @@ def test_qemu_argv_source() -> None:
 def test_qemu_argv_destination_tcg_no_channels() -> None:
     argv = qemu_argv(replace(SPEC, accel="tcg", channels=(), incoming="unix:/w/mig.sock", bios=None,
                              memory_mib=512))
-    assert argv[argv.index("-accel"):argv.index("-accel") + 4] == ["-accel", "tcg", "-cpu", "max"]
+    assert argv[argv.index("-accel"):argv.index("-accel") + 4] == ["-accel", "tcg", "-cpu", TCG_CPU]
     assert "size=512M" in argv[argv.index("-object") + 1]
     assert "-bios" not in argv and "virtio-serial-pci,id=vser0" not in argv
     assert argv[-3:] == ["-incoming", "unix:/w/mig.sock", "-S"]

@@ -11,9 +11,8 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-import httpx
 from pydantic import BaseModel, ValidationError
 
 from vrnic.core.peer_wire import (
@@ -30,6 +29,9 @@ from vrnic.core.peer_wire import (
 from vrnic.core.peering import Identity, SecurityRule
 from vrnic.core.translate import MrWindow
 from vrnic.errors import NotFound, Unavailable, VrnicError, error_from_dict
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger(__name__)
 _Answer = TypeVar("_Answer", bound=BaseModel)
@@ -107,7 +109,9 @@ class AgentDirectory:
     @functools.cached_property
     def _client(self) -> httpx.Client:
         # Made at the first lookup, not at the daemon's start: a client loads the CA bundle (0.5 s under TCG),
-        # and a single-host daemon never asks another agent.
+        # and a single-host daemon never asks another agent. httpx itself is imported here for the same reason.
+        import httpx
+
         return httpx.Client(headers={"Authorization": f"Bearer {self._agent_token}"}, timeout=self.timeout,
                             transport=self._transport)
 
@@ -123,6 +127,8 @@ class AgentDirectory:
 
     def _post(self, agent: AgentRef, path: str, body: BaseModel, answer: type[_Answer],
               timeout: float | None = None) -> _Answer:
+        import httpx  # loaded by _client already
+
         url = agent.url.rstrip("/") + path
         try:
             reply = self._client.post(url, content=body.model_dump_json(),

@@ -7,28 +7,35 @@ reached is Unavailable (503), never a hang: connecting gives up after a few seco
 
 from __future__ import annotations
 
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from vrnic.core.specs import AttachInfo, QosPolicy, VrnicMode, VrnicSpec
 from vrnic.errors import Unavailable, VrnicError, error_from_dict
 
+if TYPE_CHECKING:
+    import httpx
+
 AGENT_PREFIX = "/agent/v1"
-_TIMEOUT = httpx.Timeout(30.0, connect=3.0)
+_TIMEOUT_S, _CONNECT_TIMEOUT_S = 30.0, 3.0
 
 
 class RemoteBackend:
     def __init__(self, host: str, url: str, token: str, *, transport: httpx.BaseTransport | None = None) -> None:
         self.host = host
         self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url + AGENT_PREFIX, timeout=_TIMEOUT, transport=transport,
+        # httpx is imported here, not with the module: the API imports this module, and a daemon that never
+        # reaches another host should not pay httpx's import (with its CLI's rich) at every start
+        import httpx
+
+        self._transport_error = httpx.TransportError
+        self._http = httpx.Client(base_url=self.url + AGENT_PREFIX, transport=transport,
+                                  timeout=httpx.Timeout(_TIMEOUT_S, connect=_CONNECT_TIMEOUT_S),
                                   headers={"Authorization": f"Bearer {token}"})
 
     def _call(self, method: str, path: str, body: Any = None) -> Any:
         try:
             response = self._http.request(method, path, json=body)
-        except httpx.TransportError as exc:
+        except self._transport_error as exc:
             raise Unavailable(f"the agent of host {self.host} ({self.url}) is unreachable: {exc}") from exc
         if response.status_code >= 400:
             raise _error(response, self.host)

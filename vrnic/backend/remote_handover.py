@@ -8,9 +8,7 @@ back as the VrnicError it raised.
 
 from __future__ import annotations
 
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from vrnic.backend.peer_directory import AgentRef, agent_problem
 from vrnic.core.handover import Arrival, PeerQpStatus, QpCarry, pages_to_wire
@@ -18,20 +16,27 @@ from vrnic.core.session_state import SessionSnapshot
 from vrnic.core.specs import VmBinding, VrnicSpec
 from vrnic.errors import Unavailable
 
+if TYPE_CHECKING:
+    import httpx
+
 # A take-over connects every QP and registers what changed since the pre-setup: seconds on a loaded host.
-HANDOVER_TIMEOUT = httpx.Timeout(60.0, connect=3.0)
+HANDOVER_TIMEOUT_S, HANDOVER_CONNECT_TIMEOUT_S = 60.0, 3.0
 
 
 class AgentClient:
     def __init__(self, agent: AgentRef, token: str, transport: httpx.BaseTransport | None = None) -> None:
+        import httpx  # when a hand-over needs it, not at the daemon's start (see vrnic.backend.remote)
+
         self.agent = agent
-        self._http = httpx.Client(base_url=agent.url.rstrip("/") + "/agent/v1", timeout=HANDOVER_TIMEOUT,
+        self._http_error = httpx.HTTPError
+        self._http = httpx.Client(base_url=agent.url.rstrip("/") + "/agent/v1",
+                                  timeout=httpx.Timeout(HANDOVER_TIMEOUT_S, connect=HANDOVER_CONNECT_TIMEOUT_S),
                                   transport=transport, headers={"Authorization": f"Bearer {token}"})
 
     def call(self, method: str, path: str, body: Any = None) -> Any:
         try:
             reply = self._http.request(method, path, json=body)
-        except httpx.HTTPError as exc:
+        except self._http_error as exc:
             raise Unavailable(f"the agent of host {self.agent.host} ({self.agent.url}) cannot be reached: "
                               f"{exc}") from exc
         if reply.status_code >= 400:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from vrnic.errors import InvalidArgument, LabError
+from vrnic.lab.qemu import TCG_CPU
 from vrnic.lab.qmp import QmpClient
 
 QBOOT = Path("/usr/share/qemu/qboot.rom")  # boots a -kernel in a fraction of SeaBIOS's time
@@ -75,7 +76,7 @@ def qemu_argv(spec: QemuVmSpec) -> list[str]:
     argv = [
         spec.qemu, "-name", spec.name,
         "-machine", "q35,memory-backend=mem",
-        "-accel", spec.accel, "-cpu", "host" if spec.accel == "kvm" else "max",
+        "-accel", spec.accel, "-cpu", "host" if spec.accel == "kvm" else TCG_CPU,
         "-smp", str(spec.cpus), "-m", mem,
         "-object", f"memory-backend-file,id=mem,size={mem},mem-path={_opt('ram_path', spec.ram_path)},share=on",
     ]
