@@ -27,15 +27,16 @@ class RemoteBackend:
         # reaches another host should not pay httpx's import (with its CLI's rich) at every start
         import httpx
 
-        self._transport_error = httpx.TransportError
         self._http = httpx.Client(base_url=self.url + AGENT_PREFIX, transport=transport,
                                   timeout=httpx.Timeout(_TIMEOUT_S, connect=_CONNECT_TIMEOUT_S),
                                   headers={"Authorization": f"Bearer {token}"})
 
     def _call(self, method: str, path: str, body: Any = None) -> Any:
+        import httpx  # loaded by __init__ already
+
         try:
             response = self._http.request(method, path, json=body)
-        except self._transport_error as exc:
+        except httpx.TransportError as exc:
             raise Unavailable(f"the agent of host {self.host} ({self.url}) is unreachable: {exc}") from exc
         if response.status_code >= 400:
             raise _error(response, self.host)

@@ -28,15 +28,16 @@ class AgentClient:
         import httpx  # when a hand-over needs it, not at the daemon's start (see vrnic.backend.remote)
 
         self.agent = agent
-        self._http_error = httpx.HTTPError
         self._http = httpx.Client(base_url=agent.url.rstrip("/") + "/agent/v1",
                                   timeout=httpx.Timeout(HANDOVER_TIMEOUT_S, connect=HANDOVER_CONNECT_TIMEOUT_S),
                                   transport=transport, headers={"Authorization": f"Bearer {token}"})
 
     def call(self, method: str, path: str, body: Any = None) -> Any:
+        import httpx  # loaded by __init__ already
+
         try:
             reply = self._http.request(method, path, json=body)
-        except self._http_error as exc:
+        except httpx.HTTPError as exc:
             raise Unavailable(f"the agent of host {self.agent.host} ({self.agent.url}) cannot be reached: "
                               f"{exc}") from exc
         if reply.status_code >= 400:

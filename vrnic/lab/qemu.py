@@ -15,12 +15,12 @@ NINEP_OPTS = "security_model=none,multidevs=remap"  # without remap the guest lo
 # interrupt controller is QEMU's own, so interrupt remapping needs no kernel-irqchip=split.
 # iommu=pt: host-owned devices (the PF, virtio) keep identity DMA; only vfio-pci domains translate.
 IOMMU_DEVICE = "intel-iommu,intremap=on"
+IOMMU_KERNEL_ARGS = ("intel_iommu=on", "iommu=pt")
 # The emulated CPU: everything TCG offers (svm and npt for nested KVM) but AVX. With AVX, glibc picks its AVX2
 # memcpy, which TCG runs 5-8x slower than the SSE2 one it picks without (a 64 KiB bytearray copy in the lab: 0.96
 # and 1.21 s for 3000 against 0.15 and 0.21, four boots in turns); Python, QEMU inside the lab and the data path
 # copy all the time.
 TCG_CPU = "max,-avx,-avx2,-vaes,-vpclmulqdq"
-IOMMU_KERNEL_ARGS = ("intel_iommu=on", "iommu=pt")
 
 
 @dataclass(frozen=True)
