@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import queue
+import signal
 import subprocess
 import threading
 import time
@@ -23,6 +25,7 @@ from vrnic.lab.guest import (
     Topology,
     guest_script,
     heartbeat_file,
+    heartbeat_script,
     initramfs_init,
     ipv4_gid_suffix,
     lab_env,
@@ -241,6 +244,51 @@ def test_the_guest_beats_into_a_file_beside_its_rc_file_while_the_command_runs()
     beat = script.index("/work/main/.lab/runs/1/rc-a.heartbeat")
     assert script.index(f"{MARKER}ready") < beat < script.index("\nrdma link show </dev/null\n")
     assert heartbeat_file(Path("/r/rc-b")) == Path("/r/rc-b.heartbeat")
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _beats(beat: Path, seconds: float) -> int:
+    """How many times beat's mtime moved in the next seconds."""
+    seen, moved = None, 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError):
+            mtime = beat.stat().st_mtime_ns
+            moved += seen is not None and mtime != seen
+            seen = mtime
+        time.sleep(0.02)
+    return moved
+
+
+def test_the_heartbeat_beats_with_builtins_and_stops_when_one_cpus_task_cannot_run(tmp_path: Path) -> None:
+    beat = tmp_path / "rc-a.heartbeat"
+    script = heartbeat_script(str(beat), period_s=0.1, fifo_dir=str(tmp_path))
+    shell = subprocess.Popen(["bash", "-c", script + "\nwait\n"], start_new_session=True)
+    try:
+        assert _beats(beat, 1.5) >= 3
+        (loop,) = _children(shell.pid)  # the heartbeat's subshell
+        workers = _children(loop)  # a subshell per CPU, pinned, answering each beat
+        assert len(workers) == os.cpu_count()
+        assert set(_children(loop)) == set(workers) and all(not _children(w) for w in workers)  # no process per beat
+        os.kill(workers[-1], signal.SIGSTOP)  # as a CPU stuck in nested KVM runs nothing
+        time.sleep(0.3)
+        assert _beats(beat, 1.0) == 0
+        os.kill(workers[-1], signal.SIGCONT)
+        assert _beats(beat, 1.0) >= 2
+    finally:
+        os.killpg(shell.pid, signal.SIGKILL)
+        shell.wait()
 
 
 def test_quiet_for_counts_from_the_last_beat_or_from_ready(tmp_path: Path) -> None:
