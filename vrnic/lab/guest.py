@@ -62,8 +62,7 @@ def heartbeat_script(heartbeat: str, period_s: float = HEARTBEAT_S, fifo_dir: st
     for the shell; vrnic/lab/runner.py). Each beat needs a task on every CPU to have run: a CPU stuck in nested KVM
     runs nothing while the others carry on, so only a beat that needs all of them stops. A bash subshell pinned to
     each CPU answers each beat through a FIFO. Bash builtins only, once it runs: a process started under TCG costs
-    about 0.2 s of CPU (the beat this replaced, `taskset` per CPU, `date`, `mv` and `sleep`, took about a second
-    of the guest's CPU every 5 s)."""
+    about 0.2 s of CPU, and a beat that started a few took a second of the guest's CPU every 5 s (README)."""
     fifo = f"{fifo_dir}/vrnic-beat"
     return f"""( cpus=$(seq 0 $(($(getconf _NPROCESSORS_ONLN) - 1)))
   mkfifo {fifo}-nap $(for cpu in $cpus; do echo {fifo}-ask-$cpu {fifo}-ack-$cpu; done) || exit 1
