@@ -345,28 +345,3 @@ def test_the_guest_learns_the_labs_writable_output_dir(monkeypatch: pytest.Monke
     assert lab_output_dir("two-hosts", "xvm") == Path("/srv/lab-work/.lab/two-hosts/xvm")
     monkeypatch.delenv(LAB_OUTPUT_DIR_ENV)
     assert lab_output_dir("two-hosts") == PROJECT_DIR / ".lab" / "two-hosts"
-
-
-def test_a_tagged_run_names_its_tag_before_each_line_it_prints(tmp_path: Path) -> None:
-    """Two lab runs side by side on one terminal (`make test-kernel`): every line each prints, the guest's and the
-    lab's own, starts with its tag, and no spinner is drawn."""
-    console_text, out = io.StringIO(), io.StringIO()
-    console = Console(file=console_text, force_terminal=True, markup=False, highlight=False)  # as the runner's own
-    runner = LabRunner(LabSettings(work_dir=tmp_path), console=console, out=out, tag="k1")
-    process = subprocess.Popen(["sleep", "60"])
-    guest = _Guest(role="a", process=process, rc_file=tmp_path / "rc-a", log=io.StringIO())
-    events: queue.Queue[tuple[str, str | None]] = queue.Queue()
-    for line in (f"{MARKER}step Soft-RoCE ready", f"{MARKER}ready", "tests/kernel/test_x.py .", f"{MARKER}exit 0"):
-        events.put(("a", line))
-    events.put(("a", None))
-    try:
-        runner._stream([guest], events, time.monotonic(), timeout=60, prefix=False)
-    finally:
-        process.kill()
-        process.wait()
-    (tmp_path / "rc-a").write_text("0")
-    assert runner._verdict([guest], False, time.monotonic(), 60) == 0
-    assert out.getvalue() == "[k1] tests/kernel/test_x.py .\n"
-    said = [line for line in console_text.getvalue().splitlines() if line.strip()]
-    assert len(said) == 3 and all("[k1] [lab] " in line for line in said), said  # ready, the step, the exit
-    assert "booting" not in console_text.getvalue()

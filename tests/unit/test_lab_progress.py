@@ -331,7 +331,6 @@ def test_a_rerun_shows_what_failed_in_the_guest_that_died(tmp_path: Path, capsys
 
     class NewGuest:
         panicked = None
-        label = ""
 
         def run(self, request: object) -> int:
             return 0
@@ -349,7 +348,6 @@ def test_a_rerun_shows_what_failed_in_the_guest_that_died(tmp_path: Path, capsys
 class _GuestsThatDie:
     """A lab runner whose first `deaths` guests die under the command (exit 126) and the next one passes."""
     panicked = None
-    label = "[k1] "
 
     def __init__(self, deaths: int) -> None:
         self.deaths, self.runs = deaths, 0
@@ -374,4 +372,3 @@ def test_a_lost_guest_gets_at_most_two_new_ones(tmp_path: Path, capsys: pytest.C
     assert guests.runs == runs
     err = capsys.readouterr().err
     assert [f"rerun {n} of 2" in err for n in (1, 2)] == [runs > 1, runs > 2]
-    assert all(line.startswith("[k1] vrnic lab: ") for line in err.splitlines()), err  # a tagged run's

@@ -38,8 +38,6 @@ def run(
              "say so and run the command again in a new guest, up to twice. A pytest command resumes: tests that "
              "already have an outcome are not run again, and an earlier failure still fails the run "
              "(nested KVM under TCG, rarely).")] = False,
-    tag: Annotated[str, typer.Option(help="A name put before each line this run prints, for lab runs side by "
-                                          "side (make test-kernel runs its two halves at once).")] = "",
 ) -> None:
     """Boot the lab, run COMMAND in it and exit with its exit code.
 
@@ -52,7 +50,7 @@ def run(
     if len(pairs) != len(env or []):
         raise typer.BadParameter("--env takes NAME=VALUE", param_hint="--env")
     try:
-        runner = LabRunner(tag=tag)
+        runner = LabRunner()
         progress_file = None
         if rerun_on_guest_loss:
             progress_file = runner.new_progress_file()
@@ -64,9 +62,9 @@ def run(
             rc = _rerun_on_guest_loss(runner, request, progress_file, rc)
         if rc == EXIT_TIMEOUT and progress_file is not None:
             # Last, so that a log cut to its tail still names the test that hung.
-            _tell(runner.label, progress.Progress.read(progress_file).summary("when the lab timed out"), "red")
+            typer.secho(progress.Progress.read(progress_file).summary("when the lab timed out"), err=True, fg="red")
     except VrnicError as exc:
-        _tell(f"[{tag}] " if tag else "", f"vrnic lab: {exc}", "red")
+        typer.secho(f"vrnic lab: {exc}", err=True, fg="red")
         raise typer.Exit(125) from exc
     raise typer.Exit(rc)
 
@@ -99,24 +97,20 @@ def _rerun(runner: LabRunner, request: LabRequest, progress_file: Path, attempt:
                 "lines) and the command was ended")
     else:
         what = f"the lab guest died ({runner.panicked or 'no panic on its console'})"
-    _tell(runner.label, f"vrnic lab: {what} while {before.running or 'the command'} ran; running "
-          f"the command again in a new guest, rerun {attempt} of {GUEST_LOSS_RERUNS} "
-          f"({len(before.outcomes)} test(s) already have an outcome and are not run again)", "yellow")
+    typer.secho(f"vrnic lab: {what} while {before.running or 'the command'} ran; running "
+                f"the command again in a new guest, rerun {attempt} of {GUEST_LOSS_RERUNS} "
+                f"({len(before.outcomes)} test(s) already have an outcome and are not run again)",
+                err=True, fg="yellow")
     rc = runner.run(request)
     if rc == 0 and (hung or faulted):
-        _tell(runner.label, f"vrnic lab: {before.running} {'hung' if hung else 'failed on a lab guest fault'} in "
-              "the first guest and passed in a new one (the report is above)", "yellow")
+        typer.secho(f"vrnic lab: {before.running} {'hung' if hung else 'failed on a lab guest fault'} in the "
+                    "first guest and passed in a new one (the report is above)", err=True, fg="yellow")
     if before.failed:
         reports = progress.failure_reports(progress_file)
-        _tell(runner.label, f"vrnic lab: {len(before.failed)} test(s) failed before the guest died: "
-              + ", ".join(before.failed) + (f"; as reported then ({progress.failures_file(progress_file)}):"
-                                            if reports else ""), "red")
+        typer.secho(f"vrnic lab: {len(before.failed)} test(s) failed before the guest died: "
+                    + ", ".join(before.failed) + (f"; as reported then ({progress.failures_file(progress_file)}):"
+                                                  if reports else ""), err=True, fg="red")
         if reports:
-            _tell(runner.label, reports)
+            typer.echo(reports, err=True)
         return rc or 1
     return rc
-
-
-def _tell(label: str, text: str, color: str | None = None) -> None:
-    """text on stderr, label before each of its lines."""
-    typer.secho("\n".join(label + line for line in text.splitlines()), err=True, fg=color)

@@ -5,8 +5,6 @@ This is the side-effect edge of the lab: files, QEMU processes, timeouts.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import queue
 import re
@@ -18,7 +16,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -97,26 +95,6 @@ class _Guest:
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
 
 
-@contextlib.contextmanager
-def _cache_lock(cache_dir: Path) -> Iterator[None]:
-    """The lab's cache to ourselves: lab runs started side by side on a fresh machine would each build the
-    initramfs and netdevsim into it at once."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with (cache_dir / ".lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
-class _Quiet:
-    """The booting spinner's place when there is none."""
-
-    def update(self, _text: str) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-
 def _free_udp_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -125,22 +103,17 @@ def _free_udp_port() -> int:
 
 class LabRunner:
     def __init__(self, settings: LabSettings | None = None, console: Console | None = None,
-                 out: IO[str] | None = None, stalled_after: float = STALLED_S, tag: str = "") -> None:
+                 out: IO[str] | None = None, stalled_after: float = STALLED_S) -> None:
         self.settings = settings or LabSettings()
-        # before each line of output: lab runs side by side share a terminal (`make test-kernel`)
-        self.label = f"[{tag}] " if tag else ""
         self.stalled_after = stalled_after
         self.console = console or Console(stderr=True, highlight=False, markup=False, soft_wrap=True)
         self.out = out or sys.stdout
-
-    def _say(self, text: str, style: str | None = None) -> None:
-        self.console.print(self.label + text, style=style)
 
     # --- preparation -------------------------------------------------------------------------
     def _netdevsim_module(self, kernel_version: str) -> Path:
         module = self.settings.cache_dir / kernel_version / "netdevsim.ko"
         if not module.exists():
-            self._say(f"[lab] building netdevsim for {kernel_version} (once, cached)")
+            self.console.print(f"[lab] building netdevsim for {kernel_version} (once, cached)")
             build = subprocess.run([str(NETDEVSIM_BUILD), kernel_version, str(module.parent)], check=False)
             if build.returncode != 0 or not module.exists():
                 raise LabError("netdevsim build failed; `make setup` installs linux-source and headers")
@@ -151,10 +124,10 @@ class LabRunner:
         if cwd.is_relative_to(self.settings.work_dir):
             return cwd
         if not any(cwd.is_relative_to(p) for p in HIDDEN_IN_GUEST):
-            self._say(f"[lab] {cwd} is outside the lab's work dir {self.settings.work_dir}: the guest sees"
+            self.console.print(f"[lab] {cwd} is outside the lab's work dir {self.settings.work_dir}: the guest sees"
                                f" it read-only; lab output goes to {self.settings.work_dir / '.lab'}")
             return cwd
-        self._say(f"[lab] {cwd} is not visible in the guest; running in {self.settings.work_dir}")
+        self.console.print(f"[lab] {cwd} is not visible in the guest; running in {self.settings.work_dir}")
         return self.settings.work_dir
 
     def _new_run_dir(self) -> Path:
@@ -172,9 +145,8 @@ class LabRunner:
         if s.venv.resolve().is_relative_to(s.work_dir.resolve()):
             raise LabError(f"the venv {s.venv} must live outside {s.work_dir}: imports over 9p are slow")
         version = choose_kernel(installed_kernels(), s.kernel_version)
-        with _cache_lock(s.cache_dir):
-            initrd = ensure_initramfs(version, s.cache_dir)
-            netdevsim_ko = self._netdevsim_module(version) if request.netdevsim else None
+        initrd = ensure_initramfs(version, s.cache_dir)
+        netdevsim_ko = self._netdevsim_module(version) if request.netdevsim else None
         run_dir = self._new_run_dir()
         cwd = self._guest_cwd(request.cwd)
         two_hosts = request.topology is Topology.TWO_HOSTS
@@ -219,7 +191,7 @@ class LabRunner:
         two_hosts = len(specs) > 1
         events: queue.Queue[tuple[str, str | None]] = queue.Queue()
         guests: list[_Guest] = []
-        self._say(f"[lab] booting {len(specs)} guest(s), topology {request.topology}"
+        self.console.print(f"[lab] booting {len(specs)} guest(s), topology {request.topology}"
                            f"{' + netdevsim' if request.netdevsim else ''}"
                            f"{' + SR-IOV NIC' if request.sriov_nic else ''}, under QEMU TCG (about 10 s);"
                            f" console log in {run_dir}")
@@ -256,9 +228,7 @@ class LabRunner:
         by_role = {g.role: g for g in guests}
         open_streams = len(guests)
         next_beat_check = 0.0
-        # no spinner for a tagged run: runs side by side on one terminal would draw over each other's
-        spinner = contextlib.nullcontext(_Quiet()) if self.label else self.console.status("[lab] booting kernel")
-        with spinner as status:
+        with self.console.status("[lab] booting kernel", spinner="dots") as status:
             while open_streams:
                 if time.monotonic() - started > timeout:
                     return True
@@ -280,7 +250,7 @@ class LabRunner:
                 tag = f"[{role}] " if prefix else ""
                 if locked_up(line):
                     guest.locked_up = line.strip()
-                    self._say(f"[lab] {tag}the guest's kernel has locked up; stopping it: {line.strip()}",
+                    self.console.print(f"[lab] {tag}the guest's kernel has locked up; stopping it: {line.strip()}",
                                        style="red")
                     return False
                 if line.startswith(MARKER):
@@ -288,16 +258,16 @@ class LabRunner:
                     elapsed = time.monotonic() - started
                     if kind == "ready":
                         guest.ready, guest.ready_at = True, time.time()
-                        self._say(f"[lab] {tag}guest ready after {elapsed:.1f} s; running the command")
+                        self.console.print(f"[lab] {tag}guest ready after {elapsed:.1f} s; running the command")
                         if all(g.ready for g in guests):
                             status.stop()
                     elif kind == "exit":
                         guest.finished = True
                     elif kind in ("step", "setup-failed", "boot-failed"):
-                        self._say(f"[lab] {tag}{detail}" if kind == "step"
+                        self.console.print(f"[lab] {tag}{detail}" if kind == "step"
                                            else f"[lab] {tag}{kind}: {detail}")
                 elif guest.ready and not guest.finished:
-                    self.out.write(f"{self.label}{tag}{line}\n")
+                    self.out.write(f"{tag}{line}\n")
                     self.out.flush()
         return False
 
@@ -311,14 +281,14 @@ class LabRunner:
                 guest.locked_up = (f"no heartbeat for {quiet:.0f} s: the guest runs nothing any more (a CPU stuck "
                                    "in nested KVM under TCG takes no interrupts, and no console line says so)")
                 tag = f"[{guest.role}] " if prefix else ""
-                self._say(f"[lab] {tag}{guest.locked_up}; stopping it", style="red")
+                self.console.print(f"[lab] {tag}{guest.locked_up}; stopping it", style="red")
                 return guest
         return None
 
     def _verdict(self, guests: list[_Guest], timed_out: bool, started: float, timeout: float) -> int:
         elapsed = time.monotonic() - started
         if timed_out:
-            self._say(f"[lab] timed out after {timeout:.0f} s", style="red")
+            self.console.print(f"[lab] timed out after {timeout:.0f} s", style="red")
             return EXIT_TIMEOUT
         codes = []
         for guest in guests:
@@ -331,12 +301,12 @@ class LabRunner:
             panic = next((line for line in guest.tail if "Kernel panic" in line), None) or guest.locked_up
             if panic is not None and guest.ready:
                 self.panicked = panic.strip()
-            self._say(f"[lab] {tag}guest {what}; last console lines:", style="red")
+            self.console.print(f"[lab] {tag}guest {what}; last console lines:", style="red")
             for line in guest.tail:
-                self._say(f"    {line}", style="dim")
+                self.console.print(f"    {line}", style="dim")
             codes.append(code)
         rc = next((c for c in codes if c != 0), 0)
         if any(c == EXIT_BOOT_FAILURE for c in codes):
             rc = EXIT_BOOT_FAILURE
-        self._say(f"[lab] exit {rc} after {elapsed:.1f} s", style="green" if rc == 0 else "red")
+        self.console.print(f"[lab] exit {rc} after {elapsed:.1f} s", style="green" if rc == 0 else "red")
         return rc
