@@ -130,7 +130,8 @@ def test_on_a_kernel_without_populate_the_frontend_reads_each_page_in() -> None:
 
 
 def test_the_frontend_populates_a_page_once() -> None:
-    """Pages stay allocated once faulted in (the arena is never punched): the populate walk is not made again."""
+    """Pages stay allocated once faulted in (punched only once the context detached): the populate walk is not
+    made again."""
     arena = MemfdArena(16 * PAGE)
     real = arena._map
     calls: list[tuple[int, int]] = []

@@ -7,6 +7,7 @@ descriptors cross it). Standard library only: a VM has none of the host's packag
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import random
@@ -44,6 +45,9 @@ _FDS_SPACE = socket.CMSG_SPACE(4 * 4)  # room for four descriptors
 POLL_ENV = "VRNIC_REPLY_POLL_US"
 DEFAULT_POLL_US = 1000
 MAX_POLL_US = 100_000
+# A channel's first reply (the attach's) polls this many times as long: vrnicd opens a session for it, 1.5-2 ms in
+# the lab against 0.3-0.5 for a verb, and an attach that outwaited the poll paid the wake-up too (issue 14).
+FIRST_REPLY_POLL_FACTOR = 4
 # What a guest does when vrnicd goes away (restart, upgrade, OOM kill): its objects died with that vrnicd.
 _REATTACH = ("; every object of this attachment is gone (vrnicd restarted or stopped): attach again with the "
              "same token and rebuild them")
@@ -94,8 +98,15 @@ def reply_poll_seconds(setting: str | None = None, cpus: int | None = None) -> f
     else:
         raise InvalidArgument(f"{POLL_ENV} is a number of microseconds from 0 to {MAX_POLL_US}, not {setting[:20]!r}")
     if cpus is None:
-        cpus = len(os.sched_getaffinity(0))
+        cpus = _cpus()
     return micros / 1e6 if cpus > 1 else 0.0
+
+
+@functools.cache
+def _cpus() -> int:
+    """The CPUs this process may run on, read once: a new set's cost at every attach was a tenth of an attach
+    under the lab's TCG (issue 14), and a process moved to one CPU later only polls where it need not."""
+    return len(os.sched_getaffinity(0))
 
 
 class Channel(ABC):
@@ -180,6 +191,7 @@ class UnixChannel(Channel):
         self.sock = self._connect()
         # Not against a vrnicd in this process (tests, tools): the poll would hold the GIL its reply needs.
         self.poll_seconds = 0.0 if peer_cred(self.sock)[0] == os.getpid() else poll
+        self._first_reply = True
 
     def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -207,12 +219,14 @@ class UnixChannel(Channel):
         buffers = [self._buffer]
         polled = self._poll(buffers) if self.poll_seconds else None
         size, ancillary, _flags, _addr = polled or self.sock.recvmsg_into(buffers, _FDS_SPACE)
+        self._first_reply = False
         self.received_fds += fds_of(ancillary)
         return self._buffer[:size]
 
     def _poll(self, buffers: list[memoryview]) -> tuple[int, list[tuple[int, int, bytes]], int, Any] | None:
         """What arrives within poll_seconds, or None (then the caller sleeps in recvmsg)."""
-        deadline = time.perf_counter() + self.poll_seconds
+        budget = self.poll_seconds * FIRST_REPLY_POLL_FACTOR if self._first_reply else self.poll_seconds
+        deadline = time.perf_counter() + budget
         while True:
             try:
                 return self.sock.recvmsg_into(buffers, _FDS_SPACE, socket.MSG_DONTWAIT)

@@ -117,7 +117,7 @@ class Context(_Resource):
         channel = UnixChannel(socket_path)
         arena: MemfdArena | None = None
         try:
-            arena = MemfdArena(arena_bytes)
+            arena = MemfdArena.new(arena_bytes)
             doorbell = self.doorbell_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
             notify = self.notify_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         except BaseException:
@@ -278,17 +278,22 @@ class Context(_Resource):
         if self.closed:
             return
         # vrnicd may be gone or have dropped us already; it cleans up on disconnect either way.
+        detached = False
         with contextlib.suppress(VrnicError):
             self.call("detach")
+            detached = True  # vrnicd tore the session down, its mapping of the arena too, before it answered
         self.closed = True
-        self._release_local()
+        self._release_local(detached)
 
-    def _release_local(self) -> None:
+    def _release_local(self, detached: bool = False) -> None:
         if self.direct is not None:
             self.direct.close()
         if self.channel is not None:
             self.channel.close()
-        self.arena.close()
+        if detached:
+            self.arena.retire()
+        else:
+            self.arena.close()
         self._close_fds()
 
     def _close_fds(self) -> None:
