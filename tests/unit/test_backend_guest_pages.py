@@ -48,22 +48,27 @@ def test_pages_written_or_populated_by_the_guest_count_and_untouched_or_fallocat
         guest.close()
 
 
-def test_a_page_mincore_misses_but_seek_data_finds_counts(memory: GuestMemory,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """A swapped-out shmem page is not in the page cache (mincore 0) but is data to lseek: it was charged when
-    it was allocated. Swap cannot be arranged here, so mincore is made to miss a written page."""
+def test_one_look_at_the_file_per_run_of_pages(memory: GuestMemory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool's buffers lie side by side: one lseek for all of them; spans apart are looked at apart."""
     import vrnic.backend.guest_memory as guest_memory
 
-    memory.view[4 * PAGE] = 1
+    memory.view[2 * PAGE:8 * PAGE] = bytes(6 * PAGE)
+    memory.view[10 * PAGE] = 1
+    looks: list[int] = []
+    real = guest_memory.os.lseek
 
-    class Missing:
-        @staticmethod
-        def mincore(_addr: object, _length: object, _vector: object) -> int:
-            return 0  # every page "not resident"
+    def counting(fd: int, offset: int, whence: int) -> int:
+        looks.append(offset)
+        return real(fd, offset, whence)
 
-    monkeypatch.setattr(guest_memory, "_libc", Missing)
-    assert memory.unallocated_page([(4 * PAGE, 5 * PAGE)]) is None
-    assert memory.unallocated_page([(4 * PAGE, 6 * PAGE)]) == 5 * PAGE
+    monkeypatch.setattr(guest_memory.os, "lseek", counting)
+    side_by_side = [(2 * PAGE + i * 512, 2 * PAGE + (i + 1) * 512) for i in range(24)]  # three pages
+    assert memory.unallocated_page(side_by_side[::-1]) is None
+    assert looks == [2 * PAGE]
+    looks.clear()
+    assert memory.unallocated_page([(10 * PAGE, 10 * PAGE + 8), (3 * PAGE, 8 * PAGE)]) is None
+    assert looks == [3 * PAGE, 10 * PAGE]
+    assert memory.unallocated_page([(7 * PAGE + 1, 11 * PAGE - 1)]) == 8 * PAGE
 
 
 def test_vrnicd_refuses_an_mr_over_pages_the_guest_never_touched(make_vrnic: Callable[..., AttachInfo]) -> None:

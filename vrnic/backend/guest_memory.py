@@ -24,9 +24,6 @@ from vrnic.core.rings import index_words
 from vrnic.errors import DeviceError, InvalidArgument, NotFound
 
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-_RESIDENT_BIT = bytes(i & 1 for i in range(256))  # mincore: bit 0 of each page's byte, the others reserved
 
 
 class GuestMemory:
@@ -113,26 +110,29 @@ class GuestMemory:
 
         A shmem page is charged to the memory cgroup of the task that allocates it (mm/shmem.c). A page the guest
         never wrote (nor populated) would be allocated by vrnicd's registration, through vrnicd's mapping, and
-        charged to vrnicd: memory the guest's own limit never sees. One mincore() over the stretch that covers
-        the spans tells the pages in the page cache (written or populated); one it does not list may be swapped
-        out, which lseek(SEEK_DATA) counts as data (it was charged when it was allocated)."""
-        if not spans:
-            return None
+        charged to vrnicd: memory the guest's own limit never sees. lseek(SEEK_HOLE) tells: to shmem a page is data
+        when it is in the page cache and up to date, or swapped out (it was charged when it was allocated), and a
+        hole otherwise (mm/filemap.c, mapping_seek_hole_data). One call per run of pages the spans cover (a
+        pool's buffers lie side by side: one). Not mincore() through ctypes and then lseek for the pages it
+        missed: 0.7 ms of every pool refill in the lab under TCG, against tens of microseconds (issue 14)."""
         page_size = mmap.PAGESIZE
-        first = min(start for start, _ in spans) // page_size * page_size
-        pages = -(-(max(end for _, end in spans) - first) // page_size)
-        vector = (ctypes.c_ubyte * pages)()
-        if _libc.mincore(ctypes.c_void_p(self.base + first), ctypes.c_size_t(pages * page_size), vector):
-            err = ctypes.get_errno()
-            raise DeviceError(f"mincore of the guest's memory failed: {os.strerror(err)}", err)
-        wanted = bytes(vector).translate(_RESIDENT_BIT)
-        if 0 not in wanted:  # the common case: every page of the stretch is in memory
-            return None
-        missing = sorted({first + i * page_size for start, end in spans
-                          for i in range((start - first) // page_size, -(-(end - first) // page_size))
-                          if not wanted[i]})
-        held = self.holds_data([(page, page + page_size) for page in missing])
-        return next((page for page, data in zip(missing, held, strict=True) if not data), None)
+        runs: list[list[int]] = []
+        for start, end in sorted(spans):
+            first, last = start // page_size * page_size, -(-end // page_size) * page_size
+            if runs and first <= runs[-1][1]:
+                runs[-1][1] = max(runs[-1][1], last)
+            else:
+                runs.append([first, last])
+        for first, last in runs:
+            try:
+                hole = os.lseek(self.fd, first, os.SEEK_HOLE)
+            except OSError as exc:  # ENXIO: first is past the end of the file, where nothing is allocated
+                if exc.errno == errno.ENXIO:
+                    return first
+                raise DeviceError(f"cannot look at the guest's memory: {exc.strerror}", exc.errno or 0) from None
+            if hole < last:
+                return hole // page_size * page_size
+        return None
 
     def close(self) -> None:
         if self._map.closed:
