@@ -8,6 +8,7 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -157,3 +158,25 @@ def test_the_frontend_populates_a_page_once() -> None:
         assert calls == [(2 * PAGE, 2 * PAGE), (3 * PAGE, 2 * PAGE)]
     finally:
         arena.close()
+
+
+@pytest.mark.parametrize(("size", "layout_bytes", "message"), [
+    (0, None, "not 0 bytes"),
+    (PAGE + 100, None, f"not {PAGE + 100} bytes"),
+    (4 * PAGE, 8 * PAGE, f"needs {8 * PAGE} bytes, the file has {4 * PAGE}"),
+])
+def test_vrnicd_maps_no_file_of_a_size_it_cannot_serve(size: int, layout_bytes: int | None, message: str) -> None:
+    """Empty, not whole pages, or smaller than the guest's memory layout: refused, and the mapping made to read
+    the size is gone again (the caller still owns the fd)."""
+    from vrnic.core.guest_phys import arena_layout
+
+    fd = os.memfd_create("guest", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        maps_before = Path("/proc/self/maps").read_text().count("memfd:guest")
+        with pytest.raises(InvalidArgument, match=message):
+            GuestMemory(fd, None if layout_bytes is None else arena_layout(layout_bytes), sealed=False)
+        assert Path("/proc/self/maps").read_text().count("memfd:guest") == maps_before
+        os.fstat(fd)  # not closed
+    finally:
+        os.close(fd)
