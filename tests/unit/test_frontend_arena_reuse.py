@@ -25,14 +25,9 @@ ARENA = 64 * PAGE
 @pytest.fixture(autouse=True)
 def nothing_kept() -> Iterator[None]:
     """Each test starts and ends with no arena kept (one kept by another test would be taken here)."""
-    _drop_kept()
+    MemfdArena.close_kept()
     yield
-    _drop_kept()
-
-
-def _drop_kept() -> None:
-    while MemfdArena._kept:
-        MemfdArena._kept.pop()._close_file()
+    MemfdArena.close_kept()
 
 
 def test_a_retired_arena_comes_back_empty_to_the_next_attach_of_its_size() -> None:
@@ -68,6 +63,11 @@ def test_another_size_gets_a_new_arena_and_one_arena_at_most_is_kept() -> None:
     assert other is not first and other.size == 2 * ARENA
     assert MemfdArena._kept == [first]  # still there for an attach of its size
     other.close()
+    descriptors = len(os.listdir("/proc/self/fd"))
+    assert MemfdArena.close_kept() == 1 and MemfdArena._kept == []
+    assert len(os.listdir("/proc/self/fd")) == descriptors - 2  # its memfd and its mapping's copy of it
+    with pytest.raises(OSError):
+        os.fstat(first.fd)
 
 
 def test_a_context_that_detached_leaves_its_arena_to_the_next_and_one_that_could_not_does_not(

@@ -69,7 +69,7 @@ class MemfdArena(Arena):
     """A container's arena: a sealed memfd vrnicd maps too; wire address == offset."""
 
     # Arenas whose context detached, emptied, for the process's next attach of their size (at most one kept): a new
-    # memfd, sized, sealed and mapped was a tenth of an attach under the lab's TCG (issue 14).
+    # memfd, sized, sealed and mapped was a tenth of an attach under the lab's TCG (issue 14). close_kept() lets go.
     _kept: ClassVar[list[MemfdArena]] = []
     _kept_lock: ClassVar[threading.Lock] = threading.Lock()
 
@@ -97,6 +97,16 @@ class MemfdArena(Arena):
             return cls(size)
         kept._start()
         return kept
+
+    @classmethod
+    def close_kept(cls) -> int:
+        """Close the arena kept for the next attach, if any (its memfd and mapping hold two descriptors): for a
+        process that wants nothing of a closed context left, and for tests that count descriptors."""
+        with cls._kept_lock:
+            kept, cls._kept[:] = list(cls._kept), []
+        for arena in kept:
+            arena._close_file()
+        return len(kept)
 
     def _start(self) -> None:
         """Views and bookkeeping of an arena whose every page is a hole (new, or emptied by retire)."""
