@@ -87,3 +87,31 @@ def test_a_context_that_detached_leaves_its_arena_to_the_next_and_one_that_could
     assert MemfdArena._kept == []  # vrnicd may still map it: not handed out again
     with pytest.raises(OSError):
         os.fstat(fd)
+
+
+def test_a_forked_child_never_takes_its_parents_kept_arena() -> None:
+    """The kept arena's file is the parent's as much as the child's: if both attached with it, two guests would
+    share one arena. The child closes its copies at the fork and makes its own."""
+    arena = MemfdArena.new(ARENA)
+    arena.retire()
+    parents = os.fstat(arena.fd).st_ino
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: reports through the pipe, never returns into pytest
+        try:
+            os.close(read)
+            try:
+                os.fstat(arena.fd)
+                closed = False
+            except OSError:
+                closed = True
+            own = MemfdArena.new(ARENA)
+            os.write(write, b"%d %d" % (closed, os.fstat(own.fd).st_ino != parents))
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        got = pipe.read()
+    os.waitpid(pid, 0)
+    assert got == b"1 1"  # its copy closed, an arena of its own
+    assert MemfdArena._kept == [arena] and os.fstat(arena.fd).st_ino == parents  # the parent's is untouched

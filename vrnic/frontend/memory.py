@@ -108,6 +108,15 @@ class MemfdArena(Arena):
             arena._close_file()
         return len(kept)
 
+    @classmethod
+    def _forget_kept_after_fork(cls) -> None:
+        """In a forked child: the kept arena's file is the parent's too, and two processes must never hand vrnicd
+        the same arena. The child closes its copies and keeps nothing."""
+        cls._kept_lock = threading.Lock()  # the parent's may have been held by another of its threads
+        kept, cls._kept[:] = list(cls._kept), []
+        for arena in kept:
+            arena._close_file()
+
     def _start(self) -> None:
         """Views and bookkeeping of an arena whose every page is a hole (new, or emptied by retire)."""
         self.view = memoryview(self._map)
@@ -259,3 +268,6 @@ class VmArena(Arena):
         self.view.release()
         self._map.close()
         self._close_fd()
+
+
+os.register_at_fork(after_in_child=MemfdArena._forget_kept_after_fork)
