@@ -511,7 +511,7 @@ def _attach_args(request: ParsedRequest) -> verb_args.Attach:
         raise InvalidArgument("the first request must be attach")
     args = request.args
     token, busy_poll = args.get("token"), args.get("busy_poll", False)
-    # What the schema accepts in its usual form, taken as it is: the schema's validation was a twentieth of an
+    # What the schema accepts in its usual form, taken as it is: the schema's validation was 0.11 ms of a 3.9 ms
     # attach under the lab's TCG (issue 14). Anything else goes to the schema, which accepts it or says why not.
     if (type(token) is str and len(token) <= _TOKEN_MAX and type(busy_poll) is bool
             and len(args) == 1 + ("busy_poll" in args)):

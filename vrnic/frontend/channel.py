@@ -104,8 +104,8 @@ def reply_poll_seconds(setting: str | None = None, cpus: int | None = None) -> f
 
 @functools.cache
 def _cpus() -> int:
-    """The CPUs this process may run on, read once: a new set's cost at every attach was a tenth of an attach
-    under the lab's TCG (issue 14), and a process moved to one CPU later only polls where it need not."""
+    """The CPUs this process may run on, read once: with the settings, read at every attach, it took 0.13 ms of a
+    3.9 ms attach under the lab's TCG (issue 14); a process moved to one CPU later only polls where it need not."""
     return len(os.sched_getaffinity(0))
 
 
