@@ -113,9 +113,7 @@ class MemfdArena(Arena):
         """In a forked child: the kept arena's file is the parent's too, and two processes must never hand vrnicd
         the same arena. The child closes its copies and keeps nothing."""
         cls._kept_lock = threading.Lock()  # the parent's may have been held by another of its threads
-        kept, cls._kept[:] = list(cls._kept), []
-        for arena in kept:
-            arena._close_file()
+        cls.close_kept()
 
     def _start(self) -> None:
         """Views and bookkeeping of an arena whose every page is a hole (new, or emptied by retire)."""
