@@ -44,9 +44,11 @@ class GuestMemory:
         except ValueError:  # "cannot mmap an empty file"
             raise InvalidArgument("the arena must be a positive number of pages, not 0 bytes") from None
         size = len(self._map)
-        problem = (f"the arena must be a positive number of pages, not {size} bytes" if size % mmap.PAGESIZE else
-                   f"the guest's memory layout needs {layout.file_bytes} bytes, the file has {size}"
-                   if layout is not None and layout.file_bytes > size else None)
+        problem = None
+        if size % mmap.PAGESIZE:
+            problem = f"the arena must be a positive number of pages, not {size} bytes"
+        elif layout is not None and layout.file_bytes > size:
+            problem = f"the guest's memory layout needs {layout.file_bytes} bytes, the file has {size}"
         if problem is not None:
             self._map.close()
             raise InvalidArgument(problem)
