@@ -24,6 +24,7 @@ from vrnic.frontend.guest_library import (
     CQ_POOL,
     MR_POOL,
     MR_POOL_BYTES,
+    MR_POOL_GROWTH,
     MR_POOL_MAX,
     PD_POOL,
     QP_POOL,
@@ -629,9 +630,9 @@ def test_mrs_of_one_shape_come_from_a_pool_and_a_closed_one_is_deregistered(make
         assert _used(ca) == (2 * MR_POOL - 1, (2 * MR_POOL - 1) * 4096)
         with pytest.raises(NotFound):
             ca.call("dereg_mr", mr=first.handle)
-        again = MR(pa, 4096, ALL)  # the pool is empty: a new one is filled, twice the size of the first
+        again = MR(pa, 4096, ALL)  # the pool is empty: a new one is filled, MR_POOL_GROWTH times the first's size
         assert again.handle not in {mr.handle for mr in made} and again.lkey not in {mr.lkey for mr in made}
-        assert _used(ca)[0] == 2 * MR_POOL - 1 + 2 * MR_POOL
+        assert _used(ca)[0] == 2 * MR_POOL - 1 + MR_POOL_GROWTH * MR_POOL
         before = _used(ca)
         large = MR(pa, MR_POOL_BYTES + 4096, ALL)  # larger than a pooled MR: registered alone
         own = MR(pa, ca.alloc(4096), ALL)  # the caller's buffer: registered where it is
@@ -640,7 +641,7 @@ def test_mrs_of_one_shape_come_from_a_pool_and_a_closed_one_is_deregistered(make
             pa.close()
         for obj in [qa, qb, *others, again, local, large, own, dst]:
             obj.close()
-        assert ca.spare_mr_count == (2 * MR_POOL - 1) + (MR_POOL - 1)  # the second refill's and `local`'s pool's
+        assert ca.spare_mr_count == (MR_POOL_GROWTH * MR_POOL - 1) + (MR_POOL - 1)  # the second refill's, `local`'s
         pa.close()  # its spare MRs go with it: a PD handed out again has no MR on it
         assert ca.spare_mr_count == 0
         assert _used(ca) == (0, 0)
@@ -663,12 +664,12 @@ def _reg_mrs_sizes(ctx: Context) -> list[int]:
 
 
 @pytest.mark.parametrize(("length", "refills"), [
-    (4096, [MR_POOL, 8, 16, MR_POOL_MAX, MR_POOL_MAX]),
-    (16384, [MR_POOL, 8, 16, 16, 16]),  # no more than MR_POOL * MR_POOL_BYTES of spares at once
-    (MR_POOL_BYTES, [MR_POOL] * 5)])
-def test_each_refill_of_an_mr_pool_asks_for_twice_as_many_up_to_a_cap(make_vrnic: Callable[..., AttachInfo],
-                                                                       length: int, refills: list[int]) -> None:
-    """As for QPs: a guest making small MRs one by one pays one round trip for 4, then 8, 16, 32... of them."""
+    (4096, [MR_POOL, 16, MR_POOL_MAX, MR_POOL_MAX]),
+    (16384, [MR_POOL, 16, 16, 16]),  # no more than MR_POOL * MR_POOL_BYTES of spares at once
+    (MR_POOL_BYTES, [MR_POOL] * 4)])
+def test_each_refill_of_an_mr_pool_asks_for_four_times_as_many_up_to_a_cap(make_vrnic: Callable[..., AttachInfo],
+                                                                           length: int, refills: list[int]) -> None:
+    """A guest making small MRs one by one pays one round trip for 4, then 16, 32, 32... of them."""
     with Context.attach(make_vrnic(max_mrs=4096, max_pinned_bytes=64 << 20), 16 << 20) as ctx:
         pd = PD(ctx)
         sizes = _reg_mrs_sizes(ctx)
@@ -685,13 +686,13 @@ def test_an_mr_pool_refill_the_quota_cuts_short_starts_small_again(make_vrnic: C
     with Context.attach(make_vrnic(max_mrs=MR_POOL + 6), ARENA) as ctx:
         pd = PD(ctx)
         sizes = _reg_mrs_sizes(ctx)
-        held = [MR(pd, 4096, ALL) for _ in range(MR_POOL + 1)]  # the second refill asks for 8 and gets 6
+        held = [MR(pd, 4096, ALL) for _ in range(MR_POOL + 1)]  # the second refill asks for 16 and gets 6
         assert _used(ctx)[0] == MR_POOL + 6
         held += [MR(pd, 4096, ALL) for _ in range(5)]  # its spares
         for mr in held[2:]:
             mr.close()
-        held.append(MR(pd, 4096, ALL))  # the next refill is MR_POOL again, not 16
-        assert sizes == [MR_POOL, 8, MR_POOL]
+        held.append(MR(pd, 4096, ALL))  # the next refill is MR_POOL again, not 32
+        assert sizes == [MR_POOL, 16, MR_POOL]
         assert _used(ctx)[0] == 2 + MR_POOL
         for mr in held:
             mr.close()
@@ -1002,7 +1003,7 @@ def test_spare_mrs_and_qps_are_given_back_in_one_request(make_vrnic: Callable[..
     live = len(edge.live)
     with Context.attach(make_vrnic(max_qps=QP_POOL + 1), ARENA) as ctx:
         pd, cq = PD(ctx), CQ(ctx, 64)
-        mrs = [MR(pd, 4096, ALL) for _ in range(MR_POOL + 1)]  # pools of 4 and 8: 7 spares left
+        mrs = [MR(pd, 4096, ALL) for _ in range(MR_POOL + 1)]  # pools of 4 and 16: 15 spares left
         rc = QP(pd, cq, cq)  # a pool of QP_POOL: QP_POOL - 1 spares
         sent = _requests(ctx)
         ud = QP(pd, cq, cq, "ud")  # no room for a pool of UD QPs: the RC spares go, then one UD QP alone
@@ -1011,7 +1012,7 @@ def test_spare_mrs_and_qps_are_given_back_in_one_request(make_vrnic: Callable[..
         QP.close_many([rc, ud])
         del sent[:]
         pd_spares = ctx.spare_mr_count
-        assert pd_spares == MR_POOL + 8 - len(mrs)
+        assert pd_spares == MR_POOL + MR_POOL_GROWTH * MR_POOL - len(mrs)
         pd.close()  # its spare MRs go with it
         assert sent == [("dereg_mrs", pd_spares)]  # the PD itself goes back to its pool
         used = ctx.call("query_device")["quota_used"]

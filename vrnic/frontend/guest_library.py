@@ -46,12 +46,16 @@ QP_POOL = 4  # QPs of one shape a context first asks vrnicd for at once on the s
 # is short); each later refill of that shape asks for twice as many, up to QP_POOL_MAX: a guest that makes many QPs
 # one by one pays a round trip per few dozen of them, and never holds more spares than it has used
 QP_POOL_MAX = 32
+QP_POOL_GROWTH = 2
 QP_POOL_RING_BYTES = 64 << 10  # a QP whose two rings take more is not pooled, for the same reason
 MR_POOL = 4  # MRs of one shape (PD, length, access) a context first asks vrnicd for at once on the shared-ring
-# engine; each later refill of that shape asks for twice as many, up to MR_POOL_MAX and to MR_POOL of the largest
-# pooled MRs' bytes (spares pin memory): as QPs, a guest that makes many small MRs one by one pays a round trip
+# engine; each later refill of that shape asks for MR_POOL_GROWTH times as many, up to MR_POOL_MAX and to MR_POOL of
+# the largest pooled MRs' bytes (spares pin memory): a guest that makes many small MRs one by one pays a round trip
 # per few dozen of them
 MR_POOL_MAX = 32
+MR_POOL_GROWTH = 4  # not 2 as QPs: a refill costs vrnicd about as much as 20 more registrations (issue 14, session
+# 45: 4.2 ms for 4 MRs, 11.1 for 32), so a loop of 50 is cheaper as 4 + 16 + 32 (3 refills, 52 MRs) than as
+# 4 + 8 + 16 + 32 (4 refills, 60 MRs); a spare MR is a page, a spare QP two rings and a NIC QP
 MR_POOL_BYTES = 64 << 10  # larger MRs are not pooled: spare ones would pin, and take, too much of the arena
 DEFAULT_VM_ARENA = 8 << 20  # four 2 MiB hugepages
 VM_POLL_SLEEP_S = 0.0002  # a VM guest has no completion eventfd: it polls, sleeping this long between polls
@@ -332,8 +336,8 @@ class MR(_Resource):
 
     Given a length of at most MR_POOL_BYTES, on the shared-ring engine, the MR is handed out from the context's
     pool of MRs of its shape (PD, length, access; pre-setup, as CQs and QPs are): vrnicd registers MR_POOL of them,
-    each on a buffer of its own, in one request, and twice as many at each later refill of that shape (up to
-    MR_POOL_MAX, and no more bytes than MR_POOL of the largest pooled MRs). The spare MRs are registered on the
+    each on a buffer of its own, in one request, and MR_POOL_GROWTH times as many at each later refill of that shape
+    (up to MR_POOL_MAX, and no more bytes than MR_POOL of the largest pooled MRs). The spare MRs are registered on the
     NIC and count against the quota (MRs and pinned bytes). A closed MR is deregistered, never handed out again:
     its key may have reached a peer. When the quota refuses a pool, the spare MRs of every shape are given back
     and the pool is asked for again (vrnicd makes as many as the quota allows, at least one), so a tenant still
@@ -431,10 +435,11 @@ def _spare_mr(ctx: Context, shape: MrShape) -> SpareMr:
 
 
 def _reg_mrs(ctx: Context, shape: MrShape) -> list[SpareMr]:
-    """New MRs of this shape on buffers of their own, in one reg_mrs: MR_POOL at the shape's first refill, twice as
-    many at each later one (up to MR_POOL_MAX, and MR_POOL * MR_POOL_BYTES bytes), as many as the arena and the
-    quota allow (at least one). When the quota refuses, the spare MRs of every shape are given back and the
-    request is made once more. A refill that got fewer than it asked for makes the next one MR_POOL again."""
+    """New MRs of this shape on buffers of their own, in one reg_mrs: MR_POOL at the shape's first refill,
+    MR_POOL_GROWTH times as many at each later one (up to MR_POOL_MAX, and MR_POOL * MR_POOL_BYTES bytes), as many
+    as the arena and the quota allow (at least one). When the quota refuses, the spare MRs of every shape are given
+    back and the request is made once more. A refill that got fewer than it asked for makes the next one MR_POOL
+    again."""
     want = _mr_pool_want(ctx.mr_refill.get(shape, MR_POOL), shape.length)
     buffers = _pool_buffers(ctx, shape.length, want)
     refused = False
@@ -457,7 +462,7 @@ def _reg_mrs(ctx: Context, shape: MrShape) -> list[SpareMr]:
     made = [SpareMr(int(h), int(k), b) for h, k, b in zip(handles, reply["keys"], buffers[:len(handles)], strict=True)]
     for buffer in buffers[len(made):]:
         ctx.free(buffer)
-    ctx.mr_refill[shape] = MR_POOL if refused or len(made) < want else _doubled(want, MR_POOL_MAX)
+    ctx.mr_refill[shape] = MR_POOL if refused or len(made) < want else _grown(want, MR_POOL_GROWTH, MR_POOL_MAX)
     return made
 
 
@@ -470,12 +475,12 @@ def mr_pool_refills(length: int, count: int) -> list[int]:
     """The reg_mrs sizes that serve count MR()s of length one after another on a new context, none refused: what
     a guest's loop of small MRs costs vrnicd (bench.mediation_floor replays it on a bare mediator)."""
     return _refills(count, _mr_pool_want(MR_POOL, length),
-                    lambda last: _mr_pool_want(_doubled(last, MR_POOL_MAX), length))
+                    lambda last: _mr_pool_want(_grown(last, MR_POOL_GROWTH, MR_POOL_MAX), length))
 
 
-def _doubled(refill: int, cap: int) -> int:
-    """A pool's next refill after one of refill: twice as many, up to cap."""
-    return min(2 * refill, cap)
+def _grown(refill: int, factor: int, cap: int) -> int:
+    """A pool's next refill after one of refill: factor times as many, up to cap."""
+    return min(factor * refill, cap)
 
 
 def _refills(count: int, first: int, after: Callable[[int], int]) -> list[int]:
@@ -745,7 +750,7 @@ def _pooled_qp(ctx: Context, shape: QpShape) -> SpareQp:
         want = ctx.qp_refill.get(shape, QP_POOL)
         try:
             made = _create_qps(ctx, shape, want, fewer=True)
-            ctx.qp_refill[shape] = _doubled(want, QP_POOL_MAX)
+            ctx.qp_refill[shape] = _grown(want, QP_POOL_GROWTH, QP_POOL_MAX)
         except QuotaExceeded as exc:
             if exc.limit != "max_qps":
                 raise
@@ -759,7 +764,7 @@ def _pooled_qp(ctx: Context, shape: QpShape) -> SpareQp:
 def qp_pool_refills(count: int) -> list[int]:
     """The create_qps sizes that serve count QP()s of one shape one after another on a new context, none refused:
     what a guest's loop of QPs costs vrnicd (bench.mediation_floor replays it on a bare mediator)."""
-    return _refills(count, QP_POOL, lambda last: _doubled(last, QP_POOL_MAX))
+    return _refills(count, QP_POOL, lambda last: _grown(last, QP_POOL_GROWTH, QP_POOL_MAX))
 
 
 def _give_back_spare_qps(ctx: Context, on_cq: int | None = None) -> None:
