@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import mmap
 import os
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from vrnic.backend.guest_memory import GuestMemory
+from vrnic.core.guest_phys import MADV_POPULATE_WRITE
 from vrnic.core.specs import AttachInfo
 from vrnic.errors import InvalidArgument
 from vrnic.frontend import MR, PD, Access, Context
-from vrnic.frontend.memory import MADV_POPULATE_WRITE, MemfdArena
+from vrnic.frontend.memory import MemfdArena
 
 pytestmark = pytest.mark.unit
 
@@ -47,6 +49,48 @@ def test_pages_written_or_populated_by_the_guest_count_and_untouched_or_fallocat
         assert memory.unallocated_page([]) is None
     finally:
         guest.close()
+
+
+def _mapped_in(memory: GuestMemory, first: int, count: int) -> list[bool]:
+    """For each of count pages from first: whether vrnicd's mapping has it mapped (/proc/self/pagemap's present
+    bit), which is what a registration through that mapping would otherwise fault in page by page."""
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek((memory.base + first) // PAGE * 8)
+        entries = struct.unpack(f"{count}Q", pagemap.read(8 * count))
+    return [bool(entry >> 63) for entry in entries]
+
+
+def test_pages_the_guest_allocated_are_mapped_into_vrnicd_in_one_call_per_run(
+        memory: GuestMemory, monkeypatch: pytest.MonkeyPatch) -> None:
+    guest = _guest_mapping(memory)
+    try:
+        guest.madvise(MADV_POPULATE_WRITE, 2 * PAGE, 4 * PAGE)
+        guest.madvise(MADV_POPULATE_WRITE, 9 * PAGE, PAGE)
+        assert _mapped_in(memory, 0, 12) == [False] * 12  # allocated by the guest, not yet mapped here
+        calls: list[tuple[int, int]] = []
+        real = memory._map.madvise
+
+        def counting(option: int, start: int, length: int) -> None:
+            calls.append((start, length))
+            real(option, start, length)
+
+        monkeypatch.setattr(memory, "_map", _Spy(memory._map, counting))
+        memory.map_in([(2 * PAGE + 8, 3 * PAGE), (3 * PAGE, 6 * PAGE), (9 * PAGE, 9 * PAGE + 1)])
+        assert calls == [(2 * PAGE, 4 * PAGE), (9 * PAGE, PAGE)]  # side by side: one run
+        assert _mapped_in(memory, 0, 12) == [False] * 2 + [True] * 4 + [False] * 3 + [True] + [False] * 2
+        assert memory.unallocated_page([(0, 2 * PAGE), (6 * PAGE, 9 * PAGE)]) == 0  # nothing else allocated
+    finally:
+        guest.close()
+
+
+class _Spy:
+    """A mapping whose madvise goes through a function of the test's."""
+
+    def __init__(self, mapping: mmap.mmap, madvise: Callable[[int, int, int], None]) -> None:
+        self._mapping, self.madvise = mapping, madvise
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._mapping, name)
 
 
 def test_one_look_at_the_file_per_run_of_pages(memory: GuestMemory, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,7 +19,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from vrnic.core.guest_phys import MemoryLayout, arena_layout, vm_layout
+from vrnic.core.guest_phys import MADV_POPULATE_WRITE, MemoryLayout, arena_layout, vm_layout
 from vrnic.core.rings import index_words
 from vrnic.errors import DeviceError, InvalidArgument, NotFound
 
@@ -125,14 +125,7 @@ class GuestMemory:
         pool's buffers lie side by side: one). Not mincore() through ctypes and then lseek for the pages it
         missed: 0.7 ms of every pool refill in the lab under TCG, against tens of microseconds (issue 14)."""
         page_size = mmap.PAGESIZE
-        runs: list[list[int]] = []
-        for start, end in sorted(spans):
-            first, last = start // page_size * page_size, -(-end // page_size) * page_size
-            if runs and first <= runs[-1][1]:
-                runs[-1][1] = max(runs[-1][1], last)
-            else:
-                runs.append([first, last])
-        for first, last in runs:
+        for first, last in _page_runs(spans):
             try:
                 hole = os.lseek(self.fd, first, os.SEEK_HOLE)
             except OSError as exc:  # ENXIO: first is past the end of the file, where nothing is allocated
@@ -143,6 +136,16 @@ class GuestMemory:
                 return hole // page_size * page_size
         return None
 
+    def map_in(self, spans: Sequence[tuple[int, int]]) -> None:
+        """Map the pages under the spans into vrnicd's mapping, writable, ahead of their registration: one
+        madvise(MADV_POPULATE_WRITE) per run of pages, where the registration would fault each page in on its own
+        (lab, 8 MRs of 4 KiB on pages another process allocated: 1.05 -> 0.94 ms, issue 14). Only for pages the
+        guest allocated (unallocated_page): on a hole it would allocate a page charged to vrnicd. A failure is
+        left to the registration, which faults the page in itself or says why it cannot."""
+        for first, last in _page_runs(spans):
+            with contextlib.suppress(OSError):
+                self._map.madvise(MADV_POPULATE_WRITE, first, last - first)
+
     def close(self) -> None:
         if self._map.closed:
             return
@@ -151,3 +154,16 @@ class GuestMemory:
         self._map.close()
         with contextlib.suppress(OSError):
             os.close(self.fd)
+
+
+def _page_runs(spans: Sequence[tuple[int, int]]) -> list[list[int]]:
+    """The [first, last) runs of whole pages the [start, end) spans cover, pages that touch joined."""
+    page_size = mmap.PAGESIZE
+    runs: list[list[int]] = []
+    for start, end in sorted(spans):
+        first, last = start // page_size * page_size, -(-end // page_size) * page_size
+        if runs and first <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], last)
+        else:
+            runs.append([first, last])
+    return runs

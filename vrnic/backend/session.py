@@ -349,8 +349,11 @@ class GuestSession:
         faults a buffer's pages in before it registers it (Context.provision). A VM's RAM is QEMU's: not checked."""
         if not self.memory.guest_allocates:
             return
-        page = self.memory.unallocated_page([(at, at + length) for at in offsets])
-        if page is not None:
+        spans = [(at, at + length) for at in offsets]
+        page = self.memory.unallocated_page(spans)
+        if page is None:
+            self.memory.map_in(spans)
+        else:
             raise InvalidArgument(f"the MR covers arena pages the guest never allocated (offset {page:#x}): "
                                   "write its pages (or madvise MADV_POPULATE_WRITE) before registering it, so that "
                                   "they count against the guest's own memory limit")

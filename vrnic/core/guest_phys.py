@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from vrnic.errors import InvalidArgument
 
+MADV_POPULATE_WRITE = 23  # linux/mman-common.h, Linux 5.14; Python 3.11's mmap does not name it
+
 GiB = 1 << 30
 FOUR_GIB = 4 * GiB
 LEGACY_ROM = (0xC0000, 0x100000)  # option ROMs and the BIOS shadow: not guest RAM

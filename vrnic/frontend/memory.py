@@ -25,11 +25,11 @@ import threading
 from typing import ClassVar, Protocol
 
 from vrnic.core.arena import ArenaAllocator, SegmentedAllocator, contiguous_runs
+from vrnic.core.guest_phys import MADV_POPULATE_WRITE
 from vrnic.core.rings import index_words
 from vrnic.errors import DeviceError, InvalidArgument, NotSupported
 
 PAGE = mmap.PAGESIZE
-MADV_POPULATE_WRITE = 23  # linux/mman-common.h, Linux 5.14; Python 3.11's mmap does not name it
 HUGEPAGE = 2 << 20
 _PFN_MASK = (1 << 55) - 1
 _PRESENT = 1 << 63
