@@ -16,7 +16,16 @@ from typing import Any
 import pytest
 
 from vrnic.errors import InvalidArgument
-from vrnic.frontend.channel import DEFAULT_POLL_US, MAX_POLL_US, POLL_ENV, UnixChannel, reply_poll_seconds
+from vrnic.frontend.channel import (
+    DEFAULT_POLL_US,
+    LONGEST_POLL_S,
+    MAX_POLL_US,
+    POLL_ENV,
+    REPLY_POLL_MARGIN,
+    UnixChannel,
+    poll_budget,
+    reply_poll_seconds,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -108,14 +117,17 @@ def test_a_reply_later_than_the_poll_is_read_asleep(server: str, monkeypatch: py
 
 
 class _CountingSocket:
-    """The channel's socket, counting the reads that would not wait (the poll's tries)."""
+    """The channel's socket, counting the reads that would not wait (the poll's tries) and those that would."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.tries = 0
+        self.sleeps = 0
 
     def recvmsg_into(self, buffers: list[memoryview], ancillary: int, flags: int = 0) -> Any:
-        self.tries += bool(flags & socket.MSG_DONTWAIT)
+        polled = bool(flags & socket.MSG_DONTWAIT)
+        self.tries += polled
+        self.sleeps += not polled
         return self.sock.recvmsg_into(buffers, ancillary, flags)
 
     def __getattr__(self, name: str) -> Any:
@@ -134,6 +146,54 @@ def test_within_its_budget_the_guest_polls(server: str, monkeypatch: pytest.Monk
     try:
         assert channel.call("late") == {"op": "late"}
         assert counting.tries > 1
+    finally:
+        channel.close()
+
+
+def test_an_op_that_took_longer_than_the_poll_polls_for_twice_as_long_next_time_within_a_cap() -> None:
+    poll = DEFAULT_POLL_US / 1e6
+    assert poll_budget(poll, None) == poll  # never asked yet
+    assert poll_budget(poll, 0.0002) == poll  # answered within the poll: the poll stays
+    assert poll_budget(poll, 0.005) == 0.005 * REPLY_POLL_MARGIN
+    assert poll_budget(poll, LONGEST_POLL_S / REPLY_POLL_MARGIN) == LONGEST_POLL_S
+    assert poll_budget(poll, LONGEST_POLL_S) == poll  # too long to poll through: sleep after the usual poll
+    assert poll_budget(0.05, 0.005) == 0.05  # a longer poll is not cut
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="polls only with two CPUs or more")
+@pytest.mark.parametrize("server", [0.004], indirect=True)
+def test_a_reply_as_late_as_the_last_one_of_its_op_is_polled_for(server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replies 4 ms late against a 1 ms poll: the first request of an op sleeps for its reply, the next one of that
+    op polls through the wait it now expects; another op's first request still sleeps."""
+    monkeypatch.delenv(POLL_ENV, raising=False)
+    channel = UnixChannel(server)
+    counting = _CountingSocket(channel.sock)
+    channel.sock = counting  # type: ignore[assignment]
+    try:
+        channel.call("attach")  # the first reply polls longer (FIRST_REPLY_POLL_FACTOR)
+        sleeps = counting.sleeps
+        channel.call("refill")
+        assert counting.sleeps == sleeps + 1
+        assert channel.reply_seconds["refill"] >= 0.004
+        channel.call("refill")
+        assert counting.sleeps == sleeps + 1  # polled until the reply came
+        channel.call("other")
+        assert counting.sleeps == sleeps + 2
+    finally:
+        channel.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="polls only with two CPUs or more")
+@pytest.mark.parametrize("server", [0.004], indirect=True)
+def test_a_poll_the_setting_names_is_not_stretched(server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(POLL_ENV, "1000")
+    channel = UnixChannel(server)
+    counting = _CountingSocket(channel.sock)
+    channel.sock = counting  # type: ignore[assignment]
+    try:
+        for _ in range(3):
+            channel.call("refill")
+        assert counting.sleeps == 3
     finally:
         channel.close()
 

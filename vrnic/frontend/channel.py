@@ -48,6 +48,12 @@ MAX_POLL_US = 100_000
 # A channel's first reply (the attach's) polls this many times as long: vrnicd opens a session for it, 1.5-2 ms in
 # the lab against 0.3-0.5 for a verb, and an attach that outwaited the poll paid the wake-up too (issue 14).
 FIRST_REPLY_POLL_FACTOR = 4
+# Unless the setting says how long: a request whose op took longer than the poll the last time polls for
+# REPLY_POLL_MARGIN times as long as it took, if that is no more than LONGEST_POLL_S, so a pool refill (5-11 ms under
+# the lab's TCG) does not sleep through most of its wait and pay the wake-up (0.15-0.4 ms a refill in the lab, issue
+# 14). An op that took longer than that sleeps after the usual poll: the poll would burn the CPU and still sleep.
+REPLY_POLL_MARGIN = 2
+LONGEST_POLL_S = 0.016
 # What a guest does when vrnicd goes away (restart, upgrade, OOM kill): its objects died with that vrnicd.
 _REATTACH = ("; every object of this attachment is gone (vrnicd restarted or stopped): attach again with the "
              "same token and rebuild them")
@@ -67,6 +73,15 @@ def wire_version(version: int | None = None, setting: str | None = None) -> int:
     if setting not in map(str, VERSIONS):
         raise InvalidArgument(f"{WIRE_VERSION_ENV} is {_spoken()}, not {setting[:20]!r}")
     return int(setting)
+
+
+def poll_budget(poll_seconds: float, last_seconds: float | None) -> float:
+    """How long a request polls for its reply: poll_seconds, or REPLY_POLL_MARGIN times what its op took the last
+    time (last_seconds) where that is longer and no more than LONGEST_POLL_S."""
+    if last_seconds is None:
+        return poll_seconds
+    stretched = last_seconds * REPLY_POLL_MARGIN
+    return stretched if poll_seconds < stretched <= LONGEST_POLL_S else poll_seconds
 
 
 def _spoken() -> str:
@@ -122,6 +137,8 @@ class Channel(ABC):
         self._ids = itertools.count(random.getrandbits(40) or 1)
         self._lock = threading.Lock()
         self.received_fds: list[int] = []  # descriptors vrnicd sent (the direct engine's uverbs fd)
+        self.reply_seconds: dict[str, float] = {}  # by op: how long its last request took, sent to answered
+        self._awaited = ""  # the op of the request whose reply is awaited
 
     def take_fds(self) -> list[int]:
         fds, self.received_fds = self.received_fds, []
@@ -132,8 +149,11 @@ class Channel(ABC):
         data = encode_request(request_id, op, args, self.version)
         with self._lock:
             try:
+                started = time.perf_counter()
                 self._send(data, fds)
+                self._awaited = op
                 reply = self._read_reply(request_id)
+                self.reply_seconds[op] = time.perf_counter() - started
                 while self._may_step_down and _refuses_version(reply, self.version):
                     self.version = max(v for v in VERSIONS if v < self.version)
                     self._restart()
@@ -185,6 +205,7 @@ class UnixChannel(Channel):
 
     def __init__(self, path: str, version: int | None = None) -> None:
         poll = reply_poll_seconds()  # a bad setting fails before anything is opened
+        self.stretch_poll = not os.environ.get(POLL_ENV, "").strip()  # a poll the setting names is kept as named
         super().__init__(version)
         self.path = path
         self._buffer = memoryview(bytearray(RECV_BYTES))
@@ -225,7 +246,12 @@ class UnixChannel(Channel):
 
     def _poll(self, buffers: list[memoryview]) -> tuple[int, list[tuple[int, int, bytes]], int, Any] | None:
         """What arrives within poll_seconds, or None (then the caller sleeps in recvmsg)."""
-        budget = self.poll_seconds * FIRST_REPLY_POLL_FACTOR if self._first_reply else self.poll_seconds
+        if self._first_reply:
+            budget = self.poll_seconds * FIRST_REPLY_POLL_FACTOR
+        elif self.stretch_poll:
+            budget = poll_budget(self.poll_seconds, self.reply_seconds.get(self._awaited))
+        else:
+            budget = self.poll_seconds
         deadline = time.perf_counter() + budget
         while True:
             try:
