@@ -18,6 +18,7 @@ from vrnic.core.guest_phys import MADV_POPULATE_WRITE
 from vrnic.core.specs import AttachInfo
 from vrnic.errors import InvalidArgument
 from vrnic.frontend import MR, PD, Access, Context
+from vrnic.frontend.guest_library import MR_POOL, MR_POOL_BYTES
 from vrnic.frontend.memory import MemfdArena
 
 pytestmark = pytest.mark.unit
@@ -134,6 +135,29 @@ def test_vrnicd_refuses_an_mr_over_pages_the_guest_never_touched(make_vrnic: Cal
         mine = MR(pd, given)
         assert {mr.buffer.length for mr in (big, small, mine)} == {64 * PAGE, 512, 4 * PAGE}
         for mr in (big, small, mine):
+            mr.close()
+
+
+def test_a_pool_refill_maps_its_pages_into_vrnicd_before_registering_them_and_a_lone_mr_does_not(
+        make_vrnic: Callable[..., AttachInfo], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refill's pages are new to vrnicd's mapping; a lone MR's (reg_mr) may have been mapped by its last
+    registration, and mapping them again is a walk of every page for nothing."""
+    mapped: list[list[tuple[int, int]]] = []
+    real = GuestMemory.map_in
+
+    def spying(self: GuestMemory, spans: list[tuple[int, int]]) -> None:
+        mapped.append(sorted(spans))
+        real(self, spans)
+
+    monkeypatch.setattr(GuestMemory, "map_in", spying)
+    with Context.attach(make_vrnic(), ARENA) as ctx:
+        pd = PD(ctx)
+        pooled = MR(pd, PAGE)
+        [spans] = mapped
+        assert len(spans) == MR_POOL and (pooled.buffer.offset, pooled.buffer.offset + PAGE) in spans
+        alone = MR(pd, MR_POOL_BYTES + PAGE)  # too large to pool: one reg_mr
+        assert len(mapped) == 1
+        for mr in (pooled, alone):
             mr.close()
 
 
