@@ -204,8 +204,9 @@ class UnixChannel(Channel):
     """A container guest's connection to vrnicd's socket."""
 
     def __init__(self, path: str, version: int | None = None) -> None:
-        poll = reply_poll_seconds()  # a bad setting fails before anything is opened
-        self.stretch_poll = not os.environ.get(POLL_ENV, "").strip()  # a poll the setting names is kept as named
+        setting = os.environ.get(POLL_ENV, "")  # read once: an unset name costs a KeyError inside
+        poll = reply_poll_seconds(setting)  # a bad setting fails before anything is opened
+        self.stretch_poll = not setting.strip()  # a poll the setting names is kept as named
         super().__init__(version)
         self.path = path
         self._buffer = memoryview(bytearray(RECV_BYTES))
