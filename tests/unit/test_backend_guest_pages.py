@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vrnic.backend.guest_memory import GuestMemory
+from vrnic.backend.guest_memory import GuestMemory, page_runs
 from vrnic.core.guest_phys import MADV_POPULATE_WRITE
 from vrnic.core.specs import AttachInfo
 from vrnic.errors import InvalidArgument
@@ -76,7 +76,7 @@ def test_pages_the_guest_allocated_are_mapped_into_vrnicd_in_one_call_per_run(
             real(option, start, length)
 
         monkeypatch.setattr(memory, "_map", _Spy(memory._map, counting))
-        memory.map_in([(2 * PAGE + 8, 3 * PAGE), (3 * PAGE, 6 * PAGE), (9 * PAGE, 9 * PAGE + 1)])
+        memory.map_in(page_runs([(2 * PAGE + 8, 3 * PAGE), (3 * PAGE, 6 * PAGE), (9 * PAGE, 9 * PAGE + 1)]))
         assert calls == [(2 * PAGE, 4 * PAGE), (9 * PAGE, PAGE)]  # side by side: one run
         assert _mapped_in(memory, 0, 12) == [False] * 2 + [True] * 4 + [False] * 3 + [True] + [False] * 2
         assert memory.unallocated_page([(0, 2 * PAGE), (6 * PAGE, 9 * PAGE)]) == 0  # nothing else allocated
@@ -142,19 +142,20 @@ def test_a_pool_refill_maps_its_pages_into_vrnicd_before_registering_them_and_a_
         make_vrnic: Callable[..., AttachInfo], monkeypatch: pytest.MonkeyPatch) -> None:
     """A refill's pages are new to vrnicd's mapping; a lone MR's (reg_mr) may have been mapped by its last
     registration, and mapping them again is a walk of every page for nothing."""
-    mapped: list[list[tuple[int, int]]] = []
+    mapped: list[list[list[int]]] = []
     real = GuestMemory.map_in
 
-    def spying(self: GuestMemory, spans: list[tuple[int, int]]) -> None:
-        mapped.append(sorted(spans))
-        real(self, spans)
+    def spying(self: GuestMemory, runs: list[list[int]]) -> None:
+        mapped.append(runs)
+        real(self, runs)
 
     monkeypatch.setattr(GuestMemory, "map_in", spying)
     with Context.attach(make_vrnic(), ARENA) as ctx:
         pd = PD(ctx)
         pooled = MR(pd, PAGE)
-        [spans] = mapped
-        assert len(spans) == MR_POOL and (pooled.buffer.offset, pooled.buffer.offset + PAGE) in spans
+        [runs] = mapped
+        assert sum(last - first for first, last in runs) == MR_POOL * PAGE  # the pool's pages, side by side
+        assert any(first <= pooled.buffer.offset and pooled.buffer.offset + PAGE <= last for first, last in runs)
         alone = MR(pd, MR_POOL_BYTES + PAGE)  # too large to pool: one reg_mr
         assert len(mapped) == 1
         for mr in (pooled, alone):

@@ -124,8 +124,12 @@ class GuestMemory:
         hole otherwise (mm/filemap.c, mapping_seek_hole_data). One call per run of pages the spans cover (a
         pool's buffers lie side by side: one). Not mincore() through ctypes and then lseek for the pages it
         missed: 0.7 ms of every pool refill in the lab under TCG, against tens of microseconds (issue 14)."""
+        return self.first_unallocated(page_runs(spans))
+
+    def first_unallocated(self, runs: Sequence[Sequence[int]]) -> int | None:
+        """unallocated_page() of spans already merged into runs of whole pages (page_runs)."""
         page_size = mmap.PAGESIZE
-        for first, last in _page_runs(spans):
+        for first, last in runs:
             try:
                 hole = os.lseek(self.fd, first, os.SEEK_HOLE)
             except OSError as exc:  # ENXIO: first is past the end of the file, where nothing is allocated
@@ -136,13 +140,13 @@ class GuestMemory:
                 return hole // page_size * page_size
         return None
 
-    def map_in(self, spans: Sequence[tuple[int, int]]) -> None:
-        """Map the pages under the spans into vrnicd's mapping, writable, ahead of their registration: one
-        madvise(MADV_POPULATE_WRITE) per run of pages, where the registration would fault each page in on its own
-        (lab, 8 MRs of 4 KiB on pages another process allocated: 1.05 -> 0.94 ms, issue 14). Only for pages the
-        guest allocated (unallocated_page): on a hole it would allocate a page charged to vrnicd. A failure is
+    def map_in(self, runs: Sequence[Sequence[int]]) -> None:
+        """Map the [first, last) runs of pages (page_runs) into vrnicd's mapping, writable, ahead of their
+        registration: one madvise(MADV_POPULATE_WRITE) per run, where the registration would fault each page in on
+        its own (lab, 8 MRs of 4 KiB on pages another process allocated: 1.05 -> 0.94 ms, issue 14). Only for pages
+        the guest allocated (first_unallocated): on a hole it would allocate a page charged to vrnicd. A failure is
         left to the registration, which faults the page in itself or says why it cannot."""
-        for first, last in _page_runs(spans):
+        for first, last in runs:
             with contextlib.suppress(OSError):
                 self._map.madvise(MADV_POPULATE_WRITE, first, last - first)
 
@@ -156,7 +160,7 @@ class GuestMemory:
             os.close(self.fd)
 
 
-def _page_runs(spans: Sequence[tuple[int, int]]) -> list[list[int]]:
+def page_runs(spans: Sequence[tuple[int, int]]) -> list[list[int]]:
     """The [first, last) runs of whole pages the [start, end) spans cover, pages that touch joined."""
     page_size = mmap.PAGESIZE
     runs: list[list[int]] = []

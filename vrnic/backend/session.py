@@ -24,7 +24,7 @@ from vrnic.backend.attachment import PeerCred
 from vrnic.backend.cm import ConnectionManager
 from vrnic.backend.engine import DataPathEngine, EngineHost
 from vrnic.backend.flow_guard import FlowGuard
-from vrnic.backend.guest_memory import GuestMemory
+from vrnic.backend.guest_memory import GuestMemory, page_runs
 from vrnic.backend.qos_shaper import QosMechanism
 from vrnic.backend.registry import Peer, Registry, VirtualRnic
 from vrnic.backend.rnic_edge import PORT, DeviceContext, QpCaps, RtrParams, RtsParams
@@ -343,17 +343,20 @@ class GuestSession:
     def op_reg_mr(self, args: verb_args.RegMr, handle: int | None = None, vkey: int | None = None) -> dict[str, Any]:
         return self._reg_mr(args.pd, args.addr, args.length, args.access, handle, vkey)
 
-    def _require_allocated(self, offsets: list[int], length: int) -> None:
+    def _require_allocated(self, offsets: list[int], length: int) -> list[list[int]]:
         """Refuse to register a container guest's pages it has not allocated: vrnicd's registration would allocate
         them, charged to vrnicd's memory cgroup, not the guest's (GuestMemory.unallocated_page). The frontend
-        faults a buffer's pages in before it registers it (Context.provision). A VM's RAM is QEMU's: not checked."""
+        faults a buffer's pages in before it registers it (Context.provision). A VM's RAM is QEMU's: not checked.
+        The runs of pages looked at (page_runs), none for a VM."""
         if not self.memory.guest_allocates:
-            return
-        page = self.memory.unallocated_page([(at, at + length) for at in offsets])
+            return []
+        runs = page_runs([(at, at + length) for at in offsets])
+        page = self.memory.first_unallocated(runs)
         if page is not None:
             raise InvalidArgument(f"the MR covers arena pages the guest never allocated (offset {page:#x}): "
                                   "write its pages (or madvise MADV_POPULATE_WRITE) before registering it, so that "
                                   "they count against the guest's own memory limit")
+        return runs
 
     def _reg_mr(self, pd_handle: int, addr: int, length: int, access_bits: int, handle: int | None = None,
                 vkey: int | None = None) -> dict[str, Any]:
@@ -405,20 +408,21 @@ class GuestSession:
         if access_bits & _REMOTE_WRITES and not access_bits & _LOCAL_WRITE:
             raise InvalidArgument("remote write or atomic access needs LOCAL_WRITE too")
         located = [(addr, self.state.locate(addr, length, "MR")) for addr in args.addrs]
-        self._require_allocated([at for _addr, at in located], length)
+        runs = self._require_allocated([at for _addr, at in located], length)
         ledger = self.state.ledger
         count = ledger.charge_up_to(len(located), (Resource.MR, 1), (Resource.PINNED_BYTES, length))
+        if runs and count < len(located):  # the quota cut the pool short: only the pages of the MRs it allows
+            runs = page_runs([(at, at + length) for _addr, at in located[:count]])
         # The NIC's registrations back to back, then the tables, as create_qps does: under TCG a registration runs
         # slower with vrnicd's Python between it and the next (lab, a 32-MR reg_mrs in turns: 9.8 -> 8.5 ms; issue 14)
         reg_mr, base = self.device.reg_mr, self.memory.base
         registered: list[tuple[Any, int, int]] = []
         try:
-            if self.memory.guest_allocates:
-                # A pool's pages are new to vrnicd's mapping: one madvise maps them all, where each registration
-                # would fault its page in (lab: a registration after the first 0.150 -> 0.106 ms). Not for reg_mr:
-                # a 1 MiB MR the guest registers again and again lies on pages already mapped here, and the
-                # madvise's walk of them cost its loop 0.5 ms (issue 14, session 45).
-                self.memory.map_in([(at, at + length) for _addr, at in located[:count]])
+            # A pool's pages are new to vrnicd's mapping: one madvise maps them all, where each registration
+            # would fault its page in (lab: a registration after the first 0.150 -> 0.106 ms). Not for reg_mr:
+            # a 1 MiB MR the guest registers again and again lies on pages already mapped here, and the
+            # madvise's walk of them cost its loop 0.5 ms (issue 14, session 45).
+            self.memory.map_in(runs)
             for _addr, at in located[:count]:
                 registered.append(reg_mr(pd.obj, base + at, length, access_bits))
             access, new = Access(access_bits), self._new_mr
