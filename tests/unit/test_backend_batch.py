@@ -682,6 +682,23 @@ def test_each_refill_of_an_mr_pool_asks_for_four_times_as_many_up_to_a_cap(make_
         assert _used(ctx) == (ctx.spare_mr_count, ctx.spare_mr_count * length)
 
 
+@pytest.mark.parametrize("length", [4096, 3 * 4096, 1000, 100])
+def test_an_mr_lies_on_as_few_pages_as_its_length_allows(make_vrnic: Callable[..., AttachInfo],
+                                                               length: int) -> None:
+    """A 4 KiB MR on one page, not two: each page an MR spans is one more for the NIC to pin (and to look up
+    in the lab, issue 14: the 50-MR loop's mean 0.39 -> 0.35 ms in turns)."""
+    with Context.attach(make_vrnic(max_mrs=4096), ARENA) as ctx:
+        ctx.alloc(100)  # whatever else the arena holds, the pool's buffers are not left where it ends
+        pd = PD(ctx)
+        mrs = [MR(pd, length, ALL) for _ in range(sum(mr_pool_refills(length, 2 * MR_POOL)))]
+        mrs.append(MR(pd, MR_POOL_BYTES + length, ALL))  # too large for a pool: its own buffer, aligned as well
+        fewest = -(-length // 4096)
+        assert {(mr.addr % 4096 + length + 4095) // 4096 for mr in mrs[:-1]} == {fewest}
+        assert (mrs[-1].addr % 4096 + mrs[-1].length + 4095) // 4096 == (MR_POOL_BYTES + length + 4095) // 4096
+        for mr in mrs:
+            mr.close()
+
+
 def test_an_mr_pool_refill_the_quota_cuts_short_starts_small_again(make_vrnic: Callable[..., AttachInfo]) -> None:
     with Context.attach(make_vrnic(max_mrs=MR_POOL + 6), ARENA) as ctx:
         pd = PD(ctx)

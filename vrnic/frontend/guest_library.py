@@ -353,7 +353,7 @@ class MR(_Resource):
             pd.users += 1
             self.handle, self.buffer, self.lkey, self.rkey = spare.handle, spare.buffer, spare.key, spare.key
             return
-        self.buffer = ctx.alloc(buffer) if isinstance(buffer, int) else buffer
+        self.buffer = ctx.alloc(buffer, _mr_align(buffer)) if isinstance(buffer, int) else buffer
         try:
             ctx.provision([self.buffer])
             reply = ctx.call("reg_mr", pd=pd.handle, addr=self.buffer.addr, length=self.buffer.length,
@@ -495,15 +495,22 @@ def _pool_buffers(ctx: Context, size: int, count: int) -> list[Buffer]:
     """Buffers of size for a pool: count side by side if the arena has them in one piece (one search, not one per
     buffer: a 50-MR loop's four refills spent 1.4-3.2 ms in the arena in the lab, issue 14); else the first one,
     or the arena's error, then as many as the arena has room for (a spare is not made rather than make room)."""
+    align = _mr_align(size)
     with contextlib.suppress(VrnicError):
-        return ctx.alloc_many([size] * count, spare=True)
-    buffers = [ctx.alloc(size)]
+        return ctx.alloc_many([size] * count, align, spare=True)
+    buffers = [ctx.alloc(size, align)]
     while len(buffers) < count:
         try:
-            buffers.append(ctx.alloc(size, spare=True))
+            buffers.append(ctx.alloc(size, align, spare=True))
         except VrnicError:  # the arena is short: fewer spares
             break
     return buffers
+
+
+def _mr_align(size: int) -> int:
+    """The alignment that keeps an MR's buffer of size on as few pages as it can be (each page an MR spans is one
+    more for the NIC to pin): a power of two no smaller than size, up to a page, and 64 at least (a cache line)."""
+    return max(64, min(PAGE, 1 << (size - 1).bit_length()))
 
 
 def _give_back_spare_mrs(ctx: Context, on_pd: int | None = None) -> int:
