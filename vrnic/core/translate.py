@@ -26,9 +26,11 @@ class WrRejected(InvalidArgument):
         self.status = status
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class MrWindow:
-    """A registered range of one vRNIC's arena."""
+    """A registered range of one vRNIC's arena. Not frozen, though nothing changes one once made: a frozen
+    dataclass sets each field through object.__setattr__, and a pool refill makes one per MR (0.76 -> 0.29 us on
+    the host, about 30 times that under the lab's TCG; issue 14)."""
 
     vkey: int
     offset: int
