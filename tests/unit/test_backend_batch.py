@@ -683,8 +683,7 @@ def test_each_refill_of_an_mr_pool_asks_for_four_times_as_many_up_to_a_cap(make_
 
 
 @pytest.mark.parametrize("length", [4096, 3 * 4096, 1000, 100])
-def test_an_mr_lies_on_as_few_pages_as_its_length_allows(make_vrnic: Callable[..., AttachInfo],
-                                                               length: int) -> None:
+def test_an_mr_lies_on_as_few_pages_as_its_length_allows(make_vrnic: Callable[..., AttachInfo], length: int) -> None:
     """A 4 KiB MR on one page, not two: each page an MR spans is one more for the NIC to pin (and to look up
     in the lab, issue 14: the 50-MR loop's mean 0.39 -> 0.35 ms in turns)."""
     with Context.attach(make_vrnic(max_mrs=4096), ARENA) as ctx:

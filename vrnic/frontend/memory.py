@@ -89,6 +89,7 @@ class MemfdArena(Arena):
         except BaseException:
             os.close(self.fd)
             raise
+        self._provisioned = bytearray(size // PAGE)  # 1: this process faulted the page in (it stays allocated)
         self._start()
 
     @classmethod
@@ -98,7 +99,7 @@ class MemfdArena(Arena):
             kept = cls._kept.pop() if cls._kept and cls._kept[-1].size == size else None
         if kept is None:
             return cls(size)
-        kept._start(kept._provisioned)
+        kept._start()
         return kept
 
     @classmethod
@@ -118,14 +119,12 @@ class MemfdArena(Arena):
         cls._kept_lock = threading.Lock()  # the parent's may have been held by another of its threads
         cls.close_kept()
 
-    def _start(self, provisioned: bytearray | None = None) -> None:
-        """Views and bookkeeping of an arena that reads as zeros: new, or emptied by retire, which may have left the
-        pages marked in provisioned allocated."""
+    def _start(self) -> None:
+        """Views and bookkeeping of an arena that reads as zeros: new, or emptied by retire (which may have left
+        pages this process provisioned allocated, and marked so)."""
         self.view = memoryview(self._map)
         self.words = index_words(self.view)
         self.allocator = ArenaAllocator(self.size)
-        # 1: this process faulted the page in (it stays allocated)
-        self._provisioned = bytearray(self.size // PAGE) if provisioned is None else provisioned
 
     def retire(self) -> None:
         """Kept for the next attach (one at most), emptied (_empty: it reads as zeros, and holds no memory but the
