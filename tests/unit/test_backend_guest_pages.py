@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from vrnic.backend.guest_memory import GuestMemory, page_runs
+from vrnic.backend.guest_memory import GuestMemory
+from vrnic.core.arena import page_runs
 from vrnic.core.guest_phys import MADV_POPULATE_WRITE
 from vrnic.core.specs import AttachInfo
 from vrnic.errors import InvalidArgument

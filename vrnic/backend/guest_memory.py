@@ -19,6 +19,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from vrnic.core.arena import page_runs
 from vrnic.core.guest_phys import MADV_POPULATE_WRITE, MemoryLayout, arena_layout, vm_layout
 from vrnic.core.rings import index_words
 from vrnic.errors import DeviceError, InvalidArgument, NotFound
@@ -159,15 +160,3 @@ class GuestMemory:
         with contextlib.suppress(OSError):
             os.close(self.fd)
 
-
-def page_runs(spans: Sequence[tuple[int, int]]) -> list[list[int]]:
-    """The [first, last) runs of whole pages the [start, end) spans cover, pages that touch joined."""
-    page_size = mmap.PAGESIZE
-    runs: list[list[int]] = []
-    for start, end in sorted(spans):
-        first, last = start // page_size * page_size, -(-end // page_size) * page_size
-        if runs and first <= runs[-1][1]:
-            runs[-1][1] = max(runs[-1][1], last)
-        else:
-            runs.append([first, last])
-    return runs

@@ -24,11 +24,12 @@ from vrnic.backend.attachment import PeerCred
 from vrnic.backend.cm import ConnectionManager
 from vrnic.backend.engine import DataPathEngine, EngineHost
 from vrnic.backend.flow_guard import FlowGuard
-from vrnic.backend.guest_memory import GuestMemory, page_runs
+from vrnic.backend.guest_memory import GuestMemory
 from vrnic.backend.qos_shaper import QosMechanism
 from vrnic.backend.registry import Peer, Registry, VirtualRnic
 from vrnic.backend.rnic_edge import PORT, DeviceContext, QpCaps, RtrParams, RtsParams
 from vrnic.core import verb_args
+from vrnic.core.arena import page_runs
 from vrnic.core.handover import QpCarry
 from vrnic.core.migration import DirtyLog
 from vrnic.core.qos import (

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import mmap
 import threading
+from collections.abc import Sequence
 
 from vrnic.errors import InvalidArgument, QuotaExceeded
 
@@ -131,4 +133,17 @@ def contiguous_runs(frames: list[int], page_size: int) -> list[tuple[int, int, i
             runs[-1] = (offset, length + page_size, start)
         else:
             runs.append((index * page_size, page_size, address))
+    return runs
+
+
+def page_runs(spans: Sequence[tuple[int, int]], page_size: int = mmap.PAGESIZE) -> list[list[int]]:
+    """The [first, last) runs of whole pages the [start, end) spans cover, pages that touch joined: one call per
+    run where each span would make its own (a pool's buffers lie side by side: one run)."""
+    runs: list[list[int]] = []
+    for start, end in sorted(spans):
+        first, last = start // page_size * page_size, -(-end // page_size) * page_size
+        if runs and first <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], last)
+        else:
+            runs.append([first, last])
     return runs
