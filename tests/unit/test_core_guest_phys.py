@@ -64,3 +64,27 @@ def test_located_ranges_are_inside_the_file_and_never_in_rom(ram: int, addr: int
         return
     assert offset >= 0 and offset + length <= ram
     assert addr + length <= 0xC0000 or addr >= 0x100000
+
+
+@given(st.lists(st.integers(min_value=-8192, max_value=5 * GiB), min_size=1, max_size=8),
+       st.sampled_from([1, 64, 4096, 1 << 20]), st.sampled_from(["arena", "q35", "i440fx"]))
+def test_locating_many_ranges_of_one_length_is_locating_each(addresses: list[int], length: int, kind: str) -> None:
+    """A pool's MRs are located at once (one check when they lie in one RAM range): the same offsets as one by
+    one, or the same refusal."""
+    layout = {"arena": arena_layout(4 * GiB), "q35": vm_layout(4 * GiB),
+              "i440fx": vm_layout(4 * GiB, machine="pc-i440fx-7.2")}[kind]
+    try:
+        expected = [layout.locate(address, length, "MR") for address in addresses]
+    except InvalidArgument:
+        with pytest.raises(InvalidArgument, match="outside the guest's memory|not a valid range"):
+            layout.locate_many(addresses, length, "MR")
+    else:
+        assert layout.locate_many(addresses, length, "MR") == expected
+
+
+def test_locating_many_refuses_an_empty_length_and_takes_no_addresses() -> None:
+    layout = arena_layout(4 * MiB)
+    assert layout.locate_many([], 4096, "MR") == []
+    with pytest.raises(InvalidArgument, match="not a valid range"):
+        layout.locate_many([0, 4096], 0, "MR")
+    assert layout.locate_many([8192, 0, 4096], 4096, "MR") == [8192, 0, 4096]  # in the order given

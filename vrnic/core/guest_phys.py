@@ -10,6 +10,7 @@ maps as a ring must lie in one contiguous piece of RAM.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vrnic.errors import InvalidArgument
@@ -48,6 +49,17 @@ class MemoryLayout:
                 return r.file_offset + address - r.gpa
         raise InvalidArgument(f"{what} [{address:#x}, +{length}) is outside the guest's memory "
                               f"({', '.join(f'[{r.gpa:#x}, {r.end:#x})' for r in self.ranges)})")
+
+    def locate_many(self, addresses: Sequence[int], length: int, what: str) -> list[int]:
+        """locate() of [address, +length) for each address: one check for them all when they lie in one RAM range,
+        as a pool's buffers do (a refill of 32 spent 0.2 ms locating its MRs one by one in the lab; issue 14)."""
+        if addresses and length > 0:
+            low, high = min(addresses), max(addresses)
+            for r in self.ranges:
+                if r.gpa <= low and high + length <= r.end:
+                    delta = r.file_offset - r.gpa
+                    return [address + delta for address in addresses]
+        return [self.locate(address, length, what) for address in addresses]
 
 
 def arena_layout(size: int) -> MemoryLayout:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import secrets
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -180,6 +180,10 @@ class SessionState:
         """The offset in the memory file of a guest range; InvalidArgument unless it is all guest RAM."""
         return self.layout.locate(address, length, what)
 
+    def locate_many(self, addresses: Sequence[int], length: int, what: str) -> list[int]:
+        """locate() of each address, for ranges of one length."""
+        return self.layout.locate_many(addresses, length, what)
+
     def new_vkey(self) -> int:
         while True:
             key = random_word() >> 32 or 1
@@ -235,8 +239,13 @@ class SessionState:
         return mr.handle
 
     def add_mrs(self, mrs: list[MrEntry]) -> None:
-        """add_mr() of each, new handles drawn at once (a batch's MRs): all of them, or none."""
-        self._insert_many(self.mrs, mrs, self._remember_mr)
+        """add_mr() of each, new handles drawn at once (a batch's MRs): all of them, or none. _remember_mr's work
+        inline: a pool refill adds up to 32 (issue 14)."""
+        by_vkey = self.mr_by_vkey
+        for mr, handle in zip(mrs, self.mrs.add_many(mrs), strict=True):
+            mr.handle = handle
+            mr.pd.users += 1
+            by_vkey[mr.window.vkey] = mr.window
 
     def _remember_mr(self, mr: MrEntry) -> None:
         mr.pd.users += 1
