@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -652,14 +653,20 @@ def test_mrs_of_one_shape_come_from_a_pool_and_a_closed_one_is_deregistered(make
 def _reg_mrs_sizes(ctx: Context) -> list[int]:
     """The number of MRs each of the context's reg_mrs requests asks for, from now on."""
     sizes: list[int] = []
-    original = ctx.call
+    original, original_meanwhile = ctx.call, ctx.call_meanwhile
 
     def counting(op: str, **args: Any) -> Any:
         if op == "reg_mrs":
             sizes.append(len(args["addrs"]))
         return original(op, **args)
 
+    def counting_meanwhile(op: str, meanwhile: Callable[[], None], args: dict[str, Any]) -> Any:
+        if op == "reg_mrs":
+            sizes.append(len(args["addrs"]))
+        return original_meanwhile(op, meanwhile, args)
+
     ctx.call = counting  # type: ignore[method-assign]
+    ctx.call_meanwhile = counting_meanwhile  # type: ignore[method-assign]
     return sizes
 
 
@@ -850,17 +857,58 @@ def test_spare_mrs_give_their_arena_back_when_the_caller_needs_it(make_vrnic: Ca
         mr.close()
 
 
+def test_a_refill_in_flight_prepares_the_buffers_of_the_next(make_vrnic: Callable[..., AttachInfo]) -> None:
+    """While vrnicd registers a refill, the guest allocates and provisions the next refill's buffers (which it would
+    otherwise do after the reply, before its next request); the next refill registers exactly those."""
+    with Context.attach(make_vrnic(), ARENA) as ctx:
+        pd = PD(ctx)
+        shape = MrShape(pd.handle, 4096, int(ALL))
+        first = [MR(pd, 4096, ALL) for _ in range(MR_POOL)]
+        prepared = [b.offset for b in ctx.next_mr_buffers[shape]]
+        assert len(prepared) == 16 and not {mr.buffer.offset for mr in first} & set(prepared)
+        assert prepared == list(range(prepared[0], prepared[0] + 16 * 4096, 4096))  # side by side, on their pages
+        assert os.lseek(ctx.arena.fd, prepared[0], os.SEEK_HOLE) >= prepared[-1] + 4096  # provisioned: all allocated
+        second = [MR(pd, 4096, ALL) for _ in range(16)]  # one refill, on the prepared buffers
+        assert sorted(mr.buffer.offset for mr in second) == prepared
+        assert len(ctx.next_mr_buffers[shape]) == MR_POOL_MAX
+        in_use = ctx.allocator.in_use()
+        MR.close_many(first + second)
+        pd.close()  # the pool goes, and the buffers prepared for it
+        assert ctx.next_mr_buffers == {} and ctx.allocator.in_use() == in_use - (20 + MR_POOL_MAX) * 4096
+
+
+def test_buffers_prepared_for_a_refill_give_their_arena_back_when_the_caller_needs_it(
+        make_vrnic: Callable[..., AttachInfo]) -> None:
+    with Context.attach(make_vrnic(), 1 << 20) as ctx:
+        pd = PD(ctx)
+        mr = MR(pd, 4096, ALL)
+        assert ctx.spare_mr_count == MR_POOL - 1 and len(ctx.next_mr_buffers[MrShape(pd.handle, 4096, int(ALL))]) == 16
+        free = (1 << 20) - ctx.allocator.in_use() + (MR_POOL - 1 + 16) * 4096
+        big = ctx.alloc(free)  # only with the spares' and the prepared buffers' room
+        assert ctx.next_mr_buffers == {} and ctx.spare_mr_count == 0
+        ctx.free(big)
+        mr.close()
+
+
 def _requests(ctx: Context) -> list[tuple[str, int]]:
     """Each request the context sends from now on: its op and how many objects it names (1 for a single one)."""
     sent: list[tuple[str, int]] = []
-    original = ctx.call
+    original, original_meanwhile = ctx.call, ctx.call_meanwhile
 
-    def counting(op: str, **args: Any) -> Any:
+    def count(op: str, args: dict[str, Any]) -> None:
         lists = [value for value in args.values() if isinstance(value, list)]
         sent.append((op, len(lists[0]) if lists else 1))
+
+    def counting(op: str, **args: Any) -> Any:
+        count(op, args)
         return original(op, **args)
 
+    def counting_meanwhile(op: str, meanwhile: Callable[[], None], args: dict[str, Any]) -> Any:
+        count(op, args)
+        return original_meanwhile(op, meanwhile, args)
+
     ctx.call = counting  # type: ignore[method-assign]
+    ctx.call_meanwhile = counting_meanwhile  # type: ignore[method-assign]
     return sent
 
 

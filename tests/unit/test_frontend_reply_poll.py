@@ -30,7 +30,8 @@ from vrnic.frontend.channel import (
 pytestmark = pytest.mark.unit
 
 # A stand-in vrnicd in a process of its own: answers each request after argv[2] seconds, with its id and op,
-# and hands a descriptor (/dev/null) with the reply to an op called "fd".
+# and hands a descriptor (/dev/null) with the reply to an op called "fd". It marks each request it has read with
+# a file, argv[3] followed by the op.
 SERVER = r'''
 import os, socket, sys, time
 from vrnic.core.framing import FrameDecoder, encode_ok
@@ -41,6 +42,7 @@ conn, _ = listener.accept()
 decoder, delay = FrameDecoder(), float(sys.argv[2])
 while data := conn.recv(65536):
     for version, message in decoder.feed_frames(data):
+        open(sys.argv[3] + message["op"], "w").close()
         time.sleep(delay)
         reply = encode_ok(message["id"], {"op": message["op"]}, version)
         if message["op"] == "fd":
@@ -56,7 +58,8 @@ while data := conn.recv(65536):
 def server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
     path = str(tmp_path / "s.sock")
     delay = getattr(request, "param", 0.0)
-    child = subprocess.Popen([sys.executable, "-c", SERVER, path, str(delay)], stdout=subprocess.PIPE, text=True,
+    child = subprocess.Popen([sys.executable, "-c", SERVER, path, str(delay), str(tmp_path / "read-")],
+                             stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert child.stdout is not None and child.stdout.readline().strip() == "ready"
     yield path
@@ -231,3 +234,40 @@ def test_against_vrnicd_in_this_process_the_guest_does_not_poll(tmp_path: Path) 
         for conn in accepted:
             conn.close()
         listener.close()
+
+
+def _wait_for(path: Path) -> bool:
+    deadline = time.monotonic() + 10
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+@pytest.mark.parametrize("server", [0.05], indirect=True)
+def test_work_meanwhile_runs_once_the_request_is_sent_and_before_its_reply(server: str, tmp_path: Path) -> None:
+    """call_meanwhile: the guest's own work (the next pool refill's buffers) while vrnicd works on the request."""
+    channel = UnixChannel(server)
+    seen: list[bool] = []
+    try:
+        reply = channel.call_meanwhile("refill", lambda: seen.append(_wait_for(tmp_path / "read-refill")), {})
+        assert (seen, reply) == ([True], {"op": "refill"})  # vrnicd had the request while the work ran
+        assert channel.call("next") == {"op": "next"}
+    finally:
+        channel.close()
+
+
+def test_work_meanwhile_that_fails_leaves_the_channel_in_step(server: str) -> None:
+    """Its error is raised once the reply is read, so the next call gets its own reply, not this one's."""
+    channel = UnixChannel(server)
+
+    def failing() -> None:
+        raise ValueError("meanwhile failed")
+
+    try:
+        with pytest.raises(ValueError, match="meanwhile failed"):
+            channel.call_meanwhile("first", failing, {})
+        assert channel.call("second") == {"op": "second"}
+    finally:
+        channel.close()

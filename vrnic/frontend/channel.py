@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +146,15 @@ class Channel(ABC):
         return fds
 
     def call(self, op: str, fds: list[int] | None = None, **args: Any) -> dict[str, Any]:
+        return self._call(op, fds, args, None)
+
+    def call_meanwhile(self, op: str, meanwhile: Callable[[], None], args: dict[str, Any]) -> dict[str, Any]:
+        """call(op, **args), with meanwhile run once the request is sent, before the wait for the reply: work of
+        the caller's own that vrnicd's time on the request hides. It must not use the channel."""
+        return self._call(op, None, args, meanwhile)
+
+    def _call(self, op: str, fds: list[int] | None, args: dict[str, Any],
+              meanwhile: Callable[[], None] | None) -> dict[str, Any]:
         request_id = next(self._ids)
         data = encode_request(request_id, op, args, self.version)
         with self._lock:
@@ -152,6 +162,8 @@ class Channel(ABC):
                 started = time.perf_counter()
                 self._send(data, fds)
                 self._awaited = op
+                if meanwhile is not None:
+                    meanwhile()  # if it raises, the next call's _read_reply passes over this reply (its id)
                 reply = self._read_reply(request_id)
                 self.reply_seconds[op] = time.perf_counter() - started
                 while self._may_step_down and _refuses_version(reply, self.version):
