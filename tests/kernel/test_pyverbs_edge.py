@@ -144,3 +144,48 @@ def test_qps_made_through_the_kept_init_attributes_take_their_own_cqs_type_and_s
     finally:
         a.close()
         b.close()
+
+
+def _my_mrs(device: str) -> dict[int, int]:
+    """This process's MRs on device in `rdma res`: lkey -> length."""
+    import json
+    import os
+    import subprocess
+
+    shown = subprocess.run(["rdma", "-j", "-d", "res", "show", "mr", "dev", device], capture_output=True, text=True,
+                           check=True).stdout
+    return {_key(mr["lkey"]): int(mr["mrlen"]) for mr in json.loads(shown or "[]")
+            if mr.get("pid") == os.getpid() and "lkey" in mr}
+
+
+def _key(shown: object) -> int:
+    return int(shown, 16) if isinstance(shown, str) else int(str(shown))  # iproute2 writes keys in hex
+
+
+def test_an_mr_made_by_a_legacy_write_is_the_kernels_and_goes_exactly_once(device_pair: tuple[str, str]) -> None:
+    """reg_mr writes REG_MR on pyverbs' own command fd: the MR is in the context's PD (rdma res), it goes on the
+    first destroy and a second is nothing (its handle may be the next MR's), one left at close goes before its
+    PD, and the kernel's refusal arrives as DeviceError with its errno."""
+    import ctypes
+    import mmap
+
+    device = device_pair[0]
+    area = mmap.mmap(-1, 3 * 4096)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(area))
+    context = PyverbsEdge().open(device)
+    try:
+        pd = context.alloc_pd()
+        before = _my_mrs(device)
+        first, lkey, rkey = context.reg_mr(pd, base, 4096, 7)  # LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ
+        second, lkey2, _ = context.reg_mr(pd, base + 4096, 8192, 1)
+        assert lkey == rkey and len({lkey, lkey2}) == 2
+        assert _my_mrs(device) == {**before, lkey: 4096, lkey2: 8192}
+        context.destroy(first)
+        context.destroy(first)  # nothing: the MR went with the first
+        assert _my_mrs(device) == {**before, lkey2: 8192} and context.reusable()
+        with pytest.raises(DeviceError) as refused:
+            context.reg_mr(pd, 4096, 4096, 1)  # nothing mapped at page 1
+        assert refused.value.errno == errno.EFAULT and "reg MR" in str(refused.value)
+    finally:
+        context.close()  # the second MR first, then its PD with the context
+    assert _my_mrs(device) == before

@@ -52,6 +52,9 @@ MTU_ENUM = {256: 1, 512: 2, 1024: 3, 2048: 4, 4096: 5}
 QP_TYPE = {"rc": 2, "uc": 3}  # enum ib_qp_type; UD stays on the mediated engine
 
 _HDR = struct.Struct("<IHH")  # ib_uverbs_cmd_hdr: command, in_words, out_words
+_REG_MR_CMD = struct.Struct("<IHHQQQQII")  # the header, then ib_uverbs_reg_mr: response, start, length, hca_va,
+# pd_handle, access_flags
+_REG_MR_RESP = struct.Struct("<III")  # ib_uverbs_reg_mr_resp: mr_handle, lkey, rkey
 _MMINFO = struct.Struct("<QI4x")  # rdma_user_rxe.h struct mminfo: offset, size
 _QP_DEST = struct.Struct("<16sIHHBBBBBBBB")  # ib_uverbs_qp_dest
 _MODIFY_TAIL = struct.Struct("<IIIIIIIHHBBBBBBBBBBBBBB2x")  # ib_uverbs_modify_qp after the two dests
@@ -149,6 +152,28 @@ class UverbsFile:
         self.fd = self.async_fd = -1
 
 
+def reg_mr_by_write(fd: int, pd_handle: int, address: int, length: int, access: int) -> tuple[int, int, int]:
+    """REG_MR of [address, +length) as one legacy write on a uverbs command fd, for the PD of that handle in its
+    ucontext (whoever made the ucontext: this module or rdma-core): (MR handle, lkey, rkey)."""
+    response = ctypes.create_string_buffer(_REG_MR_RESP.size)
+    command = _REG_MR_CMD.pack(REG_MR, _REG_MR_CMD.size // 4, _REG_MR_RESP.size // 4, ctypes.addressof(response),
+                               address, length, address, pd_handle, access)
+    try:
+        os.write(fd, command)
+    except OSError as exc:
+        raise _device_error("reg MR", exc) from exc
+    handle, lkey, rkey = _REG_MR_RESP.unpack(response.raw)
+    return handle, lkey, rkey
+
+
+def dereg_mr_by_write(fd: int, handle: int) -> None:
+    """DEREG_MR of the MR of that handle, as one legacy write on its ucontext's command fd."""
+    try:
+        os.write(fd, _HDR.pack(DEREG_MR, (_HDR.size + 4) // 4, 0) + struct.pack("<I", handle))
+    except OSError as exc:
+        raise _device_error("dereg MR", exc) from exc
+
+
 def _device_error(what: str, exc: OSError) -> DeviceError | NotSupported:
     code = exc.errno or 0
     if code in (errnos.EOPNOTSUPP, errnos.ENOSYS):
@@ -186,8 +211,7 @@ class DirectContext(DeviceContext):
         return RawPd(struct.unpack("<I", resp)[0])
 
     def reg_mr(self, pd: RawPd, address: int, length: int, access: int) -> tuple[RawMr, int, int]:
-        body = struct.pack("<QQQII", address, length, address, pd.handle, access)
-        handle, lkey, rkey = struct.unpack("<III", self.file.command(REG_MR, body, 12, "reg MR"))
+        handle, lkey, rkey = reg_mr_by_write(self.file.fd, pd.handle, address, length, access)
         return RawMr(handle), lkey, rkey
 
     def create_cq(self, cqe: int) -> RawCq:
@@ -280,7 +304,7 @@ class DirectContext(DeviceContext):
         elif isinstance(obj, RawCq):
             self.file.command(DESTROY_CQ, struct.pack("<II", obj.handle, 0), 8, "destroy CQ")
         elif isinstance(obj, RawMr):
-            self.file.command(DEREG_MR, struct.pack("<I", obj.handle), 0, "dereg MR")
+            dereg_mr_by_write(self.file.fd, obj.handle)
         elif isinstance(obj, RawPd):
             self.file.command(DEALLOC_PD, struct.pack("<I", obj.handle), 0, "dealloc PD")
 
