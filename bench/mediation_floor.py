@@ -1,9 +1,11 @@
 """The floor of mediation itself: what any control plane that runs each verb in a Python process of its own costs,
 with none of vrnicd's code.
 
-A child process (`serve`) holds both devices' contexts, PDs and CQs, as vrnicd does, and runs each request with
-pyverbs as native does (vrnic.lab.native.connect_rc, MR at an address), after reading a fixed struct from its
-socket: no envelope, no schema, no handles, no quotas, no rings. Each sample is the guest's side of it (a request
+A child process (`serve`) holds both devices' contexts, PDs and CQs, as vrnicd does, and runs each request as
+vrnicd's device edge does: QPs with pyverbs as native does (vrnic.lab.native.connect_rc), MRs by a legacy REG_MR
+write on pyverbs' own command fd (uverbs_edge.reg_mr_by_write; since session 47, when vrnicd's edge moved to it:
+with pyverbs' MR() the floor would stand over what vrnicd does), after reading a fixed struct from its socket: no
+envelope, no schema, no handles, no quotas, no rings. Each sample is the guest's side of it (a request
 sent, its reply read), in turns with native's own samples. Where the ratio of such a bare mediation is already
 over a target, no design with a daemon in Python meets it on this platform; where it is under, the difference is
 what vrnicd and the guest library may spend (issue 14).
@@ -54,9 +56,9 @@ SERVER = ("import sys\n"
 def serve(fd: int, first: str, second: str) -> None:
     """The bare mediator: requests from the socket fd (the arena's memfd comes with the first), until it closes."""
     import pyverbs.enums as e
-    from pyverbs.mr import MR
     from pyverbs.qp import QP, QPCap, QPInitAttr
 
+    from vrnic.backend.uverbs_edge import dereg_mr_by_write, reg_mr_by_write
     from vrnic.lab.native import ACCESS, RcEndpoint, connect_rc
 
     sock = socket.socket(fileno=fd)
@@ -69,8 +71,16 @@ def serve(fd: int, first: str, second: str) -> None:
     anchor = ctypes.c_char.from_buffer(arena)
     base = ctypes.addressof(anchor)
     sock.sendall(b"k")
+    command_fd, pd_handle = ends[0].ctx.cmd_fd, ends[0].pd.handle
+
+    def reg(address: int, length: int) -> tuple[int, int, int]:  # (handle, lkey, rkey)
+        return reg_mr_by_write(command_fd, pd_handle, address, length, ACCESS)
+
+    def dereg(made: tuple[int, int, int]) -> None:
+        dereg_mr_by_write(command_fd, made[0])
+
     mr = None
-    pool: list[MR] = []
+    pool: list[tuple[int, int, int]] = []
     buffer = bytearray(64)
     while True:
         got = sock.recv_into(buffer)
@@ -85,24 +95,24 @@ def serve(fd: int, first: str, second: str) -> None:
             sock.sendall(b"k")
         elif kind == _REG:
             offset, length = struct.unpack_from("<QQ", buffer, 1)
-            mr = MR(ends[0].pd, length, ACCESS, address=base + offset)
-            sock.sendall(struct.pack("<II", mr.lkey, mr.rkey))
+            mr = reg(base + offset, length)
+            sock.sendall(struct.pack("<II", mr[1], mr[2]))
         elif kind == _DEREG:
             if mr is not None:
-                mr.close()
+                dereg(mr)
                 mr = None
             sock.sendall(b"k")
         elif kind == _REG_MANY:
             offset, length, count = struct.unpack_from("<QQH", buffer, 1)
-            pool += [MR(ends[0].pd, length, ACCESS, address=base + offset + n * length) for n in range(count)]
+            pool += [reg(base + offset + n * length, length) for n in range(count)]
             sock.sendall(struct.pack("<H", count))
         elif kind == _DEREG_MANY:
             for each in pool:
-                each.close()
+                dereg(each)
             pool.clear()
             sock.sendall(b"k")
         elif kind == _DEREG_FIRST:
-            pool.pop(0).close()
+            dereg(pool.pop(0))
             sock.sendall(b"k")
         elif kind == _CREATE:
             side, count = struct.unpack_from("<BH", buffer, 1)
@@ -119,6 +129,8 @@ def serve(fd: int, first: str, second: str) -> None:
             sock.sendall(b"k")
         else:
             raise SystemExit(f"mediation floor: unknown request {bytes(kind)!r}")
+    for each in [*pool, *([mr] if mr is not None else [])]:  # before their PD goes with its context
+        dereg(each)
     del anchor
     arena.close()
     for end in ends:
