@@ -41,6 +41,7 @@ from vrnic.backend.uverbs_edge import dereg_mr_by_write, reg_mr_by_write
 from vrnic.core.specs import DeviceInfo, GidEntry, PortInfo
 from vrnic.errors import DeviceError, NotFound, NotSupported, VrnicError
 
+log = logging.getLogger(__name__)
 RXE_VENDOR_ID = 0xFFFFFF  # what rxe reports as its vendor id
 PORT_STATES = {1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
 GID_TYPES = {0: "IB", 1: "RoCE v1", 2: "RoCE v2"}  # enum ibv_gid_type
@@ -95,8 +96,6 @@ class device_errors:  # noqa: N801 -- used as a function: `with device_errors("w
 
 
 # Kept for the calls made per QP (an instance holds nothing between uses)
-log = logging.getLogger(__name__)
-
 _CREATE_QP = device_errors("create QP")
 _MODIFY_INIT = device_errors("modify QP to init")
 _MODIFY_RTR = device_errors("modify QP to rtr")
@@ -288,7 +287,8 @@ class PyverbsContext(DeviceContext):
             log.warning("%s: %s", self.name, exc)
             return 1
         mr.live = False
-        del self._written_mrs[mr.handle]
+        if self._written_mrs.get(mr.handle) is mr:  # not a later MR the kernel gave the same handle
+            del self._written_mrs[mr.handle]
         return 0
 
     def create_cq(self, cqe: int) -> _Cq:
