@@ -463,7 +463,7 @@ def _reg_mrs(ctx: Context, shape: MrShape) -> list[SpareMr]:
             ctx.provision(buffers)
         request = {"pd": shape.pd, "addrs": [b.addr for b in buffers], "length": shape.length,
                    "access": shape.access}
-        after = _mr_pool_want(_grown(want, MR_POOL_GROWTH, MR_POOL_MAX), shape.length)
+        after = _next_mr_refill(want, shape.length)
         try:
             reply = ctx.call_meanwhile("reg_mrs", lambda: _prepare_buffers(ctx, shape, after), request)
         except QuotaExceeded:
@@ -478,9 +478,8 @@ def _reg_mrs(ctx: Context, shape: MrShape) -> list[SpareMr]:
     handles = reply["mrs"]
     # tuple.__new__ as SpareMr's own __new__ does, less its Python frame per MR
     made = [tuple.__new__(SpareMr, mr) for mr in zip(handles, reply["keys"], buffers[:len(handles)], strict=True)]
-    for buffer in buffers[len(made):]:
-        ctx.free(buffer)
-    ctx.mr_refill[shape] = MR_POOL if refused or len(made) < want else _grown(want, MR_POOL_GROWTH, MR_POOL_MAX)
+    _free_all(ctx, buffers[len(made):])
+    ctx.mr_refill[shape] = MR_POOL if refused or len(made) < want else after
     return made
 
 
@@ -526,11 +525,15 @@ def _mr_pool_want(refill: int, length: int) -> int:
     return min(refill, MR_POOL * MR_POOL_BYTES // length)
 
 
+def _next_mr_refill(last: int, length: int) -> int:
+    """How many MRs of length the refill after one of last asks for, if that one got all it asked for."""
+    return _mr_pool_want(_grown(last, MR_POOL_GROWTH, MR_POOL_MAX), length)
+
+
 def mr_pool_refills(length: int, count: int) -> list[int]:
     """The reg_mrs sizes that serve count MR()s of length one after another on a new context, none refused: what
     a guest's loop of small MRs costs vrnicd (bench.mediation_floor replays it on a bare mediator)."""
-    return _refills(count, _mr_pool_want(MR_POOL, length),
-                    lambda last: _mr_pool_want(_grown(last, MR_POOL_GROWTH, MR_POOL_MAX), length))
+    return _refills(count, _mr_pool_want(MR_POOL, length), lambda last: _next_mr_refill(last, length))
 
 
 def _grown(refill: int, factor: int, cap: int) -> int:
